@@ -1,0 +1,1 @@
+"""Python bindings and build helpers for the patched llama.cpp Clover runtime."""

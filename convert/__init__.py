@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint to GGUF converter for Clover models."""

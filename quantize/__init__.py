@@ -1,0 +1,1 @@
+"""Quantization of Clover GGUF files."""
