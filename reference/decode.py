@@ -1,0 +1,287 @@
+"""The decoders of spec section 4: ``ar``, LowConfidence block ``diffusion`` and self-speculative ``spec``.
+
+A ``Session`` keeps the committed history and the seed between turns, so a chat continues without a new
+prefill. ``generate`` is the one-shot form.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .model import CloverModel
+from .sampling import Sampler, SamplingParams
+
+MODES = ("ar", "diffusion", "spec")
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    block_size: int
+    threshold: float
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_passes: int = 0
+    block_passes: int = 0
+    causal_passes: int = 0  # decode-time causal passes: ar steps, commits, verifications
+    steps_per_block: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+
+    @property
+    def passes(self) -> int:
+        return self.block_passes + self.causal_passes
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Generated tokens per decode-time forward pass (block and causal), the TPF of this project."""
+        return self.generated_tokens / self.passes if self.passes else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode, "block_size": self.block_size, "threshold": self.threshold,
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "prefill_passes": self.prefill_passes, "block_passes": self.block_passes,
+            "causal_passes": self.causal_passes, "tokens_per_pass": self.tokens_per_pass,
+            "steps_per_block": list(self.steps_per_block), "accepted_lengths": list(self.accepted_lengths),
+            "stop_reason": self.stop_reason,
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stats: GenerationStats
+
+
+class Session:
+    """One sequence's committed history plus its seed token (the last known token, not yet committed)."""
+
+    def __init__(self, model: CloverModel, n_ctx: int | None = None) -> None:
+        self.model = model
+        self.config = model.config
+        self.n_ctx = n_ctx or self.config.max_position_embeddings
+        self.history = model.new_history()
+        self.seed: int | None = None
+
+    @property
+    def position(self) -> int:
+        """The seed's position."""
+        return self.history.length
+
+    def append_prompt(self, prompt_ids: list[int]) -> int:
+        """Prefill (or continue) with a prompt: causal pass over [old seed, prompt[:-1]]; returns passes run."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; at least one token is needed as the seed")
+        pending = ([] if self.seed is None else [self.seed]) + list(prompt_ids[:-1])
+        if self.history.length + len(pending) + 1 > self.n_ctx:
+            raise ValueError(f"the prompt needs {self.history.length + len(pending) + 1} positions, "
+                             f"more than the context size {self.n_ctx}")
+        if pending:
+            self.model.forward_causal(pending, self.history)
+        self.seed = prompt_ids[-1]
+        return 1 if pending else 0
+
+    def commit(self, tokens: list[int]) -> None:
+        """Causal pass over [seed, tokens[:-1]]; tokens[-1] becomes the seed."""
+        assert self.seed is not None and tokens
+        self.model.forward_causal([self.seed] + tokens[:-1], self.history)
+        self.seed = tokens[-1]
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        mode: str = "diffusion",
+        block_size: int | None = None,
+        threshold: float | None = None,
+        draft_steps: int = 0,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_ids: list[int] | None = None,
+        banned_ids: list[int] | None = None,
+        on_block: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        block_size, threshold = self.resolve_block(block_size, threshold)
+        if draft_steps and temperature > 0:
+            raise ValueError("draft_steps applies to greedy decoding only (temperature 0)")
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        excluded = [self.config.mask_token_id] + list(banned_ids or [])
+        sampler = Sampler(self.config.vocab_size, excluded, params)
+        stops = set(self.config.eos_token_ids if stop_ids is None else stop_ids)
+        stats = GenerationStats(mode, block_size, threshold, prompt_tokens=len(prompt_ids))
+        stats.prefill_passes = self.append_prompt(prompt_ids)
+        loop = {"ar": self._ar, "diffusion": self._diffusion, "spec": self._spec}[mode]
+        tokens: list[int] = []
+        loop(tokens, max_new_tokens, block_size, threshold, draft_steps, sampler, stops, stats, on_block)
+        stats.generated_tokens = len(tokens)
+        return GenerationResult(tokens, stats)
+
+    def resolve_block(self, block_size: int | None, threshold: float | None) -> tuple[int, float]:
+        """Spec 4.3: default B and the calibrated threshold for B (float32)."""
+        b = block_size or self.config.block_size
+        if b < 1:
+            raise ValueError(f"block size must be at least 1, got {b}")
+        if threshold is None:
+            threshold = self.config.threshold_for(b)
+            if threshold is None:
+                warnings.warn(f"block size {b} is not among the calibrated sizes "
+                              f"{self.config.calibrated_block_sizes}; using the default threshold")
+                threshold = self.config.confidence_threshold
+        return b, float(np.float32(threshold))
+
+    # ----- ar -----
+    def _ar(self, tokens, budget, block_size, threshold, draft_steps, sampler, stops, stats, on_block) -> None:
+        while len(tokens) < budget:
+            if self.position >= self.n_ctx:
+                stats.stop_reason = "context"
+                return
+            logits = self.model.forward_causal([self.seed], self.history)[0]
+            stats.causal_passes += 1
+            token, _ = sampler.choose(logits)
+            self.seed = token
+            if token in stops:
+                stats.stop_reason = "eos"
+                return
+            tokens.append(token)
+            if on_block:
+                on_block([token])
+        stats.stop_reason = "length"
+
+    # ----- LowConfidence steps shared by diffusion and spec drafts -----
+    def _step(self, canvas: list[int | None], sampler: Sampler, threshold: float, stats: GenerationStats) -> None:
+        """One block pass; fill every masked target above the threshold, or the single most confident one."""
+        masked = [j for j, token in enumerate(canvas) if token is None]
+        logits = self.model.forward_block(self._window(canvas), self.history, rows=masked)
+        stats.block_passes += 1
+        choices = [sampler.choose(row) for row in logits]
+        chosen = [j for j, (_, conf) in zip(masked, choices) if np.float32(conf) > np.float32(threshold)]
+        if not chosen:
+            best = max(range(len(masked)), key=lambda i: (np.float32(choices[i][1]), -masked[i]))
+            chosen = [masked[best]]
+        for j, (token, _) in zip(masked, choices):
+            if j in chosen:
+                canvas[j] = token
+
+    def _window(self, canvas: list[int | None]) -> list[int]:
+        mask = self.config.mask_token_id
+        return [self.seed] + [mask if token is None else token for token in canvas[:-1]]
+
+    # ----- diffusion -----
+    def _diffusion(self, tokens, budget, block_size, threshold, draft_steps, sampler, stops, stats, on_block):
+        while len(tokens) < budget:
+            width = min(block_size, self.n_ctx - self.position)
+            if width < 1:
+                stats.stop_reason = "context"
+                return
+            canvas: list[int | None] = [None] * width
+            remaining = budget - len(tokens)
+            steps = 0
+            while True:
+                limit, eos_at = produced_limit(canvas, remaining, stops)
+                if all(token is not None for token in canvas[:limit]):
+                    break
+                self._step(canvas, sampler, threshold, stats)
+                steps += 1
+            stats.steps_per_block.append(steps)
+            produced = [int(t) for t in canvas[:limit]]  # type: ignore[arg-type]
+            self.commit(produced)
+            stats.causal_passes += 1
+            ended_on_eos = eos_at == limit
+            out = produced[:-1] if ended_on_eos else produced
+            tokens.extend(out)
+            if on_block and out:
+                on_block(out)
+            if ended_on_eos:
+                stats.stop_reason = "eos"
+                return
+        stats.stop_reason = "length"
+
+    # ----- spec -----
+    def _spec(self, tokens, budget, block_size, threshold, draft_steps, sampler, stops, stats, on_block):
+        while len(tokens) < budget:
+            width = min(block_size, self.n_ctx - self.position)
+            if width < 1:
+                stats.stop_reason = "context"
+                return
+            drafts = self._draft(width, draft_steps, sampler, threshold, stats)
+            emitted, hit_eos = self._verify(drafts, budget - len(tokens), sampler, stops)
+            stats.causal_passes += 1
+            stats.accepted_lengths.append(len(emitted) + (1 if hit_eos else 0))
+            out = emitted
+            tokens.extend(out)
+            if on_block and out:
+                on_block(out)
+            if hit_eos:
+                stats.stop_reason = "eos"
+                return
+        stats.stop_reason = "length"
+
+    def _draft(self, width: int, draft_steps: int, sampler: Sampler, threshold: float,
+               stats: GenerationStats) -> list[int]:
+        canvas: list[int | None] = [None] * width
+        for _ in range(draft_steps):
+            if all(token is not None for token in canvas):
+                break
+            self._step(canvas, sampler, threshold, stats)
+        masked = [j for j, token in enumerate(canvas) if token is None]
+        if masked:
+            logits = self.model.forward_block(self._window(canvas), self.history, rows=masked)
+            stats.block_passes += 1
+            for j, row in zip(masked, logits):
+                canvas[j] = sampler.argmax(row)
+        return [int(t) for t in canvas]  # type: ignore[arg-type]
+
+    def _verify(self, drafts: list[int], remaining: int, sampler: Sampler,
+                stops: set[int]) -> tuple[list[int], bool]:
+        """Verify drafts with a causal pass and keep the accepted prefix plus one token (spec 4.2, steps 2-4).
+
+        Positions are evaluated in order, one at a time. Causal passes in the reference give the same
+        numbers whether run in one batch or position by position, so this equals one batched verification
+        pass followed by a rollback of positions p+m .. p+B-1; the rejected positions are never computed.
+        """
+        out: list[int] = []
+        inputs = [self.seed] + drafts[:-1]
+        for j, (token_in, draft) in enumerate(zip(inputs, drafts), start=1):
+            logits = self.model.forward_causal([token_in], self.history)[0]
+            q = sampler.sampling_distribution(logits)
+            accepted = sampler.uniform() < float(q[draft]) if not sampler.params.greedy else bool(q[draft] > 0)
+            if accepted:
+                token = draft
+            elif sampler.params.greedy:
+                token = int(torch.argmax(q))
+            else:
+                residual = q.clone()
+                residual[draft] = 0.0
+                token = sampler.draw(residual / residual.sum())
+            self.seed = token
+            if token in stops:
+                return out, True
+            out.append(token)
+            if not accepted or j == len(drafts) or len(out) == remaining:
+                return out, False
+        return out, False
+
+
+def produced_limit(canvas: list[int | None], remaining: int, stops: set[int]) -> tuple[int, int | None]:
+    """min(K, R) of spec 4.1, and the 1-based offset of the end-of-generation target that set K (if any)."""
+    for j, token in enumerate(canvas, start=1):
+        if token is None:
+            break
+        if token in stops:
+            return min(j, remaining), j
+    return min(len(canvas), remaining), None
+
+
+def generate(model: CloverModel, prompt_ids: list[int], n_ctx: int | None = None, **options) -> GenerationResult:
+    """One-shot generation on a fresh history. Options as ``Session.generate``."""
+    return Session(model, n_ctx).generate(prompt_ids, **options)

@@ -1,0 +1,204 @@
+"""Reading and writing Clover weights in the Hugging Face format: safetensors, single or sharded."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import CloverConfig
+from .errors import CloverInputError
+from .layout import canonical_name, tensor_shapes
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def shard_files(model_dir: Path) -> dict[str, Path]:
+    """Map every stored tensor name to the safetensors file that holds it, checking that the files exist."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CloverInputError(index_path, f"is not a valid safetensors index ({exc})", field="weight_map") from None
+        files = {}
+        for name, file_name in weight_map.items():
+            path = model_dir / file_name
+            if not path.is_file():
+                raise CloverInputError(path, f"is named in {INDEX_FILE} (tensor '{name}') but does not exist")
+            files[name] = path
+        return files
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise CloverInputError(model_dir, f"holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    return {name: single for name in read_header(single)}
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The tensor entries of a safetensors header, validated against the file size."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CloverInputError(path, "is truncated (no safetensors header)")
+            (header_len,) = struct.unpack("<Q", raw)
+            if header_len > size - 8:
+                raise CloverInputError(path, "is truncated (header runs past the end of the file)")
+            header = json.loads(f.read(header_len))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CloverInputError(path, f"has a corrupt safetensors header ({exc})") from None
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    data_size = size - 8 - header_len
+    for name, entry in entries.items():
+        begin, end = entry["data_offsets"]
+        if end > data_size:
+            raise CloverInputError(path, f"is truncated: tensor '{name}' ends at byte {end} of a {data_size}-byte "
+                                         "data section")
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise CloverInputError(path, f"tensor '{name}' has unsupported dtype {entry['dtype']}; "
+                                         "expected BF16, F16 or F32")
+    return entries
+
+
+def iter_tensors(model_dir: Path) -> Iterator[tuple[str, str, Path]]:
+    """Yield (canonical name, stored name, file) for every text-model tensor; vision/MTP tensors are skipped."""
+    for stored, path in shard_files(model_dir).items():
+        name = canonical_name(stored)
+        if name is not None:
+            yield name, stored, path
+
+
+def load_state_dict(model_dir: str | Path, config: CloverConfig) -> dict[str, torch.Tensor]:
+    """Load all tensors as float32, fusing per-expert matrices into the stacked layout the model uses.
+
+    Every expected tensor must be present with the shape the config implies; any other tensor is an error.
+    """
+    model_dir = Path(model_dir)
+    per_expert = tensor_shapes(config, fused_experts=False)
+    fused = tensor_shapes(config, fused_experts=True)
+    raw: dict[str, torch.Tensor] = {}
+    handles: dict[Path, object] = {}
+    for name, stored, path in iter_tensors(model_dir):
+        if path not in handles:
+            read_header(path)
+            handles[path] = safe_open(str(path), framework="pt")
+        expected = per_expert.get(name, fused.get(name))
+        if expected is None:
+            raise CloverInputError(path, f"holds tensor '{stored}', which a Clover model does not have")
+        tensor = handles[path].get_tensor(stored)  # type: ignore[attr-defined]
+        if tuple(tensor.shape) != expected:
+            raise CloverInputError(path, f"tensor '{stored}' has shape {list(tensor.shape)}, but config.json "
+                                         f"implies {list(expected)}")
+        raw[name] = tensor.to(torch.float32)
+    return _fuse_experts(raw, config, model_dir)
+
+
+def _fuse_experts(raw: dict[str, torch.Tensor], config: CloverConfig, model_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in tensor_shapes(config, fused_experts=True).items():
+        if name in raw:
+            out[name] = raw.pop(name)
+            continue
+        prefix, _, leaf = name.rpartition(".experts.")
+        if not leaf:
+            raise CloverInputError(model_dir, f"tensor '{name}' is missing from the checkpoint")
+        parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+        per_expert = []
+        for e in range(config.num_experts):
+            mats = []
+            for part in parts:
+                key = f"{prefix}.experts.{e}.{part}.weight"
+                if key not in raw:
+                    raise CloverInputError(model_dir, f"tensor '{key}' is missing from the checkpoint")
+                mats.append(raw.pop(key))
+            per_expert.append(torch.cat(mats, dim=0))
+        out[name] = torch.stack(per_expert)
+        assert tuple(out[name].shape) == shape
+    if raw:
+        raise CloverInputError(model_dir, f"holds tensor '{next(iter(raw))}', which a Clover model does not have")
+    return out
+
+
+def split_experts(state: dict[str, torch.Tensor], config: CloverConfig) -> dict[str, torch.Tensor]:
+    """The inverse of fusing: one matrix per expert, as transformers' save_pretrained writes them."""
+    out: dict[str, torch.Tensor] = {}
+    inter = config.moe_intermediate_size
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition(".experts.")
+        if leaf == "gate_up_proj":
+            for e in range(config.num_experts):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = tensor[e, :inter]
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = tensor[e, inter:]
+        elif leaf == "down_proj":
+            for e in range(config.num_experts):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out
+
+
+def save_state_dict(
+    state: dict[str, torch.Tensor],
+    model_dir: str | Path,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int | None = None,
+    name_prefix: str = "model.",
+) -> list[Path]:
+    """Write tensors (fused or per-expert) as safetensors, sharded with an index when over max_shard_bytes.
+
+    ``name_prefix`` replaces the leading ``model.`` (use ``model.language_model.`` for the nested layout).
+    Files are written under temporary names and renamed only when all are complete.
+    """
+    model_dir = Path(model_dir)
+    torch_dtype = DTYPES[dtype]
+    tensors = {}
+    for name, tensor in state.items():
+        stored = name_prefix + name[len("model."):] if name.startswith("model.") else name
+        tensors[stored] = tensor.detach().to(torch_dtype).contiguous()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    written: list[tuple[Path, Path]] = []
+    for file_name, shard in zip(names, shards):
+        final = model_dir / file_name
+        tmp = _temp_path(final)
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        written.append((tmp, final))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
+        final = model_dir / INDEX_FILE
+        tmp = _temp_path(final)
+        tmp.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        written.append((tmp, final))
+    for tmp, final in written:
+        os.replace(tmp, final)
+    return [final for _, final in written]
+
+
+def _temp_path(final: Path) -> Path:
+    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    return Path(name)
