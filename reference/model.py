@@ -188,10 +188,12 @@ class GatedDeltaNet(nn.Module):
             outputs.append((q[:, None, :] @ state.ssm)[:, 0])  # S^T q
         return self.finish(torch.stack(outputs), x)
 
-    def block(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        """Block pass over a window x [B, d] (spec section 3); reads the state, never writes it."""
-        b = x.shape[0]
-        mixed = self.in_proj_qkv(x)
+    def block_conv(self, mixed: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+        """Spec 3.2: the causal conv over history and window plus the right-context branch, then SiLU.
+
+        mixed: [B, conv_dim]; inputs past the window end count as zero.
+        """
+        b = mixed.shape[0]
         padded = torch.cat((state.conv.T, mixed, torch.zeros(self.right_kernel, self.conv_dim)), dim=0)
         left = self.conv1d.weight[:, 0, :]  # tap j reads offset j - (K-1)
         right = self.conv1d_right.weight[:, 0, :]  # tap t-1 reads offset +t
@@ -201,7 +203,11 @@ class GatedDeltaNet(nn.Module):
         start = self.kernel - 1
         for t in range(1, self.right_kernel + 1):
             u = u + right[:, t - 1] * padded[start + t: start + t + b]
-        q, k, v = self.split_heads(F.silu(u))
+        return F.silu(u)
+
+    def block(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+        """Block pass over a window x [B, d] (spec section 3); reads the state, never writes it."""
+        q, k, v = self.split_heads(self.block_conv(self.in_proj_qkv(x), state))
         readout = torch.einsum("hkv,bhk->bhv", state.ssm, q / math.sqrt(self.dk))
         window_scores = torch.einsum("ihk,jhk->hij", q, k) * self.block_scale[:, None, None]
         history_score = torch.einsum("ihk,hk->hi", q, self.hist_key) + self.hist_bias[:, None]
@@ -312,11 +318,11 @@ class CloverModel(nn.Module):
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
             return torch.zeros(0, self.config.vocab_size)
-        hidden = []
+        logits = []
         for token in ids:
-            hidden.append(self._run(token[None], history, block=False))
+            logits.append(self.lm_head(self._run(token[None], history, block=False)))
             history.length += 1
-        return self.lm_head(torch.cat(hidden))
+        return torch.cat(logits)
 
     @torch.no_grad()
     def forward_block(
