@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Build the (patched) vendored llama.cpp of llama-cpp-python 0.3.36.
+#
+#   scripts/build_native.sh                 # CPU build of $TARGETS
+#   GPU=cuda scripts/build_native.sh        # adds -DGGML_CUDA=ON
+#
+# Inputs (all optional):
+#   cpp_patch/clover.patch   a `patch -p1` diff against vendor/llama.cpp (paths like a/src/llama-arch.cpp),
+#                            applied first, after a --dry-run check.
+#   cpp_patch/<dir>/...      every sub-folder of cpp_patch/ mirrors vendor/llama.cpp/ and is copied over it
+#                            after the patch (new files such as cpp_patch/src/models/clover.cpp).
+#                            Top-level files of cpp_patch/ (SDIST_SHA256, clover.patch, notes) are not copied.
+# Environment:
+#   CLOVER_CACHE (~/.cache/clover)  sdist cache and build folders, outside the clone
+#   GPU=cpu|cuda, TARGETS ("llama llama-quantize"), JOBS (nproc), EXTRA_CMAKE_FLAGS (word-split),
+#   KEEP_BUILDS (4; older build folders are deleted, 0 keeps all)
+#
+# Each build lives in $CLOVER_CACHE/build/<key>/{src,build}; key = sha256 of every cpp_patch file and the
+# CMake flags, so an unchanged patch reuses its build (a no-op rebuild is a Ninja no-op). ccache is used when
+# installed (this script never installs it: `apt-get install -y ccache`); CCACHE_BASEDIR makes hits work across keys.
+# Results are linked into build/native/{lib,bin}; build/native/BUILD_INFO records key, flags and timing.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${CLOVER_CACHE:-$HOME/.cache/clover}
+PATCH_DIR=$ROOT/cpp_patch
+PATCH_FILE=$PATCH_DIR/clover.patch
+OUT=$ROOT/build/native
+GPU=${GPU:-cpu}
+TARGETS=${TARGETS:-llama llama-quantize}
+JOBS=${JOBS:-$(nproc)}
+KEEP_BUILDS=${KEEP_BUILDS:-4}
+
+# llama-quantize lives in tools/ and links llama-common, hence COMMON=ON and TOOLS=ON.
+# LLAMA_CURL is deprecated in this version (only a warning); LLAMA_OPENSSL replaces it.
+CMAKE_FLAGS=(
+    -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON
+    -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_OPENSSL=OFF
+)
+case $GPU in
+    cpu) ;;
+    cuda) CMAKE_FLAGS+=(-DGGML_CUDA=ON) ;;
+    *) echo "error: GPU must be cpu or cuda, got '$GPU'" >&2; exit 2 ;;
+esac
+# shellcheck disable=SC2206  # word splitting is intended
+CMAKE_FLAGS+=(${EXTRA_CMAKE_FLAGS:-})
+
+build_key() {
+    {
+        (cd "$PATCH_DIR" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum)
+        printf '%s\n' "${CMAKE_FLAGS[@]}"
+    } | sha256sum | cut -c1-16
+}
+
+check_patch() {  # $1 = pristine vendored tree; --dry-run writes nothing
+    [[ -f $PATCH_FILE ]] || return 0
+    local log
+    if ! log=$(patch -p1 --forward --dry-run -d "$1" -i "$PATCH_FILE" 2>&1); then
+        echo "$log" >&2
+        echo "error: cpp_patch/clover.patch does not apply to the vendored tree; rejected hunks:" >&2
+        echo "$log" | awk '/^checking file /{f=$3} /FAILED|Reversed|No file to patch|malformed/{print "  " f ": " $0}' >&2
+        exit 1
+    fi
+}
+
+apply_patch() {  # $1 = source tree
+    [[ -f $PATCH_FILE ]] || return 0
+    patch -p1 --forward --no-backup-if-mismatch --quiet -d "$1" -i "$PATCH_FILE"
+}
+
+overlay() {  # $1 = source tree
+    local d
+    for d in "$PATCH_DIR"/*/; do
+        [[ -d $d ]] && cp -r "$d" "$1/"
+    done
+    return 0
+}
+
+prepare_source() {  # $1 = vendored tree, $2 = key dir
+    [[ -f $2/.src-ready ]] && return 0
+    check_patch "$1"
+    rm -rf "$2/src" "$2/build"
+    mkdir -p "$2"
+    cp -a "$1" "$2/src"
+    apply_patch "$2/src"
+    overlay "$2/src"
+    touch "$2/.src-ready"
+}
+
+publish() {  # $1 = cmake build dir; links libs and tool binaries into build/native
+    rm -rf "$OUT"
+    mkdir -p "$OUT/lib" "$OUT/bin"
+    find "$1/bin" -maxdepth 1 -name '*.so*' -exec ln -s {} "$OUT/lib/" \;
+    find "$1/bin" -maxdepth 1 -type f -perm -u+x ! -name '*.so*' -exec ln -s {} "$OUT/bin/" \;
+}
+
+prune() {  # keep the $KEEP_BUILDS most recently used build folders
+    [[ $KEEP_BUILDS -gt 0 ]] || return 0
+    find "$CACHE/build" -mindepth 1 -maxdepth 1 -type d -printf '%T@ %p\n' | sort -rn |
+        tail -n +$((KEEP_BUILDS + 1)) | cut -d' ' -f2- | xargs -r rm -rf
+}
+
+main() {
+    local sdist key keydir bld launcher=()
+    sdist=$(python3 "$ROOT/scripts/llama_sdist.py" unpack)
+    key=$(build_key)
+    keydir=$CACHE/build/$key
+    bld=$keydir/build
+    echo "build_native: key $key ($GPU), $keydir" >&2
+
+    prepare_source "$sdist/vendor/llama.cpp" "$keydir"
+    touch "$keydir"
+    if command -v ccache >/dev/null; then
+        launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+        [[ $GPU == cuda ]] && launcher+=(-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+        export CCACHE_BASEDIR=$CACHE/build
+    fi
+    [[ -f $bld/build.ninja ]] || cmake -S "$keydir/src" -B "$bld" -G Ninja "${CMAKE_FLAGS[@]}" "${launcher[@]}"
+    # shellcheck disable=SC2086  # TARGETS is a space-separated list
+    cmake --build "$bld" -j "$JOBS" --target $TARGETS
+
+    publish "$bld"
+    cat >"$OUT/BUILD_INFO" <<EOF
+key=$key
+gpu=$GPU
+flags=${CMAKE_FLAGS[*]}
+launcher=${launcher[*]}
+targets=$TARGETS
+build_dir=$bld
+sdist=$sdist
+seconds=$SECONDS
+date=$(date -u +%FT%TZ)
+EOF
+    prune
+    echo "build_native: done in ${SECONDS}s -> $OUT" >&2
+}
+
+main "$@"
