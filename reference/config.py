@@ -42,6 +42,14 @@ def _default_rope() -> dict[str, Any]:
     }
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class CloverConfig:
     """All hyper-parameters of a Clover model. Defaults are those of Qwen3.5-35B-A3B plus clover defaults."""
@@ -167,7 +175,8 @@ class CloverConfig:
             raise bad("linear_num_key_heads", "must divide linear_num_value_heads")
         if self.num_experts_per_tok > self.num_experts:
             raise bad("num_experts_per_tok", "must not exceed num_experts")
-        assert self.layer_types is not None
+        if not isinstance(self.layer_types, list):
+            raise bad("layer_types", f"must be a list, got {self.layer_types!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise bad("layer_types", f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         for kind in self.layer_types:
@@ -191,13 +200,18 @@ class CloverConfig:
         if sum(section) != self.rotary_dim // 2:
             raise bad("rope_parameters.mrope_section", f"sums to {sum(section)}, but must equal rotary_dim/2 = "
                       f"{self.rotary_dim // 2} (llama.cpp aborts otherwise)")
-        if not (0 <= self.mask_token_id < self.vocab_size):
-            raise bad("mask_token_id", f"is {self.mask_token_id}, outside the vocabulary [0, {self.vocab_size})")
+        if not _is_int(self.mask_token_id) or not (0 <= self.mask_token_id < self.vocab_size):
+            raise bad("mask_token_id", f"is {self.mask_token_id!r}; it must be a token id in [0, {self.vocab_size})")
+        if not (self.eos_token_id is None or _is_int(self.eos_token_id) or isinstance(self.eos_token_id, list)):
+            raise bad("eos_token_id", f"must be an integer or a list of integers, got {self.eos_token_id!r}")
         for eos in self.eos_token_ids:
-            if not (0 <= eos < self.vocab_size):
+            if not _is_int(eos) or not (0 <= eos < self.vocab_size):
                 raise bad("eos_token_id", f"is {eos}, outside the vocabulary [0, {self.vocab_size})")
-        if not (0.0 <= float(self.confidence_threshold) <= 1.0):
+        if not _is_number(self.confidence_threshold) or not (0.0 <= self.confidence_threshold <= 1.0):
             raise bad("confidence_threshold", f"must lie in [0, 1], got {self.confidence_threshold!r}")
+        for name in ("calibrated_block_sizes", "calibrated_thresholds"):
+            if not isinstance(getattr(self, name), list):
+                raise bad(name, f"must be a list, got {getattr(self, name)!r}")
         assert self.calibrated_block_sizes is not None and self.calibrated_thresholds is not None
         if len(self.calibrated_block_sizes) != len(self.calibrated_thresholds):
             raise bad("calibrated_thresholds", f"has {len(self.calibrated_thresholds)} entries but "
@@ -206,7 +220,7 @@ class CloverConfig:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise bad("calibrated_block_sizes", f"must hold positive integers, got {size!r}")
         for threshold in self.calibrated_thresholds:
-            if not isinstance(threshold, (int, float)) or not (0.0 <= threshold <= 1.0):
+            if not _is_number(threshold) or not (0.0 <= threshold <= 1.0):
                 raise bad("calibrated_thresholds", f"must hold numbers in [0, 1], got {threshold!r}")
 
     # ----- (de)serialisation -----

@@ -6,6 +6,7 @@ import json
 import os
 import struct
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -29,8 +30,10 @@ def shard_files(model_dir: Path) -> dict[str, Path]:
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise CloverInputError(index_path, f"is not a valid safetensors index ({exc})", field="weight_map") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CloverInputError(index_path, "must map tensor names to file names", field="weight_map")
         files = {}
         for name, file_name in weight_map.items():
             path = model_dir / file_name
@@ -58,10 +61,16 @@ def read_header(path: Path) -> dict[str, dict]:
             header = json.loads(f.read(header_len))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CloverInputError(path, f"has a corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise CloverInputError(path, "has a corrupt safetensors header (not a JSON object)")
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
     data_size = size - 8 - header_len
     for name, entry in entries.items():
-        begin, end = entry["data_offsets"]
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or "dtype" not in entry
+                or not isinstance(entry.get("shape"), list)):
+            raise CloverInputError(path, f"has a corrupt safetensors header entry for tensor '{name}'")
+        begin, end = offsets
         if end > data_size:
             raise CloverInputError(path, f"is truncated: tensor '{name}' ends at byte {end} of a {data_size}-byte "
                                          "data section")
@@ -72,11 +81,17 @@ def read_header(path: Path) -> dict[str, dict]:
 
 
 def iter_tensors(model_dir: Path) -> Iterator[tuple[str, str, Path]]:
-    """Yield (canonical name, stored name, file) for every text-model tensor; vision/MTP tensors are skipped."""
+    """Yield (canonical name, stored name, file) for every text-model tensor; vision/MTP tensors are skipped
+    with a warning (spec section 2)."""
+    skipped: list[str] = []
     for stored, path in shard_files(model_dir).items():
         name = canonical_name(stored)
         if name is not None:
             yield name, stored, path
+        else:
+            skipped.append(stored)
+    if skipped:
+        warnings.warn(f"{model_dir}: ignoring {len(skipped)} vision/MTP tensors (e.g. '{skipped[0]}')", stacklevel=2)
 
 
 def load_state_dict(model_dir: str | Path, config: CloverConfig) -> dict[str, torch.Tensor]:
@@ -92,27 +107,35 @@ def load_state_dict(model_dir: str | Path, config: CloverConfig) -> dict[str, to
     for name, stored, path in iter_tensors(model_dir):
         if path not in handles:
             read_header(path)
-            handles[path] = safe_open(str(path), framework="pt")
+            try:
+                handles[path] = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors raises SafetensorError for inconsistent headers
+                raise CloverInputError(path, f"is not a valid safetensors file ({exc})") from None
         expected = per_expert.get(name, fused.get(name))
         if expected is None:
             raise CloverInputError(path, f"holds tensor '{stored}', which a Clover model does not have")
-        tensor = handles[path].get_tensor(stored)  # type: ignore[attr-defined]
+        try:
+            tensor = handles[path].get_tensor(stored)  # type: ignore[attr-defined]
+        except Exception as exc:  # a tensor the index names but the shard does not hold
+            raise CloverInputError(path, f"cannot read tensor '{stored}' ({exc})") from None
         if tuple(tensor.shape) != expected:
             raise CloverInputError(path, f"tensor '{stored}' has shape {list(tensor.shape)}, but config.json "
                                          f"implies {list(expected)}")
         raw[name] = tensor.to(torch.float32)
-    return _fuse_experts(raw, config, model_dir)
+    weights_file = model_dir / INDEX_FILE if (model_dir / INDEX_FILE).is_file() else model_dir / SINGLE_FILE
+    return _fuse_experts(raw, config, weights_file)
 
 
-def _fuse_experts(raw: dict[str, torch.Tensor], config: CloverConfig, model_dir: Path) -> dict[str, torch.Tensor]:
+def _fuse_experts(raw: dict[str, torch.Tensor], config: CloverConfig, source: Path) -> dict[str, torch.Tensor]:
+    """``source`` is the file named in errors (the index, or the single safetensors file)."""
     out: dict[str, torch.Tensor] = {}
     for name, shape in tensor_shapes(config, fused_experts=True).items():
         if name in raw:
             out[name] = raw.pop(name)
             continue
-        prefix, _, leaf = name.rpartition(".experts.")
-        if not leaf:
-            raise CloverInputError(model_dir, f"tensor '{name}' is missing from the checkpoint")
+        prefix, sep, leaf = name.rpartition(".experts.")
+        if not sep:
+            raise CloverInputError(source, f"tensor '{name}' is missing from the checkpoint")
         parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
         per_expert = []
         for e in range(config.num_experts):
@@ -120,13 +143,13 @@ def _fuse_experts(raw: dict[str, torch.Tensor], config: CloverConfig, model_dir:
             for part in parts:
                 key = f"{prefix}.experts.{e}.{part}.weight"
                 if key not in raw:
-                    raise CloverInputError(model_dir, f"tensor '{key}' is missing from the checkpoint")
+                    raise CloverInputError(source, f"tensor '{key}' is missing from the checkpoint")
                 mats.append(raw.pop(key))
             per_expert.append(torch.cat(mats, dim=0))
         out[name] = torch.stack(per_expert)
         assert tuple(out[name].shape) == shape
     if raw:
-        raise CloverInputError(model_dir, f"holds tensor '{next(iter(raw))}', which a Clover model does not have")
+        raise CloverInputError(source, f"holds tensor '{next(iter(raw))}', which a Clover model does not have")
     return out
 
 
@@ -195,6 +218,10 @@ def save_state_dict(
         written.append((tmp, final))
     for tmp, final in written:
         os.replace(tmp, final)
+    # A stale index would shadow a new single file (and a stale single file confuses readers of shards).
+    stale = model_dir / (INDEX_FILE if len(shards) == 1 else SINGLE_FILE)
+    if stale.is_file():
+        stale.unlink()
     return [final for _, final in written]
 
 
