@@ -59,6 +59,30 @@ class GenerationResult:
     stats: GenerationStats
 
 
+@dataclass
+class _Run:
+    """The settings and the growing output of one ``generate`` call."""
+
+    budget: int
+    block_size: int
+    threshold: float
+    draft_steps: int
+    sampler: Sampler
+    stops: set[int]
+    stats: GenerationStats
+    on_block: Callable[[list[int]], None] | None
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.tokens)
+
+    def emit(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        if self.on_block and tokens:
+            self.on_block(tokens)
+
+
 class Session:
     """One sequence's committed history plus its seed token (the last known token, not yet committed)."""
 
@@ -120,11 +144,10 @@ class Session:
         stops = set(self.config.eos_token_ids if stop_ids is None else stop_ids)
         stats = GenerationStats(mode, block_size, threshold, prompt_tokens=len(prompt_ids))
         stats.prefill_passes = self.append_prompt(prompt_ids)
-        loop = {"ar": self._ar, "diffusion": self._diffusion, "spec": self._spec}[mode]
-        tokens: list[int] = []
-        loop(tokens, max_new_tokens, block_size, threshold, draft_steps, sampler, stops, stats, on_block)
-        stats.generated_tokens = len(tokens)
-        return GenerationResult(tokens, stats)
+        run = _Run(max_new_tokens, block_size, threshold, draft_steps, sampler, stops, stats, on_block)
+        {"ar": self._ar, "diffusion": self._diffusion, "spec": self._spec}[mode](run)
+        stats.generated_tokens = len(run.tokens)
+        return GenerationResult(run.tokens, stats)
 
     def resolve_block(self, block_size: int | None, threshold: float | None) -> tuple[int, float]:
         """Spec 4.3: default B and the calibrated threshold for B (float32)."""
@@ -140,31 +163,30 @@ class Session:
         return b, float(np.float32(threshold))
 
     # ----- ar -----
-    def _ar(self, tokens, budget, block_size, threshold, draft_steps, sampler, stops, stats, on_block) -> None:
-        while len(tokens) < budget:
+    def _ar(self, run: _Run) -> None:
+        while run.remaining > 0:
             if self.position >= self.n_ctx:
-                stats.stop_reason = "context"
+                run.stats.stop_reason = "context"
                 return
             logits = self.model.forward_causal([self.seed], self.history)[0]
-            stats.causal_passes += 1
-            token, _ = sampler.choose(logits)
+            run.stats.causal_passes += 1
+            token, _ = run.sampler.choose(logits)
             self.seed = token
-            if token in stops:
-                stats.stop_reason = "eos"
+            if token in run.stops:
+                run.stats.stop_reason = "eos"
                 return
-            tokens.append(token)
-            if on_block:
-                on_block([token])
-        stats.stop_reason = "length"
+            run.emit([token])
+        run.stats.stop_reason = "length"
 
     # ----- LowConfidence steps shared by diffusion and spec drafts -----
-    def _step(self, canvas: list[int | None], sampler: Sampler, threshold: float, stats: GenerationStats) -> None:
+    def _step(self, canvas: list[int | None], run: _Run) -> None:
         """One block pass; fill every masked target above the threshold, or the single most confident one."""
         masked = [j for j, token in enumerate(canvas) if token is None]
         logits = self.model.forward_block(self._window(canvas), self.history, rows=masked)
-        stats.block_passes += 1
-        choices = [sampler.choose(row) for row in logits]
-        chosen = [j for j, (_, conf) in zip(masked, choices) if np.float32(conf) > np.float32(threshold)]
+        run.stats.block_passes += 1
+        choices = [run.sampler.choose(row) for row in logits]
+        threshold = np.float32(run.threshold)
+        chosen = [j for j, (_, conf) in zip(masked, choices) if np.float32(conf) > threshold]
         if not chosen:
             best = max(range(len(masked)), key=lambda i: (np.float32(choices[i][1]), -masked[i]))
             chosen = [masked[best]]
@@ -176,79 +198,76 @@ class Session:
         mask = self.config.mask_token_id
         return [self.seed] + [mask if token is None else token for token in canvas[:-1]]
 
+    def _block_width(self, run: _Run) -> int:
+        """B, or what is left of the context (spec 4.1, context end); 0 ends generation."""
+        width = min(run.block_size, self.n_ctx - self.position)
+        if width < 1:
+            run.stats.stop_reason = "context"
+        return max(width, 0)
+
     # ----- diffusion -----
-    def _diffusion(self, tokens, budget, block_size, threshold, draft_steps, sampler, stops, stats, on_block):
-        while len(tokens) < budget:
-            width = min(block_size, self.n_ctx - self.position)
-            if width < 1:
-                stats.stop_reason = "context"
+    def _diffusion(self, run: _Run) -> None:
+        while run.remaining > 0:
+            width = self._block_width(run)
+            if not width:
                 return
             canvas: list[int | None] = [None] * width
-            remaining = budget - len(tokens)
             steps = 0
             while True:
-                limit, eos_at = produced_limit(canvas, remaining, stops)
+                limit, eos_at = produced_limit(canvas, run.remaining, run.stops)
                 if all(token is not None for token in canvas[:limit]):
                     break
-                self._step(canvas, sampler, threshold, stats)
+                self._step(canvas, run)
                 steps += 1
-            stats.steps_per_block.append(steps)
+            run.stats.steps_per_block.append(steps)
             produced = [int(t) for t in canvas[:limit]]  # type: ignore[arg-type]
             self.commit(produced)
-            stats.causal_passes += 1
-            ended_on_eos = eos_at == limit
-            out = produced[:-1] if ended_on_eos else produced
-            tokens.extend(out)
-            if on_block and out:
-                on_block(out)
-            if ended_on_eos:
-                stats.stop_reason = "eos"
+            run.stats.causal_passes += 1
+            if eos_at == limit:
+                run.emit(produced[:-1])
+                run.stats.stop_reason = "eos"
                 return
-        stats.stop_reason = "length"
+            run.emit(produced)
+        run.stats.stop_reason = "length"
 
     # ----- spec -----
-    def _spec(self, tokens, budget, block_size, threshold, draft_steps, sampler, stops, stats, on_block):
-        while len(tokens) < budget:
-            width = min(block_size, self.n_ctx - self.position)
-            if width < 1:
-                stats.stop_reason = "context"
+    def _spec(self, run: _Run) -> None:
+        while run.remaining > 0:
+            width = self._block_width(run)
+            if not width:
                 return
-            drafts = self._draft(width, draft_steps, sampler, threshold, stats)
-            emitted, hit_eos = self._verify(drafts, budget - len(tokens), sampler, stops)
-            stats.causal_passes += 1
-            stats.accepted_lengths.append(len(emitted) + (1 if hit_eos else 0))
-            out = emitted
-            tokens.extend(out)
-            if on_block and out:
-                on_block(out)
+            drafts = self._draft(width, run)
+            emitted, hit_eos = self._verify(drafts, run)
+            run.stats.causal_passes += 1
+            run.stats.accepted_lengths.append(len(emitted) + (1 if hit_eos else 0))
+            run.emit(emitted)
             if hit_eos:
-                stats.stop_reason = "eos"
+                run.stats.stop_reason = "eos"
                 return
-        stats.stop_reason = "length"
+        run.stats.stop_reason = "length"
 
-    def _draft(self, width: int, draft_steps: int, sampler: Sampler, threshold: float,
-               stats: GenerationStats) -> list[int]:
+    def _draft(self, width: int, run: _Run) -> list[int]:
         canvas: list[int | None] = [None] * width
-        for _ in range(draft_steps):
+        for _ in range(run.draft_steps):
             if all(token is not None for token in canvas):
                 break
-            self._step(canvas, sampler, threshold, stats)
+            self._step(canvas, run)
         masked = [j for j, token in enumerate(canvas) if token is None]
         if masked:
             logits = self.model.forward_block(self._window(canvas), self.history, rows=masked)
-            stats.block_passes += 1
+            run.stats.block_passes += 1
             for j, row in zip(masked, logits):
-                canvas[j] = sampler.argmax(row)
+                canvas[j] = run.sampler.argmax(row)
         return [int(t) for t in canvas]  # type: ignore[arg-type]
 
-    def _verify(self, drafts: list[int], remaining: int, sampler: Sampler,
-                stops: set[int]) -> tuple[list[int], bool]:
+    def _verify(self, drafts: list[int], run: _Run) -> tuple[list[int], bool]:
         """Verify drafts with a causal pass and keep the accepted prefix plus one token (spec 4.2, steps 2-4).
 
         Positions are evaluated in order, one at a time. Causal passes in the reference give the same
         numbers whether run in one batch or position by position, so this equals one batched verification
         pass followed by a rollback of positions p+m .. p+B-1; the rejected positions are never computed.
         """
+        sampler = run.sampler
         out: list[int] = []
         inputs = [self.seed] + drafts[:-1]
         for j, (token_in, draft) in enumerate(zip(inputs, drafts), start=1):
@@ -264,10 +283,10 @@ class Session:
                 residual[draft] = 0.0
                 token = sampler.draw(residual / residual.sum())
             self.seed = token
-            if token in stops:
+            if token in run.stops:
                 return out, True
             out.append(token)
-            if not accepted or j == len(drafts) or len(out) == remaining:
+            if not accepted or j == len(drafts) or len(out) == run.remaining:
                 return out, False
         return out, False
 
