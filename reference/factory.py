@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import struct
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import torch
 
 from .checkpoint import round_to_dtype, save_model
 from .config import CloverConfig
+from .layout import is_clover_tensor, tensor_shapes
 from .model import CloverModel
 from .tokenizer import MASK_TOKEN, copy_tokenizer, special_token_ids
 
@@ -123,4 +129,136 @@ def init_checkpoint(
     model = random_model(config, seed)
     round_to_dtype(model, dtype)
     save_model(model, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return config
+
+
+# ----- streaming writer for big random checkpoints (benchmarks) -----
+
+STREAM_CHUNK_ELEMENTS = 1 << 24  # values generated at a time: bounds memory whatever the model size
+_STREAM_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+
+
+def _random_std(name: str, shape: tuple[int, ...], config: CloverConfig) -> tuple[float, float]:
+    """(mean, std) of a tensor's values, the scales ``random_model`` uses (A_log is handled separately)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, 1.0
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0, 0.05
+    if name.endswith("norm.weight"):
+        return 0.0, 0.05
+    if leaf == "dt_bias":
+        return 1.0, 0.1
+    if name.endswith("conv1d_right.weight"):
+        return 0.0, 0.5 / math.sqrt(shape[-1])
+    if leaf == "hist_bias":
+        return 0.0, 0.5
+    if leaf == "block_scale":
+        scale = math.sqrt(config.linear_key_head_dim)
+        return scale, 0.1 * scale
+    return 0.0, 1.0 / math.sqrt(shape[-1])
+
+
+def _random_chunks(name: str, shape: tuple[int, ...], config: CloverConfig,
+                   rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """The tensor's random float32 values, row-major, at most STREAM_CHUNK_ELEMENTS at a time."""
+    total = math.prod(shape)
+    for start in range(0, total, STREAM_CHUNK_ELEMENTS):
+        count = min(STREAM_CHUNK_ELEMENTS, total - start)
+        if name.endswith("A_log"):
+            yield np.log(rng.uniform(0.01, 16, count)).astype(np.float32)
+            continue
+        mean, std = _random_std(name, shape, config)
+        values = rng.standard_normal(count, dtype=np.float32)
+        values *= np.float32(std)
+        values += np.float32(mean)
+        yield values
+
+
+def _encode(values: np.ndarray, dtype: str) -> bytes:
+    if dtype == "bfloat16":  # round to nearest even
+        bits = values.view(np.uint32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    return values.astype("<f2" if dtype == "float16" else "<f4").tobytes()
+
+
+def write_random_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], config: CloverConfig, seed: int,
+                             dtype: str = "bfloat16") -> int:
+    """Write one safetensors file of random tensors, generating and writing each in bounded chunks.
+
+    ``shapes`` maps stored names to shapes (written in that order). Returns the data bytes written. The
+    file appears under its final name only when complete.
+    """
+    st_dtype, itemsize = _STREAM_DTYPES[dtype]
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = math.prod(shape) * itemsize
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for index, (name, shape) in enumerate(shapes.items()):
+            rng = np.random.default_rng([seed, index])
+            for values in _random_chunks(name, shape, config, rng):
+                f.write(_encode(values, dtype))
+    os.replace(tmp, path)
+    return offset
+
+
+def init_checkpoint_streaming(
+    out_dir: str | Path,
+    preset: str,
+    seed: int = 0,
+    layers: int | None = None,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int | None = None,
+    nested: bool = False,
+    separate_clover_shard: bool = False,
+) -> CloverConfig:
+    """Like ``init_checkpoint`` for checkpoints too big to build in memory: random tensors are streamed to
+    safetensors shards (per-expert layout) in bounded memory. The values follow ``random_model``'s scales
+    but not its random stream.
+
+    With ``separate_clover_shard`` the four Clover tensors of every GDN layer go to a shard of their own
+    (the last), so a plain Qwen3.5-MoE twin can reuse the other shards unchanged.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = preset_config(preset, layers, nested)
+    prefix = "model.language_model." if nested else "model."
+    itemsize = _STREAM_DTYPES[dtype][1]
+    shards: list[dict[str, tuple[int, ...]]] = [{}]
+    clover: dict[str, tuple[int, ...]] = {}
+    size = 0
+    for name, shape in tensor_shapes(config).items():
+        stored = prefix + name[len("model."):] if name.startswith("model.") else name
+        if separate_clover_shard and is_clover_tensor(name):
+            clover[stored] = shape
+            continue
+        nbytes = math.prod(shape) * itemsize
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][stored] = shape
+        size += nbytes
+    if clover:
+        shards.append(clover)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total = 0
+    for shard_index, (file_name, shard) in enumerate(zip(names, shards)):
+        total += write_random_safetensors(out_dir / file_name, shard, config, seed * 1000 + shard_index, dtype)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    copy_tokenizer(out_dir)
+    config.save(out_dir)
     return config

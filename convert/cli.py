@@ -1,0 +1,128 @@
+"""``clover-convert``: convert a Clover Hugging Face checkpoint to GGUF (architecture ``clover``).
+
+    clover-convert MODEL_DIR [OUT.gguf | --outfile OUT.gguf] [--outtype f32|f16|bf16|q8_0|auto]
+        [--split-max-size N(K|M|G)] [--split-max-tensors N] [--dry-run] [--metadata FILE] [--threads N]
+
+Bad input or an output that cannot be written ends with a one-line message and exit code 2, and leaves
+no output file behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence, TextIO
+
+from clover_ref.errors import CloverInputError
+
+from .converter import ConvertOptions, ConvertResult, convert
+from .output import OutputError
+from .tensor_plan import OutType
+
+PROG = "clover-convert"
+EXIT_BAD_INPUT = 2
+
+
+def split_size(text: str) -> int:
+    """llama.cpp's --split-max-size: a number of bytes, optionally with a decimal K, M or G suffix."""
+    units = {"K": 1000, "M": 1000**2, "G": 1000**3}
+    number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+    if not number.isdigit() or int(number) <= 0:
+        raise argparse.ArgumentTypeError(f"invalid split size {text!r}: expected a positive number, "
+                                         "optionally followed by K, M or G")
+    return int(number) * unit
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Convert a Clover Hugging Face checkpoint to GGUF "
+                                     "(architecture 'clover'), streaming with bounded memory.")
+    parser.add_argument("model", type=Path, help="the Hugging Face checkpoint directory")
+    parser.add_argument("outfile_arg", type=Path, nargs="?", metavar="OUT.gguf",
+                        help="output file (same as --outfile)")
+    parser.add_argument("--outfile", type=Path, help="output file or directory; default: "
+                        "{Name}-{SizeLabel}-{Type}.gguf in the model directory; '{ftype}' is replaced by the type")
+    parser.add_argument("--outtype", default="auto", choices=[t.label for t in OutType] + ["auto"],
+                        help="tensor type of the weights (default auto: bf16 for BF16 sources, f16 for F16/F32)")
+    parser.add_argument("--split-max-size", type=split_size, default=0, metavar="N(K|M|G)",
+                        help="start a new shard before a shard would exceed this size")
+    parser.add_argument("--split-max-tensors", type=positive_int, default=0, metavar="N",
+                        help="at most N tensors per shard")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print every tensor's name, shape, type and bytes and the total; read no tensor data")
+    parser.add_argument("--metadata", type=Path, metavar="FILE", help="JSON file overriding general.* keys")
+    parser.add_argument("--threads", type=positive_int, default=min(2, os.cpu_count() or 1), metavar="N",
+                        help="threads that read and encode chunks ahead of the writer; each adds one chunk "
+                             "(about 100 MiB) of memory (default: min(2, CPUs))")
+    return parser
+
+
+def print_plan(result: ConvertResult, out: TextIO) -> None:
+    for tensor in result.plan.tensors:
+        ne = "{" + ", ".join(str(n) for n in reversed(tensor.shape)) + "}"
+        print(f"{tensor.name:<40} {ne:<24} {tensor.ggml_type.name:<5} {tensor.nbytes:>14,d}", file=out)
+    total = result.plan.nbytes
+    print(f"{len(result.plan.tensors)} tensors, {total:,d} bytes ({total / 2**30:.2f} GiB) of tensor data, "
+          f"--outtype {result.out_type.label}", file=out)
+    for path, (count, nbytes) in zip(result.paths, result.shard_sizes):
+        print(f"would write {path}: {count} tensors, {nbytes:,d} bytes", file=out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.outfile_arg is not None and args.outfile is not None:
+        build_parser().error("give the output file either as OUT.gguf or as --outfile, not both")
+    _log_warnings_to_stderr()
+    options = ConvertOptions(
+        model_dir=args.model, outfile=args.outfile or args.outfile_arg, outtype=args.outtype,
+        split_max_size=args.split_max_size, split_max_tensors=args.split_max_tensors, dry_run=args.dry_run,
+        metadata=args.metadata, threads=args.threads,
+    )
+    try:
+        result = convert(options)
+    except (CloverInputError, OutputError) as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _fail(f"{where}{exc.strerror or exc}")
+    if args.dry_run:
+        print_plan(result, sys.stdout)
+    else:
+        for path in result.paths:
+            print(path)
+    return 0
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to whatever sys.stderr is at the time of the record."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"{PROG}: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+
+
+def _log_warnings_to_stderr() -> None:
+    """Warnings of the converter and the gguf library as ``clover-convert: warning: ...`` lines."""
+    for name in ("clover_convert", "gguf"):
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
+            logger.removeHandler(handler)
+        logger.addHandler(_StderrHandler(logging.WARNING))
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The conversion itself: read and check the checkpoint, plan, then stream the GGUF into place."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGUFWriter, Metadata, naming_convention, size_label
+from tqdm import tqdm
+
+from clover_ref.config import CONFIG_FILE, CloverConfig
+from clover_ref.errors import CloverInputError
+
+from .model_keys import ARCH, add_model_keys
+from .output import AtomicOutput, OutputError, check_free_space, resolve_output_path, shard_paths
+from .safetensors_index import CheckpointIndex, index_checkpoint
+from .streaming import ChunkPipeline, StreamedTensor
+from .tensor_plan import ConversionPlan, OutType, build_plan
+from .tokenizer_keys import TOKENIZER_FILE, add_tokenizer_keys, read_tokenizer_keys
+
+log = logging.getLogger(__name__)
+
+_AUTO_TYPES = {"BF16": OutType.BF16, "F16": OutType.F16, "F32": OutType.F16}  # as llama.cpp's --outtype auto
+_LOGICAL = np.dtype(np.float32)  # any dtype but uint8 makes GGUFWriter take the given shape as the logical one
+
+
+@dataclass
+class ConvertOptions:
+    model_dir: Path
+    outfile: Path | None = None
+    outtype: str = "auto"  # an OutType label or "auto"
+    split_max_size: int = 0
+    split_max_tensors: int = 0
+    dry_run: bool = False
+    metadata: Path | None = None
+    threads: int = 2
+    progress: bool | None = None  # None: a progress bar only when stderr is a terminal
+
+
+@dataclass
+class ConvertResult:
+    plan: ConversionPlan
+    out_type: OutType
+    paths: list[Path]  # the written files, or the files a dry run would write
+    shard_sizes: list[tuple[int, int]]  # (tensor count, tensor bytes) per file
+
+
+def resolve_out_type(label: str, index: CheckpointIndex | None, raw_config: dict[str, Any]) -> OutType:
+    """``auto`` takes the dtype of the first matrix (BF16 -> bf16, F16 or F32 -> f16, like llama.cpp); a
+    config-only checkpoint uses config.json's ``torch_dtype``/``dtype`` and otherwise bf16."""
+    if label != "auto":
+        return OutType.from_label(label)
+    if index is not None:
+        for source in index.tensors.values():
+            if len(source.shape) >= 2:
+                return _AUTO_TYPES[source.dtype]
+    declared = raw_config.get("torch_dtype") or raw_config.get("dtype")
+    return {"float16": OutType.F16, "float32": OutType.F16}.get(str(declared), OutType.BF16)
+
+
+def _load_metadata_override(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CloverInputError(path, f"cannot be read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CloverInputError(path, f"is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CloverInputError(path, "must hold a JSON object of general.* keys")
+    return data
+
+
+def _describe_model(writer: GGUFWriter, model_dir: Path, metadata_path: Path | None,
+                    override: dict[str, Any]) -> Metadata:
+    """general.* keys, as ``ModelBase.prepare_metadata`` sets them: from the model card (README.md) and
+    config.json, then the --metadata file. Unlike gguf's Metadata.load, the file may also set general.license."""
+    total, shared, expert, expert_count = writer.get_total_parameter_count()
+    metadata = Metadata.load(metadata_path, model_dir, None, total)
+    metadata.license = override.get("general.license", metadata.license)
+    if metadata.name is None:
+        metadata.name = model_dir.name
+    if metadata.size_label is None and total > 0:
+        metadata.size_label = size_label(total, shared, expert, expert_count)
+    return metadata
+
+
+def _index_weights(model_dir: Path, dry_run: bool) -> CheckpointIndex | None:
+    """The checkpoint's tensors; None for a config-only directory, which only a dry run accepts."""
+    index = index_checkpoint(model_dir)
+    if not index.files:
+        if not dry_run:
+            raise CloverInputError(model_dir, "holds no safetensors weights (model.safetensors or an index)")
+        log.warning("%s holds no weights: planning from config.json alone", model_dir)
+        return None
+    if index.skipped:
+        log.warning("skipping %d vision/MTP tensors (e.g. '%s')", len(index.skipped), index.skipped[0])
+    return index
+
+
+def convert(options: ConvertOptions) -> ConvertResult:
+    """Convert (or, with ``dry_run``, only plan). Raises CloverInputError for unusable input and OutputError
+    when the output cannot be written; either way no output file is left behind."""
+    model_dir = options.model_dir.resolve()
+    if not model_dir.is_dir():
+        raise CloverInputError(options.model_dir, "is not a directory (expected a Hugging Face checkpoint)")
+    config = CloverConfig.load(model_dir)
+    raw_config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    metadata_override = _load_metadata_override(options.metadata)
+    index = _index_weights(model_dir, options.dry_run)
+    out_type = resolve_out_type(options.outtype, index, raw_config)
+    plan = build_plan(config, out_type, index)
+    if options.dry_run and not (model_dir / TOKENIZER_FILE).exists():
+        log.warning("%s has no %s: the plan leaves out the tokenizer keys", model_dir, TOKENIZER_FILE)
+        tokenizer = None
+    else:
+        tokenizer = read_tokenizer_keys(model_dir, config.vocab_size, config.mask_token_id)
+
+    writer = GGUFWriter(None, ARCH, split_max_tensors=options.split_max_tensors,
+                        split_max_size=options.split_max_size)
+    pipeline = None if options.dry_run else ChunkPipeline(plan, options.threads)
+    try:
+        for tensor in plan.tensors:
+            if pipeline is None:
+                writer.add_tensor_info(tensor.name, tensor.shape, _LOGICAL, tensor.nbytes, raw_dtype=tensor.ggml_type)
+            else:
+                writer.add_tensor(tensor.name, StreamedTensor(tensor, pipeline), raw_shape=tensor.shape,  # type: ignore[arg-type]
+                                  raw_dtype=tensor.ggml_type)
+        metadata = _describe_model(writer, model_dir, options.metadata, metadata_override)
+        writer.add_type("model")
+        metadata.set_gguf_meta_model(writer)
+        add_model_keys(writer, config, raw_config, model_dir / CONFIG_FILE, out_type.file_type)
+        writer.add_quantization_version(GGML_QUANT_VERSION)
+        if tokenizer is not None:
+            add_tokenizer_keys(writer, tokenizer)
+
+        default_stem = naming_convention(metadata.name, metadata.basename, metadata.finetune, metadata.version,
+                                         metadata.size_label, out_type.ggml_type.name)
+        final_path = resolve_output_path(model_dir, options.outfile, default_stem, out_type.ggml_type.name)
+        shard_sizes = [(len(shard), sum(ti.nbytes for ti in shard.values())) for shard in writer.tensors]
+        paths = shard_paths(final_path, len(writer.tensors))
+        result = ConvertResult(plan, out_type, paths, shard_sizes)
+        if options.dry_run:
+            return result
+        assert pipeline is not None
+        _write(writer, pipeline, plan, final_path, options.progress)
+        return result
+    finally:
+        if pipeline is not None:
+            pipeline.close()
+        writer.close()
+
+
+def _write(writer: GGUFWriter, pipeline: ChunkPipeline, plan: ConversionPlan, final_path: Path,
+           progress: bool | None) -> None:
+    with AtomicOutput(final_path) as output:
+        check_free_space(final_path.parent, plan.nbytes)
+        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="clover-convert",
+                   file=sys.stderr, disable=None if progress is None else not progress, dynamic_ncols=True)
+        pipeline.on_bytes = bar.update
+        try:
+            writer.write_header_to_file(path=output.temp_path)
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file(progress=False)
+            writer.close()
+            output.publish(len(writer.tensors))
+        except OSError as exc:  # source reads raise CloverInputError, so this is the output
+            raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
+        finally:
+            bar.close()

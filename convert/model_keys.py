@@ -1,0 +1,103 @@
+"""Hyper-parameter keys: everything llama.cpp's converter writes for ``qwen35moe`` (no MTP), under ``clover.``,
+then the Clover keys of spec section 5.
+
+The order and conditions follow the vendored converter: ``TextModel.set_gguf_parameters``
+(``conversion/base.py``), then ``Qwen2MoeModel``, ``Qwen3NextModel`` and ``_Qwen35MRopeMixin``
+(``conversion/qwen.py``). Optional generic keys are written only when config.json has the field, as there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gguf import ExpertGatingFuncType, GGUFValueType, GGUFWriter, Keys, LlamaFileType
+
+from clover_ref.config import CloverConfig
+from clover_ref.errors import CloverInputError
+
+ARCH = "clover"
+
+# Optional fields and the keys llama.cpp's TextModel looks them up under, first match wins.
+_FEED_FORWARD_FIELDS = ("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size", "n_inner",
+                        "hidden_dim")
+_LAYER_NORM_EPS_FIELDS = ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")
+_SCORE_FUNC_FIELDS = ("score_function", "scoring_func", "score_func", "moe_router_activation",
+                      "moe_router_activation_func", "expert_selection_fn")
+_GATING_FUNCS = {"sigmoid": ExpertGatingFuncType.SIGMOID, "softmax": ExpertGatingFuncType.SOFTMAX}
+
+
+def merged_hparams(raw_config: dict[str, Any]) -> dict[str, Any]:
+    """config.json with ``text_config`` lifted to the top level, as llama.cpp's TextModel does."""
+    text = raw_config.get("text_config")
+    return {**raw_config, **text} if isinstance(text, dict) else dict(raw_config)
+
+
+def _first(hparams: dict[str, Any], names: tuple[str, ...]) -> Any:
+    return next((hparams[n] for n in names if n in hparams), None)
+
+
+def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[str, Any], config_path: Path,
+                   file_type: LlamaFileType) -> None:
+    """All ``clover.*`` hyper-parameter keys and ``general.file_type``, in llama.cpp's order."""
+    c = config
+    hparams = merged_hparams(raw_config)
+    rope = c.rope_parameters
+    # TextModel.set_gguf_parameters
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    if (n_ff := _first(hparams, _FEED_FORWARD_FIELDS)) is not None:
+        writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    if hparams.get("is_causal") is False:
+        writer.add_causal_attention(False)
+    # rope_type is "default" (CloverConfig.validate refuses scaled rope), so no rope.scaling.* keys.
+    sections = list(rope["mrope_section"])
+    writer.add_rope_dimension_sections((sections + [0] * 4)[:4])
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if (eps := _first(hparams, _LAYER_NORM_EPS_FIELDS)) is not None:
+        writer.add_layer_norm_eps(eps)
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    if (n_group := hparams.get("n_group")) is not None:
+        writer.add_expert_group_count(n_group)
+    if (topk_group := hparams.get("topk_group")) is not None:
+        writer.add_expert_group_used_count(topk_group)
+    if (score_func := _first(hparams, _SCORE_FUNC_FIELDS)) is not None:
+        if score_func not in _GATING_FUNCS:
+            raise CloverInputError(config_path, f"expert score function {score_func!r} is not supported "
+                                                f"(expected one of {sorted(_GATING_FUNCS)})")
+        writer.add_expert_gating_func(_GATING_FUNCS[score_func])
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_file_type(file_type)
+    # Qwen2MoeModel
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    # Qwen3NextModel (the wheel's writer lacks add_recurrent_layers: write the bool array directly)
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(c.linear_key_head_dim)
+    writer.add_ssm_group_count(c.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
+    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    writer.add_key_value(f"{ARCH}.attention.recurrent_layers", [c.is_linear(i) for i in range(c.num_hidden_layers)],
+                         GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
+    writer.add_full_attention_interval(c.full_attention_interval)
+    writer.add_rope_dimension_count(c.rotary_dim)
+    add_clover_keys(writer, c)
+
+
+def add_clover_keys(writer: GGUFWriter, config: CloverConfig) -> None:
+    """The block-diffusion keys of spec section 5 (the mask token id is written with the tokenizer)."""
+    assert config.calibrated_block_sizes is not None and config.calibrated_thresholds is not None
+    writer.add_uint32(f"{ARCH}.block_size", config.block_size)
+    writer.add_float32(f"{ARCH}.diffusion.threshold", float(config.confidence_threshold))
+    writer.add_key_value(f"{ARCH}.diffusion.calibrated_block_sizes", [int(b) for b in config.calibrated_block_sizes],
+                         GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+    writer.add_key_value(f"{ARCH}.diffusion.calibrated_thresholds", [float(t) for t in config.calibrated_thresholds],
+                         GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+    writer.add_uint32(f"{ARCH}.ssm.conv_right_kernel", config.linear_conv_right_kernel_dim)
+    writer.add_bool(Keys.Diffusion.SHIFT_LOGITS, True)

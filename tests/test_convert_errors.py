@@ -1,0 +1,168 @@
+"""The bad-input matrix of issue 3: each case gives a one-line error naming the problem, exit code 2, and no
+output file left behind (neither the GGUF nor the hidden temporary directory)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from clover_convert import output
+from clover_ref.factory import init_checkpoint_streaming
+from test_convert_support import VENV_PYTHON, copy_checkpoint, edit_config, rewrite_weights, run_convert
+
+
+@pytest.fixture
+def model(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny checkpoint to break."""
+    return copy_checkpoint(tiny_checkpoint, tmp_path / "model")
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+def listing(*dirs: Path) -> list[str]:
+    return sorted(str(p) for d in dirs for p in d.rglob("*"))
+
+
+def assert_fails(capsys: pytest.CaptureFixture[str], model_dir: Path, out_dir: Path, *fragments: str,
+                 extra: tuple[str, ...] = ()) -> str:
+    """Run the CLI and check: exit 2, one stderr line naming the problem, no output anywhere."""
+    before = listing(model_dir, out_dir) if model_dir.exists() else listing(out_dir)
+    code, stdout, stderr = run_convert(capsys, model_dir, "--outfile", out_dir / "out.gguf", "--outtype", "q8_0",
+                                       *extra)
+    assert code == 2, stderr
+    assert stdout == ""
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clover-convert: error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    after = listing(model_dir, out_dir) if model_dir.exists() else listing(out_dir)
+    assert after == before, "output left behind"
+    return lines[0]
+
+
+def test_missing_config_json(model: Path, out_dir: Path, capsys) -> None:
+    (model / "config.json").unlink()
+    assert_fails(capsys, model, out_dir, str(model / "config.json"), "not found")
+
+
+def test_missing_shard_named_in_the_index(tmp_path: Path, out_dir: Path, capsys) -> None:
+    model = tmp_path / "sharded"
+    init_checkpoint_streaming(model, "tiny", seed=0, max_shard_bytes=300_000)
+    shard = model / "model-00002-of-00005.safetensors"
+    assert json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    shard.unlink()
+    assert_fails(capsys, model, out_dir, str(shard), "model.safetensors.index.json", "does not exist")
+
+
+def test_truncated_safetensors(model: Path, out_dir: Path, capsys) -> None:
+    path = model / "model.safetensors"
+    os.truncate(path, path.stat().st_size - 1000)
+    assert_fails(capsys, model, out_dir, str(path), "truncated")
+
+
+def test_header_shape_disagreeing_with_config(model: Path, out_dir: Path, capsys) -> None:
+    def reshape(tensors: dict) -> None:
+        name = "model.layers.1.linear_attn.hist_key"
+        tensors[name] = tensors[name].reshape(2, -1).contiguous()
+
+    rewrite_weights(model, reshape)
+    assert_fails(capsys, model, out_dir, "model.layers.1.linear_attn.hist_key", "[2, 32]", "[4, 16]", "config.json")
+
+
+def test_unknown_tensor(model: Path, out_dir: Path, capsys) -> None:
+    def add(tensors: dict) -> None:
+        tensors["model.layers.0.linear_attn.extra_gate.weight"] = torch.zeros(4, 64, dtype=torch.bfloat16)
+
+    rewrite_weights(model, add)
+    assert_fails(capsys, model, out_dir, "model.layers.0.linear_attn.extra_gate.weight", "does not have")
+
+
+def test_missing_clover_tensor(model: Path, out_dir: Path, capsys) -> None:
+    rewrite_weights(model, lambda tensors: tensors.pop("model.layers.2.linear_attn.block_scale"))
+    assert_fails(capsys, model, out_dir, "model.layers.2.linear_attn.block_scale", "missing")
+
+
+@pytest.mark.parametrize("dtype, label", [(torch.float64, "F64"), (torch.int32, "I32")])
+def test_unsupported_dtype(model: Path, out_dir: Path, capsys, dtype: torch.dtype, label: str) -> None:
+    name = "model.layers.0.mlp.gate.weight"
+
+    def retype(tensors: dict) -> None:
+        tensors[name] = tensors[name].to(dtype)
+
+    rewrite_weights(model, retype)
+    assert_fails(capsys, model, out_dir, name, f"dtype {label}", "BF16, F16 or F32")
+
+
+def test_mask_token_id_outside_the_vocabulary(model: Path, out_dir: Path, capsys) -> None:
+    edit_config(model, mask_token_id=3072)
+    assert_fails(capsys, model, out_dir, "config.json", "field 'mask_token_id'", "3072")
+
+
+def test_calibrated_lists_of_different_lengths(model: Path, out_dir: Path, capsys) -> None:
+    edit_config(model, calibrated_block_sizes=[4, 8, 16], calibrated_thresholds=[0.9, 0.95])
+    assert_fails(capsys, model, out_dir, "config.json", "field 'calibrated_thresholds'", "2 entries", "has 3")
+
+
+def test_unwritable_output_directory(model: Path, out_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    out_dir.chmod(0o555)
+    if os.geteuid() == 0:  # root ignores permission bits: give the answer the kernel gives everyone else
+        def refuse(directory: Path, stem: str) -> Path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
+
+        monkeypatch.setattr(output, "make_temp_dir", refuse)
+    try:
+        assert_fails(capsys, model, out_dir, str(out_dir), "cannot be written", "Permission denied")
+    finally:
+        out_dir.chmod(0o755)
+
+
+def test_full_disk(model: Path, out_dir: Path) -> None:
+    """The file system refuses a write half-way (RLIMIT_FSIZE makes write() fail with EFBIG, as a full disk
+    fails with ENOSPC): the partial file is removed."""
+    limit = 1_000_000  # the f32 GGUF of tiny is about 2.9 MB
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    before = listing(model, out_dir)
+    done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(model), "--outfile", str(out_dir / "out.gguf"),
+                           "--outtype", "f32"], capture_output=True, text=True, preexec_fn=limit_file_size)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clover-convert: error: "), done.stderr
+    assert str(out_dir / "out.gguf") in lines[0] and "File too large" in lines[0]
+    assert listing(model, out_dir) == before
+
+
+def test_not_enough_free_space_is_refused_before_writing(model: Path, out_dir: Path, capsys,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(output.shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=10**12, free=1000))
+    assert_fails(capsys, model, out_dir, str(out_dir), "GiB free", "needs")
+
+
+def test_bad_metadata_file(model: Path, out_dir: Path, tmp_path: Path, capsys) -> None:
+    meta = tmp_path / "meta.json"
+    meta.write_text("{not json")
+    assert_fails(capsys, model, out_dir, str(meta), "not valid JSON", extra=("--metadata", str(meta)))
+
+
+def test_config_only_directory_needs_dry_run(model: Path, out_dir: Path, capsys) -> None:
+    (model / "model.safetensors").unlink()
+    assert_fails(capsys, model, out_dir, str(model), "holds no safetensors weights")
+
+
+def test_model_directory_must_exist(tmp_path: Path, out_dir: Path, capsys) -> None:
+    assert_fails(capsys, tmp_path / "nowhere", out_dir, "nowhere", "is not a directory")
