@@ -69,6 +69,28 @@ def preset_config(name: str, layers: int | None = None, nested: bool = False) ->
     return CloverConfig(**fields, nested_text_config=nested)
 
 
+def init_scale(name: str, shape: tuple[int, ...], config: CloverConfig) -> tuple[float, float]:
+    """(mean, std) of a random tensor's values (A_log is drawn apart): linear weights N(0, 1/fan_in), norms
+    near identity, and non-zero clover tensors so every code path is exercised."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, 1.0
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0, 0.05
+    if name.endswith("norm.weight"):
+        return 0.0, 0.05
+    if leaf == "dt_bias":
+        return 1.0, 0.1
+    if name.endswith("conv1d_right.weight"):
+        return 0.0, 0.5 / math.sqrt(shape[-1])
+    if leaf == "hist_bias":
+        return 0.0, 0.5
+    if leaf == "block_scale":
+        scale = math.sqrt(config.linear_key_head_dim)
+        return scale, 0.1 * scale
+    return 0.0, 1.0 / math.sqrt(shape[-1])
+
+
 def random_model(config: CloverConfig, seed: int) -> CloverModel:
     """A model with random weights at a realistic scale: linear weights with std 1/sqrt(fan_in) (0.022 at
     hidden 2048), norms near identity, and non-zero clover tensors so every code path is exercised."""
@@ -81,30 +103,11 @@ def random_model(config: CloverConfig, seed: int) -> CloverModel:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            shape, leaf = param.shape, name.rsplit(".", 1)[-1]
-            if name.endswith("embed_tokens.weight"):
-                value = normal(shape, 1.0)
-            elif name.endswith("linear_attn.norm.weight"):
-                value = 1.0 + normal(shape, 0.05)
-            elif name.endswith("norm.weight"):  # (1 + w) norms: w near zero
-                value = normal(shape, 0.05)
-            elif leaf == "A_log":
-                value = torch.empty(shape).uniform_(0.01, 16, generator=gen).log()
-            elif leaf == "dt_bias":
-                value = 1.0 + normal(shape, 0.1)
-            elif name.endswith("conv1d.weight"):
-                value = normal(shape, 1.0 / math.sqrt(shape[-1]))
-            elif name.endswith("conv1d_right.weight"):
-                value = normal(shape, 0.5 / math.sqrt(shape[-1]))
-            elif leaf == "hist_key":
-                value = normal(shape, 1.0 / math.sqrt(shape[-1]))
-            elif leaf == "hist_bias":
-                value = normal(shape, 0.5)
-            elif leaf == "block_scale":
-                value = math.sqrt(config.linear_key_head_dim) * (1.0 + normal(shape, 0.1))
-            else:  # linear weights and stacked experts: [..., out, in]
-                value = normal(shape, 1.0 / math.sqrt(shape[-1]))
-            param.copy_(value)
+            if name.endswith("A_log"):  # as transformers initialises it
+                param.copy_(torch.empty(param.shape).uniform_(0.01, 16, generator=gen).log())
+            else:
+                mean, std = init_scale(name, tuple(param.shape), config)
+                param.copy_(mean + normal(param.shape, std))
     return model
 
 
@@ -138,27 +141,6 @@ STREAM_CHUNK_ELEMENTS = 1 << 24  # values generated at a time: bounds memory wha
 _STREAM_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 
 
-def _random_std(name: str, shape: tuple[int, ...], config: CloverConfig) -> tuple[float, float]:
-    """(mean, std) of a tensor's values, the scales ``random_model`` uses (A_log is handled separately)."""
-    leaf = name.rsplit(".", 1)[-1]
-    if name.endswith("embed_tokens.weight"):
-        return 0.0, 1.0
-    if name.endswith("linear_attn.norm.weight"):
-        return 1.0, 0.05
-    if name.endswith("norm.weight"):
-        return 0.0, 0.05
-    if leaf == "dt_bias":
-        return 1.0, 0.1
-    if name.endswith("conv1d_right.weight"):
-        return 0.0, 0.5 / math.sqrt(shape[-1])
-    if leaf == "hist_bias":
-        return 0.0, 0.5
-    if leaf == "block_scale":
-        scale = math.sqrt(config.linear_key_head_dim)
-        return scale, 0.1 * scale
-    return 0.0, 1.0 / math.sqrt(shape[-1])
-
-
 def _random_chunks(name: str, shape: tuple[int, ...], config: CloverConfig,
                    rng: np.random.Generator) -> Iterator[np.ndarray]:
     """The tensor's random float32 values, row-major, at most STREAM_CHUNK_ELEMENTS at a time."""
@@ -168,7 +150,7 @@ def _random_chunks(name: str, shape: tuple[int, ...], config: CloverConfig,
         if name.endswith("A_log"):
             yield np.log(rng.uniform(0.01, 16, count)).astype(np.float32)
             continue
-        mean, std = _random_std(name, shape, config)
+        mean, std = init_scale(name, shape, config)
         values = rng.standard_normal(count, dtype=np.float32)
         values *= np.float32(std)
         values += np.float32(mean)
