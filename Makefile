@@ -8,9 +8,17 @@ DEMO := build/demo-tiny
 PROMPT := def fibonacci(n):
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo clean native
 
-setup: $(STAMP)
+setup: $(STAMP) native
+
+# The patched llama.cpp (cpp_patch/) built by scripts/build_native.sh (cache in $$CLOVER_CACHE, ccache when
+# installed; GPU=cuda for CUDA), then llama-cpp-python 0.3.36 installed as pure Python (LLAMA_BUILD=OFF):
+# clover_cpp.native points it at build/native/lib. The build script is a Ninja no-op when nothing changed.
+native: $(STAMP)
+	scripts/build_native.sh
+	@$(BIN)/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama_cpp_python') != '0.3.36')" 2>/dev/null || \
+		CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install $$(python3 scripts/llama_sdist.py unpack)
 
 # Rebuilt only when pyproject.toml changes. torch is pinned and installed first, so pip takes the
 # CPU wheel already on disk instead of resolving a bare `torch`.
@@ -22,7 +30,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	CLOVER_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 $(DEMO)/config.json: | setup
 	$(BIN)/clover-ref init $(DEMO) --preset tiny --seed 0

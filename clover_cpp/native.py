@@ -1,0 +1,251 @@
+"""Thin helpers over llama-cpp-python's low-level API for the patched llama.cpp (architecture `clover`).
+
+The native libraries are found in ``build/native/lib`` (``make native``) or in ``$CLOVER_NATIVE_LIB``.
+``LLAMA_CPP_LIB_PATH`` is set to that folder before ``llama_cpp`` is imported, so the bindings resolve
+against our build, never a bundled one.
+
+Block passes run on a scratch sequence: ``seq_cp(0 -> 1)``, ``causal_attn = false``, decode the window on
+seq 1 with logits only for the requested rows, ``seq_rm(1)``, ``causal_attn = true``. The committed
+history (seq 0: KV cells, conv and delta-rule state) is never written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_LIB_DIR = ROOT / "build" / "native" / "lib"
+HISTORY_SEQ = 0
+SCRATCH_SEQ = 1
+
+_llama: ModuleType | None = None
+_log_lines: list[str] = []
+_log_cb: Any = None
+
+
+class NativeError(RuntimeError):
+    """The native runtime is missing or a native call failed."""
+
+
+def lib_dir() -> Path:
+    """Folder holding libllama.so (``$CLOVER_NATIVE_LIB`` overrides build/native/lib)."""
+    env = os.environ.get("CLOVER_NATIVE_LIB")
+    return Path(env) if env else DEFAULT_LIB_DIR
+
+
+def native_available() -> tuple[bool, str]:
+    """(True, "") when the native library and the Python bindings can be used, else (False, reason)."""
+    d = lib_dir()
+    if not (d / "libllama.so").exists() and not (d / "libllama.dylib").exists():
+        return False, f"native library not found in {d} (run `make native`)"
+    try:
+        llama()
+    except Exception as exc:  # noqa: BLE001 - reported to the caller as a reason
+        return False, f"cannot load the native library from {d}: {exc}"
+    return True, ""
+
+
+def llama() -> ModuleType:
+    """The ``llama_cpp`` module bound to our libraries (imported once, backend initialised)."""
+    global _llama, _log_cb
+    if _llama is not None:
+        return _llama
+    d = lib_dir()
+    if not (d / "libllama.so").exists() and not (d / "libllama.dylib").exists():
+        raise NativeError(f"native library not found in {d}: run `make native` or set CLOVER_NATIVE_LIB")
+    prev = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if prev is not None and Path(prev).resolve() != d.resolve():
+        raise NativeError(f"LLAMA_CPP_LIB_PATH={prev} points elsewhere than {d}")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
+    try:
+        import llama_cpp  # noqa: PLC0415 - must follow LLAMA_CPP_LIB_PATH
+    except ImportError as exc:
+        raise NativeError(f"llama-cpp-python is not installed (make native): {exc}") from exc
+
+    @llama_cpp.llama_log_callback
+    def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        msg = text.decode("utf-8", "replace")
+        _log_lines.append(msg)
+        del _log_lines[:-200]
+        if level == 3 and os.environ.get("CLOVER_NATIVE_QUIET") != "1":  # errors
+            print(msg, end="", flush=True, file=__import__("sys").stderr)
+
+    _log_cb = _cb
+    llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    _llama = llama_cpp
+    return llama_cpp
+
+
+def recent_log() -> str:
+    """The last lines llama.cpp logged (load errors are only reported there)."""
+    return "".join(_log_lines)
+
+
+class Model:
+    """A loaded GGUF model (CPU)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        L = llama()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
+        params.use_mmap = True
+        _log_lines.clear()
+        self.path = str(path)
+        self.ptr = L.llama_model_load_from_file(self.path.encode(), params)
+        if not self.ptr:
+            errors = [ln.strip() for ln in _log_lines if "error" in ln.lower()]
+            raise NativeError(f"failed to load {self.path}: " + (" | ".join(errors) or "unknown error"))
+        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value as llama.cpp stringifies it (no arrays)."""
+        L = llama()
+        buf = ctypes.create_string_buffer(1024)
+        n = L.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode()
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        L = llama()
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        toks = (L.llama_token * cap)()
+        n = L.llama_tokenize(self.vocab, data, len(data), toks, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            toks = (L.llama_token * cap)()
+            n = L.llama_tokenize(self.vocab, data, len(data), toks, cap, add_special, parse_special)
+        if n < 0:
+            raise NativeError("llama_tokenize failed")
+        return list(toks[:n])
+
+    def mask_token(self) -> int:
+        return int(llama().llama_vocab_mask(self.vocab))
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            llama().llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class Context:
+    """A context on ``Model`` with two sequences (0 = history, 1 = scratch) and a unified KV cache."""
+
+    def __init__(self, model: Model, n_ctx: int = 1024, n_batch: int = 512, n_ubatch: int = 64,
+                 n_rs_seq: int = 0, n_threads: int | None = None) -> None:
+        L = llama()
+        p = L.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = n_ubatch
+        p.n_seq_max = 2
+        p.kv_unified = True
+        p.n_rs_seq = n_rs_seq
+        threads = n_threads or int(os.environ.get("CLOVER_THREADS", str(os.cpu_count() or 1)))
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        self.model = model
+        self.n_ubatch = n_ubatch
+        self.ptr = L.llama_init_from_model(model.ptr, p)
+        if not self.ptr:
+            raise NativeError("llama_init_from_model failed: " + recent_log()[-500:])
+        self.mem = L.llama_get_memory(self.ptr)
+        self.n_rs_seq = int(L.llama_n_rs_seq(self.ptr))
+
+    # -- low level ------------------------------------------------------------------------------
+    def _decode(self, tokens: Sequence[int], pos0: int, seq: int, rows: Sequence[int]) -> np.ndarray:
+        L = llama()
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("empty batch")
+        want = set(int(r) for r in rows)
+        batch = L.llama_batch_init(n, 0, 1)
+        try:
+            for i, t in enumerate(tokens):
+                batch.token[i] = int(t)
+                batch.pos[i] = pos0 + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = 1 if i in want else 0
+            batch.n_tokens = n
+            rc = L.llama_decode(self.ptr, batch)
+            if rc != 0:
+                raise NativeError(f"llama_decode returned {rc}")
+            out = np.empty((len(rows), self.model.n_vocab), dtype=np.float32)
+            for k, r in enumerate(rows):
+                ptr = L.llama_get_logits_ith(self.ptr, int(r))
+                out[k] = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+            return out
+        finally:
+            L.llama_batch_free(batch)
+
+    def pos_max(self, seq: int = HISTORY_SEQ) -> int:
+        return int(llama().llama_memory_seq_pos_max(self.mem, seq))
+
+    # -- API ------------------------------------------------------------------------------------
+    def causal(self, tokens: Sequence[int], rows: Sequence[int] | None = None) -> np.ndarray:
+        """Causal pass appending ``tokens`` to the history; float32 logits [len(rows), n_vocab]
+        (all rows by default; row i predicts the token after tokens[i])."""
+        pos0 = self.pos_max(HISTORY_SEQ) + 1
+        rows = list(range(len(tokens))) if rows is None else list(rows)
+        return self._decode(tokens, pos0, HISTORY_SEQ, rows)
+
+    def block(self, window: Sequence[int], rows: Sequence[int] | None = None) -> np.ndarray:
+        """Block pass on a scratch copy of the history: window at positions [p, p+B), p = history
+        length; logits for ``rows`` (window indices; all by default). History is left untouched."""
+        L = llama()
+        b = len(window)
+        if b > self.n_ubatch:
+            raise ValueError(f"block window of {b} does not fit n_ubatch={self.n_ubatch}")
+        rows = list(range(b)) if rows is None else list(rows)
+        pos0 = self.pos_max(HISTORY_SEQ) + 1
+        L.llama_memory_seq_rm(self.mem, SCRATCH_SEQ, -1, -1)
+        L.llama_memory_seq_cp(self.mem, HISTORY_SEQ, SCRATCH_SEQ, -1, -1)
+        L.llama_set_causal_attn(self.ptr, False)
+        try:
+            return self._decode(window, pos0, SCRATCH_SEQ, rows)
+        finally:
+            L.llama_set_causal_attn(self.ptr, True)
+            L.llama_memory_seq_rm(self.mem, SCRATCH_SEQ, -1, -1)
+
+    def rollback(self, keep: int) -> None:
+        """Keep history positions [0, keep); needs n_rs_seq >= the number of removed positions."""
+        ok = llama().llama_memory_seq_rm(self.mem, HISTORY_SEQ, keep, -1)
+        if not ok:
+            raise NativeError(f"seq_rm(0, {keep}, -1) refused (n_rs_seq={self.n_rs_seq})")
+
+    def clear(self) -> None:
+        llama().llama_memory_clear(self.mem, True)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            llama().llama_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def load_model(path: str | os.PathLike[str]) -> Model:
+    return Model(path)
+
+
+def create_context(model: Model, **kwargs: Any) -> Context:
+    return Context(model, **kwargs)

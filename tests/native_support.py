@@ -1,0 +1,149 @@
+"""Helpers for the native (patched llama.cpp) tests: availability policy, GGUF making and rewriting,
+parity metrics, and a record of every measured difference (written to build/native-parity.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VENV_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
+RESULTS_FILE = REPO_ROOT / "build" / "native-parity.json"  # outside build/native, which a rebuild replaces
+
+MEASURED: dict[str, Any] = {}
+
+
+def require_native() -> None:
+    """Skip (with the reason) when the native runtime is missing; fail instead with CLOVER_REQUIRE_NATIVE=1."""
+    from clover_cpp import native
+
+    ok, reason = native.native_available()
+    if ok:
+        return
+    if os.environ.get("CLOVER_REQUIRE_NATIVE") == "1":
+        pytest.fail(f"CLOVER_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
+    pytest.skip(f"native runtime unavailable: {reason} (set CLOVER_REQUIRE_NATIVE=1 to make this a failure)")
+
+
+def record(name: str, value: Any) -> None:
+    MEASURED[name] = value
+
+
+def dump_results() -> None:
+    if not MEASURED:
+        return
+    RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    old: dict[str, Any] = {}
+    if RESULTS_FILE.exists():
+        try:
+            old = json.loads(RESULTS_FILE.read_text())
+        except ValueError:
+            old = {}
+    old.update(MEASURED)
+    RESULTS_FILE.write_text(json.dumps(old, indent=1, sort_keys=True))
+
+
+def clover_convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """clover-convert (our converter) in a subprocess."""
+    done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(model_dir), "--outfile", str(out),
+                           "--outtype", outtype], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def quantize(src: Path, dst: Path, qtype: str = "Q8_0") -> Path:
+    from clover_cpp import native
+
+    tool = native.lib_dir().parent / "bin" / "llama-quantize"
+    assert tool.exists(), f"{tool} missing (make native)"
+    done = subprocess.run([str(tool), str(src), str(dst), qtype], capture_output=True, text=True)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return dst
+
+
+def parity(native_logits: np.ndarray, ref_logits: np.ndarray, rel: float) -> dict[str, float]:
+    """Max |diff|, the tolerance rel * max(1, max|ref|), and top-1 mismatches where the ref's top-2 gap > tol."""
+    a = np.asarray(native_logits, dtype=np.float64)
+    b = np.asarray(ref_logits, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    diff = float(np.abs(a - b).max())
+    scale = max(1.0, float(np.abs(b).max()))
+    tol = rel * scale
+    top2 = np.sort(b, axis=-1)[..., -2:]
+    gap = top2[..., 1] - top2[..., 0]
+    decisive = gap > tol
+    mism = int(((a.argmax(-1) != b.argmax(-1)) & decisive).sum())
+    return {"max_abs_diff": diff, "max_abs_ref": float(np.abs(b).max()), "tol": tol, "rel": diff / scale,
+            "top1_mismatch_decisive": mism, "rows": int(a.shape[0])}
+
+
+def assert_parity(name: str, native_logits: np.ndarray, ref_logits: np.ndarray, rel: float) -> dict[str, float]:
+    m = parity(native_logits, ref_logits, rel)
+    record(name, m)
+    assert m["max_abs_diff"] <= m["tol"], f"{name}: max|diff| {m['max_abs_diff']:.3g} > tol {m['tol']:.3g}"
+    assert m["top1_mismatch_decisive"] == 0, f"{name}: top-1 differs on {m['top1_mismatch_decisive']} rows"
+    return m
+
+
+# ------------------------------------------------------------------------------------------ GGUF rewrite
+def rewrite_gguf(src: Path, dst: Path, *, kv: dict[str, Any] | None = None,
+                 drop_tensors: Iterable[str] = (),
+                 tensor_edit: Callable[[str, np.ndarray], np.ndarray] | None = None) -> Path:
+    """Copy a GGUF with some keys changed (kv: name -> new value, same type) or tensors dropped/edited."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    kv = dict(kv or {})
+    drop = set(drop_tensors)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        value = kv.pop(name, None)
+        if value is None:
+            value = field.contents()
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, vtype)
+    assert not kv, f"keys not in {src}: {sorted(kv)}"
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, "rewrite_gguf copies F32 files only"
+        data = np.array(t.data, dtype=np.float32).reshape([int(x) for x in reversed(t.shape.tolist())])
+        if tensor_edit is not None:
+            data = tensor_edit(t.name, data)
+        writer.add_tensor(t.name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def load_in_subprocess(path: Path) -> subprocess.CompletedProcess[str]:
+    """Try to load a GGUF in a fresh interpreter (a crash there cannot take the test session down)."""
+    code = (
+        "import sys\n"
+        "from clover_cpp import native\n"
+        "try:\n"
+        "    native.Model(sys.argv[1])\n"
+        "except native.NativeError as exc:\n"
+        "    print('LOAD-ERROR:', exc)\n"
+        "    sys.exit(3)\n"
+        "print('LOADED')\n"
+    )
+    env = dict(os.environ, CLOVER_NATIVE_QUIET="1")
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                          cwd=str(REPO_ROOT), timeout=300)
