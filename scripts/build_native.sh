@@ -12,7 +12,7 @@
 #                            Top-level files of cpp_patch/ (SDIST_SHA256, clover.patch, notes) are not copied.
 # Environment:
 #   CLOVER_CACHE (~/.cache/clover)  sdist cache and build folders, outside the clone
-#   GPU=cpu|cuda, TARGETS ("llama llama-quantize"), JOBS (nproc), EXTRA_CMAKE_FLAGS (word-split),
+#   GPU=cpu|cuda, TARGETS ("llama llama-quantize clover llama-clover"), JOBS (nproc), EXTRA_CMAKE_FLAGS (word-split),
 #   KEEP_BUILDS (4; older build folders are deleted, 0 keeps all)
 #
 # Each build lives in $CLOVER_CACHE/build/<key>/{src,build}; key = sha256 of every cpp_patch file and the
@@ -27,7 +27,7 @@ PATCH_DIR=$ROOT/cpp_patch
 PATCH_FILE=$PATCH_DIR/clover.patch
 OUT=$ROOT/build/native
 GPU=${GPU:-cpu}
-TARGETS=${TARGETS:-llama llama-quantize}
+TARGETS=${TARGETS:-llama llama-quantize clover llama-clover}
 JOBS=${JOBS:-$(nproc)}
 KEEP_BUILDS=${KEEP_BUILDS:-4}
 

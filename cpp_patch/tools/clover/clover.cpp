@@ -1,0 +1,1207 @@
+// Clover decoding engine: ar, LowConfidence block diffusion and self-speculative decoding
+// (shared/clover-spec.md section 4). See clover.h for the API and docs/decoding.md for the reading of the spec
+// that the PyTorch reference (reference/decode.py) implements; in greedy mode this engine is token-identical to it.
+
+#include "clover.h"
+
+#include "ggml.h"
+#include "gguf.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <random>
+#include <string>
+#include <vector>
+
+static const llama_seq_id CLOVER_SEQ_HISTORY = 0;
+static const llama_seq_id CLOVER_SEQ_SCRATCH = 1;
+
+struct clover_engine {
+    llama_model       * model = nullptr;
+    llama_context     * ctx   = nullptr;
+    const llama_vocab * vocab = nullptr;
+    llama_memory_t      mem   = nullptr;
+
+    clover_model_info info = {};
+
+    int32_t n_ctx          = 0;  // logical context size (llama.cpp may pad its own)
+    int32_t n_batch        = 0;
+    int32_t max_block_size = 0;
+    int32_t n_vocab        = 0;
+
+    std::vector<llama_token> eog_ids;  // the vocab's end-of-generation set
+
+    // committed history: positions [0, n_past) on seq 0; the seed sits at n_past
+    int32_t     n_past   = 0;
+    bool        has_seed = false;
+    llama_token seed     = 0;
+
+    llama_batch batch = {};
+    int32_t     batch_cap = 0;
+
+    std::vector<double>  probs;  // sampling scratch: Q over the vocabulary
+    std::vector<int32_t> order;  // sampling scratch: top-p order
+
+    std::string last_error;
+};
+
+//
+// helpers
+//
+
+static void clover_set_err(char * err, size_t err_size, const std::string & msg) {
+    if (err && err_size > 0) {
+        snprintf(err, err_size, "%s", msg.c_str());
+    }
+}
+
+static std::string clover_format(const char * fmt, ...) {
+    char buf[1024];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    return buf;
+}
+
+static double clover_now_ms() {
+    using clock = std::chrono::steady_clock;
+    return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
+}
+
+static void clover_hist_add(int32_t * hist, int32_t value) {
+    hist[std::min(std::max(value, 0), CLOVER_HIST_SIZE - 1)]++;
+}
+
+//
+// GGUF metadata (typed)
+//
+
+static bool clover_gguf_int(const gguf_context * gctx, const char * key, int64_t & out) {
+    const int64_t id = gguf_find_key(gctx, key);
+    if (id < 0) {
+        return false;
+    }
+    switch (gguf_get_kv_type(gctx, id)) {
+        case GGUF_TYPE_UINT8:  out = gguf_get_val_u8 (gctx, id); return true;
+        case GGUF_TYPE_INT8:   out = gguf_get_val_i8 (gctx, id); return true;
+        case GGUF_TYPE_UINT16: out = gguf_get_val_u16(gctx, id); return true;
+        case GGUF_TYPE_INT16:  out = gguf_get_val_i16(gctx, id); return true;
+        case GGUF_TYPE_UINT32: out = gguf_get_val_u32(gctx, id); return true;
+        case GGUF_TYPE_INT32:  out = gguf_get_val_i32(gctx, id); return true;
+        case GGUF_TYPE_UINT64: out = (int64_t) gguf_get_val_u64(gctx, id); return true;
+        case GGUF_TYPE_INT64:  out = gguf_get_val_i64(gctx, id); return true;
+        default: return false;
+    }
+}
+
+static bool clover_gguf_float(const gguf_context * gctx, const char * key, float & out) {
+    const int64_t id = gguf_find_key(gctx, key);
+    if (id < 0) {
+        return false;
+    }
+    switch (gguf_get_kv_type(gctx, id)) {
+        case GGUF_TYPE_FLOAT32: out = gguf_get_val_f32(gctx, id); return true;
+        case GGUF_TYPE_FLOAT64: out = (float) gguf_get_val_f64(gctx, id); return true;
+        default: return false;
+    }
+}
+
+// an array of numbers as doubles; false if missing or not numeric
+static bool clover_gguf_num_array(const gguf_context * gctx, const char * key, std::vector<double> & out) {
+    const int64_t id = gguf_find_key(gctx, key);
+    if (id < 0 || gguf_get_kv_type(gctx, id) != GGUF_TYPE_ARRAY) {
+        return false;
+    }
+    const size_t n    = gguf_get_arr_n(gctx, id);
+    const auto   type = gguf_get_arr_type(gctx, id);
+    out.clear();
+    if (n == 0) {
+        return true;
+    }
+    const void * data = gguf_get_arr_data(gctx, id);
+    for (size_t i = 0; i < n; ++i) {
+        switch (type) {
+            case GGUF_TYPE_UINT8:   out.push_back(((const uint8_t  *) data)[i]); break;
+            case GGUF_TYPE_INT8:    out.push_back(((const int8_t   *) data)[i]); break;
+            case GGUF_TYPE_UINT16:  out.push_back(((const uint16_t *) data)[i]); break;
+            case GGUF_TYPE_INT16:   out.push_back(((const int16_t  *) data)[i]); break;
+            case GGUF_TYPE_UINT32:  out.push_back(((const uint32_t *) data)[i]); break;
+            case GGUF_TYPE_INT32:   out.push_back(((const int32_t  *) data)[i]); break;
+            case GGUF_TYPE_UINT64:  out.push_back((double) ((const uint64_t *) data)[i]); break;
+            case GGUF_TYPE_INT64:   out.push_back((double) ((const int64_t  *) data)[i]); break;
+            case GGUF_TYPE_FLOAT32: out.push_back(((const float    *) data)[i]); break;
+            case GGUF_TYPE_FLOAT64: out.push_back(((const double   *) data)[i]); break;
+            default: return false;
+        }
+    }
+    return true;
+}
+
+static bool clover_read_info(const char * path, clover_model_info & info, std::string & err) {
+    info = {};
+    if (!path) {
+        err = "no model path given";
+        return false;
+    }
+    gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_context * gctx = gguf_init_from_file(path, gparams);
+    if (!gctx) {
+        err = clover_format("cannot read GGUF file '%s' (missing or not a GGUF file)", path);
+        return false;
+    }
+
+    std::string arch = "clover";
+    {
+        const int64_t id = gguf_find_key(gctx, "general.architecture");
+        if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_STRING) {
+            arch = gguf_get_val_str(gctx, id);
+        }
+    }
+    const auto key = [&](const char * suffix) { return arch + "." + suffix; };
+
+    bool ok = false;
+    do {
+        int64_t v = 0;
+        if (!clover_gguf_int(gctx, key("block_size").c_str(), v)) {
+            err = clover_format("'%s': missing or non-integer %s", path, key("block_size").c_str());
+            break;
+        }
+        if (v < 1 || v > 1 << 20) {
+            err = clover_format("'%s': invalid %s = %lld", path, key("block_size").c_str(), (long long) v);
+            break;
+        }
+        info.block_size = (int32_t) v;
+
+        if (!clover_gguf_float(gctx, key("diffusion.threshold").c_str(), info.threshold)) {
+            err = clover_format("'%s': missing or non-float %s", path, key("diffusion.threshold").c_str());
+            break;
+        }
+
+        if (!clover_gguf_int(gctx, "tokenizer.ggml.mask_token_id", v) || v < 0 || v > INT32_MAX) {
+            err = clover_format("'%s': missing or invalid tokenizer.ggml.mask_token_id", path);
+            break;
+        }
+        info.mask_token_id = (int32_t) v;
+
+        info.conv_right_kernel = clover_gguf_int(gctx, key("ssm.conv_right_kernel").c_str(), v) ? (int32_t) v : 0;
+        info.n_ctx_train       = clover_gguf_int(gctx, key("context_length").c_str(), v) ? (int32_t) v : 0;
+
+        {
+            const int64_t id = gguf_find_key(gctx, "tokenizer.ggml.tokens");
+            info.n_vocab = id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_ARRAY ? (int32_t) gguf_get_arr_n(gctx, id) : 0;
+        }
+
+        std::vector<double> sizes;
+        std::vector<double> thresholds;
+        const bool has_sizes      = clover_gguf_num_array(gctx, key("diffusion.calibrated_block_sizes").c_str(), sizes);
+        const bool has_thresholds = clover_gguf_num_array(gctx, key("diffusion.calibrated_thresholds").c_str(), thresholds);
+        if (has_sizes != has_thresholds || sizes.size() != thresholds.size()) {
+            err = clover_format("'%s': %s and %s differ in length", path,
+                    key("diffusion.calibrated_block_sizes").c_str(), key("diffusion.calibrated_thresholds").c_str());
+            break;
+        }
+        if (sizes.size() > CLOVER_MAX_CALIBRATED) {
+            err = clover_format("'%s': %zu calibrated block sizes, at most %d are supported", path, sizes.size(), CLOVER_MAX_CALIBRATED);
+            break;
+        }
+        bool bad = false;
+        for (size_t i = 0; i < sizes.size(); ++i) {
+            if (sizes[i] < 1 || sizes[i] > (1 << 20)) {
+                bad = true;
+            }
+            info.calibrated_block_sizes[i] = (int32_t) sizes[i];
+            info.calibrated_thresholds[i]  = (float) thresholds[i];
+        }
+        if (bad) {
+            err = clover_format("'%s': invalid calibrated block size", path);
+            break;
+        }
+        info.n_calibrated = (int32_t) sizes.size();
+        ok = true;
+    } while (false);
+
+    gguf_free(gctx);
+    return ok;
+}
+
+//
+// batches and passes
+//
+
+static void clover_batch_fill(llama_batch & batch, const llama_token * tokens, int32_t n, llama_pos pos0,
+                              llama_seq_id seq, const std::vector<int32_t> & rows) {
+    batch.n_tokens = n;
+    for (int32_t i = 0; i < n; ++i) {
+        batch.token[i]     = tokens[i];
+        batch.pos[i]       = pos0 + i;
+        batch.n_seq_id[i]  = 1;
+        batch.seq_id[i][0] = seq;
+        batch.logits[i]    = 0;
+    }
+    for (int32_t r : rows) {
+        batch.logits[r] = 1;
+    }
+}
+
+static bool clover_decode(clover_engine * eng, const char * what) {
+    const int32_t rc = llama_decode(eng->ctx, eng->batch);
+    if (rc != 0) {
+        eng->last_error = clover_format("llama_decode failed in the %s (code %d)", what, rc);
+        return false;
+    }
+    return true;
+}
+
+// causal pass appending tokens to the history (seq 0) at positions n_past ..; logits for rows
+static bool clover_causal(clover_engine * eng, const llama_token * tokens, int32_t n,
+                          const std::vector<int32_t> & rows, const char * what) {
+    if (n > eng->batch_cap) {
+        eng->last_error = clover_format("internal error: a causal pass of %d tokens exceeds the batch (%d)", n, eng->batch_cap);
+        return false;
+    }
+    clover_batch_fill(eng->batch, tokens, n, eng->n_past, CLOVER_SEQ_HISTORY, rows);
+    if (!clover_decode(eng, what)) {
+        return false;
+    }
+    eng->n_past += n;
+    return true;
+}
+
+// block pass over the window at positions n_past .. on a scratch copy of the history; logits for rows.
+// The history (seq 0) is never written.
+static bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
+    const int32_t n = (int32_t) window.size();
+    if (n > eng->max_block_size || n > eng->batch_cap) {
+        eng->last_error = clover_format("internal error: a block window of %d exceeds max_block_size %d", n, eng->max_block_size);
+        return false;
+    }
+    llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, -1, -1);
+    llama_memory_seq_cp(eng->mem, CLOVER_SEQ_HISTORY, CLOVER_SEQ_SCRATCH, -1, -1);
+    llama_set_causal_attn(eng->ctx, false);
+    clover_batch_fill(eng->batch, window.data(), n, eng->n_past, CLOVER_SEQ_SCRATCH, rows);
+    const bool ok = clover_decode(eng, "block pass");
+    llama_set_causal_attn(eng->ctx, true);
+    llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, -1, -1);
+    return ok;
+}
+
+//
+// distributions (spec 4, "Distributions and confidence")
+//
+
+struct clover_sampler {
+    std::vector<uint8_t> excluded;  // mask token and banned ids
+    std::vector<uint8_t> stop;      // end-of-generation ids
+    float        temperature = 0.0f;
+    int32_t      top_k       = 0;
+    float        top_p       = 1.0f;
+    std::mt19937 rng;
+
+    bool greedy() const { return !(temperature > 0.0f); }
+
+    double uniform() {
+        // 53-bit uniform in [0, 1) from two 32-bit draws (portable across standard libraries)
+        const uint64_t a = rng() >> 5;
+        const uint64_t b = rng() >> 6;
+        return (double) (a * 67108864ull + b) / 9007199254740992.0;
+    }
+};
+
+// float32 logits of batch row i (NULL with last_error set when llama.cpp has none)
+static const float * clover_get_row(clover_engine * eng, int32_t i) {
+    const float * logits = llama_get_logits_ith(eng->ctx, i);
+    if (!logits) {
+        eng->last_error = clover_format("llama_get_logits_ith(%d) returned no logits", i);
+    }
+    return logits;
+}
+
+// argmax P (ties to the lowest id) and its confidence P(token) at temperature 1
+struct clover_choice {
+    llama_token token;
+    float       conf;
+};
+
+static llama_token clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab) {
+    llama_token best = -1;
+    float       best_v = -std::numeric_limits<float>::infinity();
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        if (smp.excluded[i]) {
+            continue;
+        }
+        if (best < 0 || logits[i] > best_v) {
+            best   = i;
+            best_v = logits[i];
+        }
+    }
+    return best < 0 ? 0 : best;
+}
+
+// P(token) with excluded ids at -inf, softmax at temperature 1 (float32 result)
+static float clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v) {
+    double sum = 0.0;
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        if (!smp.excluded[i]) {
+            sum += std::exp((double) logits[i] - (double) max_v);
+        }
+    }
+    return (float) (std::exp((double) logits[token] - (double) max_v) / sum);
+}
+
+// Q: P after temperature, top-k, top-p; written to q (n_vocab doubles, zero outside the support)
+static void clover_sampling_dist(clover_engine * eng, const clover_sampler & smp, const float * logits, std::vector<double> & q) {
+    const int32_t n_vocab = eng->n_vocab;
+    q.assign(n_vocab, 0.0);
+    if (smp.greedy()) {
+        q[clover_argmax(smp, logits, n_vocab)] = 1.0;
+        return;
+    }
+    float max_v = -std::numeric_limits<float>::infinity();
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        if (!smp.excluded[i]) {
+            max_v = std::max(max_v, logits[i]);
+        }
+    }
+    double sum = 0.0;
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        if (!smp.excluded[i]) {
+            q[i] = std::exp(((double) logits[i] - (double) max_v) / (double) smp.temperature);
+            sum += q[i];
+        }
+    }
+    for (auto & v : q) {
+        v /= sum;
+    }
+    if (smp.top_k > 0 && smp.top_k < n_vocab) {
+        std::vector<double> tmp(q);
+        std::nth_element(tmp.begin(), tmp.begin() + (smp.top_k - 1), tmp.end(), std::greater<double>());
+        const double cutoff = tmp[smp.top_k - 1];
+        sum = 0.0;
+        for (auto & v : q) {
+            if (v < cutoff) {
+                v = 0.0;
+            }
+            sum += v;
+        }
+        for (auto & v : q) {
+            v /= sum;
+        }
+    }
+    if (smp.top_p < 1.0f) {
+        auto & order = eng->order;
+        order.clear();
+        for (int32_t i = 0; i < n_vocab; ++i) {
+            if (q[i] > 0.0) {
+                order.push_back(i);
+            }
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return q[a] > q[b]; });
+        double before = 0.0;
+        size_t n_keep = 0;
+        for (; n_keep < order.size(); ++n_keep) {
+            if (!(before < (double) smp.top_p)) {
+                break;
+            }
+            before += q[order[n_keep]];
+        }
+        n_keep = std::max<size_t>(n_keep, 1);
+        sum = 0.0;
+        for (size_t k = 0; k < order.size(); ++k) {
+            if (k < n_keep) {
+                sum += q[order[k]];
+            } else {
+                q[order[k]] = 0.0;
+            }
+        }
+        for (auto & v : q) {
+            v /= sum;
+        }
+    }
+}
+
+static llama_token clover_draw(clover_sampler & smp, const std::vector<double> & q) {
+    double total = 0.0;
+    for (double v : q) {
+        total += v;
+    }
+    const double u = smp.uniform() * total;
+    double acc = 0.0;
+    llama_token last = -1;
+    for (size_t i = 0; i < q.size(); ++i) {
+        if (q[i] <= 0.0) {
+            continue;
+        }
+        acc += q[i];
+        last = (llama_token) i;
+        if (u < acc) {
+            return last;
+        }
+    }
+    return last < 0 ? 0 : last;
+}
+
+// the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
+static clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, const float * logits) {
+    const int32_t n_vocab = eng->n_vocab;
+    const llama_token best = clover_argmax(smp, logits, n_vocab);
+    const float max_v = logits[best];
+    llama_token token = best;
+    if (!smp.greedy()) {
+        clover_sampling_dist(eng, smp, logits, eng->probs);
+        token = clover_draw(smp, eng->probs);
+    }
+    return { token, clover_prob(smp, logits, n_vocab, token, max_v) };
+}
+
+//
+// one generate call
+//
+
+struct clover_run {
+    clover_engine         * eng;
+    const clover_gen_params * params;
+    clover_sampler          smp;
+    int32_t                 block_size;
+    float                   threshold;
+    int32_t                 budget;
+    int32_t                 n_out = 0;
+    clover_tokens_cb        on_tokens;
+    clover_step_cb          on_step;
+    void                  * user_data;
+    clover_stats          * stats;
+    bool                    cancelled = false;
+
+    int32_t remaining() const { return budget - n_out; }
+    bool is_stop(llama_token t) const { return t >= 0 && t < (llama_token) smp.stop.size() && smp.stop[t]; }
+};
+
+static bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n) {
+    if (n <= 0) {
+        return true;
+    }
+    run.n_out += n;
+    run.stats->n_generated = run.n_out;
+    if (run.on_tokens && !run.on_tokens(tokens, n, run.user_data)) {
+        run.cancelled = true;
+        return false;
+    }
+    return true;
+}
+
+// window width for the next block: B, or what is left of the context (spec 4.1); 0 ends generation
+static int32_t clover_block_width(clover_run & run) {
+    const int32_t width = std::min(run.block_size, run.eng->n_ctx - run.eng->n_past);
+    if (width < 1) {
+        run.stats->stop_reason = CLOVER_STOP_CONTEXT;
+        return 0;
+    }
+    return width;
+}
+
+static bool clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
+    const double t0 = clover_now_ms();
+    const bool ok = clover_block(run.eng, window, rows);
+    run.stats->t_block_ms += clover_now_ms() - t0;
+    run.stats->n_block_passes++;
+    return ok;
+}
+
+static bool clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows, const char * what) {
+    const double t0 = clover_now_ms();
+    const bool ok = clover_causal(run.eng, tokens, n, rows, what);
+    run.stats->t_causal_ms += clover_now_ms() - t0;
+    run.stats->n_causal_passes++;
+    return ok;
+}
+
+static const llama_token CLOVER_EMPTY = -1;
+
+static void clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window) {
+    const int32_t w = (int32_t) canvas.size();
+    window.resize(w);
+    window[0] = run.eng->seed;
+    for (int32_t j = 0; j + 1 < w; ++j) {
+        window[j + 1] = canvas[j] == CLOVER_EMPTY ? run.eng->info.mask_token_id : canvas[j];
+    }
+}
+
+// one LowConfidence step: a block pass; fill every masked target above the threshold, or the single most
+// confident one (ties to the lowest position). Returns false on error or cancellation.
+static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
+    clover_engine * eng = run.eng;
+    std::vector<int32_t> masked;
+    for (int32_t j = 0; j < (int32_t) canvas.size(); ++j) {
+        if (canvas[j] == CLOVER_EMPTY) {
+            masked.push_back(j);
+        }
+    }
+    std::vector<llama_token> window;
+    clover_window(run, canvas, window);
+    if (!clover_timed_block(run, window, masked)) {
+        return false;
+    }
+    std::vector<clover_choice> choices;
+    choices.reserve(masked.size());
+    for (int32_t j : masked) {
+        const float * logits = clover_get_row(eng, j);
+        if (!logits) {
+            return false;
+        }
+        choices.push_back(clover_choose(eng, run.smp, logits));
+    }
+    const float threshold = run.threshold;
+    bool any = false;
+    for (size_t i = 0; i < masked.size(); ++i) {
+        if (choices[i].conf > threshold) {
+            canvas[masked[i]] = choices[i].token;
+            any = true;
+        }
+    }
+    if (!any && !masked.empty()) {
+        size_t best = 0;
+        for (size_t i = 1; i < masked.size(); ++i) {
+            if (choices[i].conf > choices[best].conf) {
+                best = i;
+            }
+        }
+        canvas[masked[best]] = choices[best].token;
+    }
+    if (run.on_step) {
+        std::vector<llama_token> view(canvas.size());
+        for (size_t j = 0; j < canvas.size(); ++j) {
+            view[j] = canvas[j] == CLOVER_EMPTY ? eng->info.mask_token_id : canvas[j];
+        }
+        if (!run.on_step(view.data(), (int32_t) view.size(), run.user_data)) {
+            run.cancelled = true;
+            return false;
+        }
+    }
+    return true;
+}
+
+// min(K, R) of spec 4.1, and the 1-based offset of the end-of-generation target that set K (0 if none)
+static int32_t clover_produced_limit(const clover_run & run, const std::vector<llama_token> & canvas, int32_t & eog_at) {
+    eog_at = 0;
+    const int32_t remaining = run.remaining();
+    for (int32_t j = 1; j <= (int32_t) canvas.size(); ++j) {
+        const llama_token t = canvas[j - 1];
+        if (t == CLOVER_EMPTY) {
+            break;
+        }
+        if (run.is_stop(t)) {
+            eog_at = j;
+            return std::min(j, remaining);
+        }
+    }
+    return std::min((int32_t) canvas.size(), remaining);
+}
+
+static bool clover_run_ar(clover_run & run) {
+    clover_engine * eng = run.eng;
+    const std::vector<int32_t> rows = { 0 };
+    while (run.remaining() > 0) {
+        if (eng->n_past >= eng->n_ctx) {
+            run.stats->stop_reason = CLOVER_STOP_CONTEXT;
+            return true;
+        }
+        const llama_token seed = eng->seed;
+        if (!clover_timed_causal(run, &seed, 1, rows, "ar step")) {
+            return false;
+        }
+        const float * logits = clover_get_row(eng, 0);
+        if (!logits) {
+            return false;
+        }
+        const llama_token token = clover_choose(eng, run.smp, logits).token;
+        eng->seed = token;
+        if (run.is_stop(token)) {
+            run.stats->stop_reason = CLOVER_STOP_EOG;
+            return true;
+        }
+        if (!clover_emit(run, &token, 1)) {
+            return false;
+        }
+    }
+    run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    return true;
+}
+
+static bool clover_run_diffusion(clover_run & run) {
+    clover_engine * eng = run.eng;
+    while (run.remaining() > 0) {
+        const int32_t width = clover_block_width(run);
+        if (width == 0) {
+            return true;
+        }
+        std::vector<llama_token> canvas(width, CLOVER_EMPTY);
+        int32_t steps  = 0;
+        int32_t limit  = 0;
+        int32_t eog_at = 0;
+        while (true) {
+            limit = clover_produced_limit(run, canvas, eog_at);
+            bool filled = true;
+            for (int32_t j = 0; j < limit; ++j) {
+                filled = filled && canvas[j] != CLOVER_EMPTY;
+            }
+            if (filled) {
+                break;
+            }
+            if (!clover_step(run, canvas)) {
+                return false;
+            }
+            steps++;
+        }
+        clover_hist_add(run.stats->steps_per_block, steps);
+
+        // commit: causal pass over [seed, produced[:-1]]; the last produced token becomes the seed
+        std::vector<llama_token> commit(limit);
+        commit[0] = eng->seed;
+        for (int32_t j = 0; j + 1 < limit; ++j) {
+            commit[j + 1] = canvas[j];
+        }
+        if (!clover_timed_causal(run, commit.data(), limit, {}, "commit pass")) {
+            return false;
+        }
+        eng->seed = canvas[limit - 1];
+        if (eog_at == limit) {
+            if (!clover_emit(run, canvas.data(), limit - 1)) {
+                return false;
+            }
+            run.stats->stop_reason = CLOVER_STOP_EOG;
+            return true;
+        }
+        if (!clover_emit(run, canvas.data(), limit)) {
+            return false;
+        }
+    }
+    run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    return true;
+}
+
+// draft: draft_steps LowConfidence steps, then one block pass where every still-masked target takes argmax P
+static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_token> & canvas) {
+    clover_engine * eng = run.eng;
+    canvas.assign(width, CLOVER_EMPTY);
+    for (int32_t s = 0; s < run.params->draft_steps; ++s) {
+        if (std::find(canvas.begin(), canvas.end(), CLOVER_EMPTY) == canvas.end()) {
+            break;
+        }
+        if (!clover_step(run, canvas)) {
+            return false;
+        }
+    }
+    std::vector<int32_t> masked;
+    for (int32_t j = 0; j < width; ++j) {
+        if (canvas[j] == CLOVER_EMPTY) {
+            masked.push_back(j);
+        }
+    }
+    if (masked.empty()) {
+        return true;
+    }
+    std::vector<llama_token> window;
+    clover_window(run, canvas, window);
+    if (!clover_timed_block(run, window, masked)) {
+        return false;
+    }
+    for (int32_t j : masked) {
+        const float * logits = clover_get_row(eng, j);
+        if (!logits) {
+            return false;
+        }
+        canvas[j] = clover_argmax(run.smp, logits, eng->n_vocab);
+    }
+    return true;
+}
+
+static bool clover_run_spec(clover_run & run) {
+    clover_engine * eng = run.eng;
+    std::vector<llama_token> drafts;
+    std::vector<llama_token> out;
+    std::vector<double>      residual;
+    while (run.remaining() > 0) {
+        const int32_t width = clover_block_width(run);
+        if (width == 0) {
+            return true;
+        }
+        if (!clover_draft(run, width, drafts)) {
+            return false;
+        }
+
+        // verify: one causal pass over [seed, d_1 .. d_{B-1}] with logits for all B rows
+        const int32_t p = eng->n_past;
+        std::vector<llama_token> inputs(width);
+        inputs[0] = eng->seed;
+        for (int32_t j = 0; j + 1 < width; ++j) {
+            inputs[j + 1] = drafts[j];
+        }
+        std::vector<int32_t> rows(width);
+        for (int32_t j = 0; j < width; ++j) {
+            rows[j] = j;
+        }
+        if (!clover_timed_causal(run, inputs.data(), width, rows, "verification pass")) {
+            return false;
+        }
+
+        // accept: m = min(c+1, B, R, first end-of-generation offset)
+        out.clear();
+        bool    hit_eog = false;
+        int32_t m       = 0;
+        llama_token next_seed = eng->seed;
+        for (int32_t j = 1; j <= width; ++j) {
+            const float * logits = clover_get_row(eng, j - 1);
+            if (!logits) {
+                return false;
+            }
+            const llama_token draft = drafts[j - 1];
+            bool        accepted;
+            llama_token token;
+            if (run.smp.greedy()) {
+                token    = clover_argmax(run.smp, logits, eng->n_vocab);
+                accepted = token == draft;
+            } else {
+                clover_sampling_dist(eng, run.smp, logits, eng->probs);
+                const double qd = eng->probs[draft];
+                accepted = run.smp.uniform() < qd;
+                if (accepted) {
+                    token = draft;
+                } else {
+                    residual = eng->probs;
+                    residual[draft] = 0.0;
+                    token = clover_draw(run.smp, residual);
+                }
+            }
+            m         = j;
+            next_seed = token;
+            if (run.is_stop(token)) {
+                hit_eog = true;
+                break;
+            }
+            out.push_back(token);
+            if (!accepted || j == width || (int32_t) out.size() == run.remaining()) {
+                break;
+            }
+        }
+
+        // keep history through p+m-1, roll back p+m .. p+B-1; a_{p+m} is the next seed
+        if (m < width) {
+            if (!llama_memory_seq_rm(eng->mem, CLOVER_SEQ_HISTORY, p + m, -1)) {
+                eng->last_error = clover_format("rollback of positions %d .. %d refused (n_rs_seq = %u)",
+                        p + m, p + width - 1, llama_n_rs_seq(eng->ctx));
+                return false;
+            }
+        }
+        eng->n_past = p + m;
+        eng->seed   = next_seed;
+        clover_hist_add(run.stats->accepted_lengths, m);
+        if (!clover_emit(run, out.data(), (int32_t) out.size())) {
+            return false;
+        }
+        if (hit_eog) {
+            run.stats->stop_reason = CLOVER_STOP_EOG;
+            return true;
+        }
+    }
+    run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    return true;
+}
+
+//
+// C API
+//
+
+static void clover_backend_init_once() {
+    static std::once_flag flag;
+    std::call_once(flag, [] { llama_backend_init(); });
+}
+
+extern "C" {
+
+struct clover_engine_params clover_engine_default_params(void) {
+    clover_engine_params p = {};
+    p.n_ctx          = 0;
+    p.n_batch        = 512;
+    p.max_block_size = 0;
+    p.n_threads      = 0;
+    p.n_gpu_layers   = 0;
+    return p;
+}
+
+struct clover_gen_params clover_gen_default_params(void) {
+    clover_gen_params p = {};
+    p.mode         = CLOVER_MODE_DIFFUSION;
+    p.block_size   = 0;
+    p.threshold    = -1.0f;
+    p.draft_steps  = 0;
+    p.temperature  = 0.0f;
+    p.top_k        = 0;
+    p.top_p        = 1.0f;
+    p.seed         = 0;
+    p.max_tokens   = 64;
+    p.stop_ids     = nullptr;
+    p.n_stop_ids   = -1;
+    p.banned_ids   = nullptr;
+    p.n_banned_ids = 0;
+    return p;
+}
+
+int32_t clover_read_model_info(const char * path, struct clover_model_info * info, char * err, size_t err_size) {
+    if (!info) {
+        clover_set_err(err, err_size, "info is NULL");
+        return -1;
+    }
+    std::string msg;
+    if (!clover_read_info(path, *info, msg)) {
+        clover_set_err(err, err_size, msg);
+        return -1;
+    }
+    clover_set_err(err, err_size, "");
+    return 0;
+}
+
+struct clover_engine * clover_engine_load(const char * path, struct clover_engine_params params,
+                                          char * err, size_t err_size) {
+    clover_model_info info;
+    std::string msg;
+    if (!clover_read_info(path, info, msg)) {
+        clover_set_err(err, err_size, msg);
+        return nullptr;
+    }
+    if (params.n_ctx < 0 || params.n_batch < 0 || params.max_block_size < 0 || params.n_threads < 0) {
+        clover_set_err(err, err_size, "engine params must not be negative");
+        return nullptr;
+    }
+
+    int32_t max_block = params.max_block_size;
+    if (max_block == 0) {
+        max_block = info.block_size;
+        for (int32_t i = 0; i < info.n_calibrated; ++i) {
+            max_block = std::max(max_block, info.calibrated_block_sizes[i]);
+        }
+    }
+
+    clover_backend_init_once();
+
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = params.n_gpu_layers;
+    llama_model * model = llama_model_load_from_file(path, mparams);
+    if (!model) {
+        clover_set_err(err, err_size, clover_format("failed to load model '%s' (see llama.cpp's log)", path));
+        return nullptr;
+    }
+
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    if (info.mask_token_id >= n_vocab) {
+        llama_model_free(model);
+        clover_set_err(err, err_size, clover_format("mask token id %d is outside the vocabulary (%d)", info.mask_token_id, n_vocab));
+        return nullptr;
+    }
+    info.n_vocab     = n_vocab;
+    info.n_ctx_train = llama_model_n_ctx_train(model);
+
+    int32_t n_ctx = params.n_ctx;
+    if (n_ctx == 0) {
+        n_ctx = info.n_ctx_train > 0 ? std::min(info.n_ctx_train, 4096) : 4096;
+    }
+    if (max_block < 1 || max_block > 4096) {
+        llama_model_free(model);
+        clover_set_err(err, err_size, clover_format("max_block_size %d must be in 1 .. 4096", max_block));
+        return nullptr;
+    }
+    // a non-causal window must fit one ubatch, and the hybrid memory's split keeps the trailing n_rs_seq + 1
+    // tokens of a sequence in one ubatch, which needs n_ubatch > n_rs_seq + 1 = max_block
+    const int32_t n_ubatch = std::max(max_block + 1, std::min(params.n_batch > 0 ? params.n_batch : 512, 512));
+    const int32_t n_batch  = std::max(params.n_batch > 0 ? params.n_batch : 512, n_ubatch);
+
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx      = std::max(n_ctx, n_batch);  // llama.cpp caps n_batch at n_ctx; the engine enforces n_ctx itself
+    cparams.n_batch    = n_batch;
+    cparams.n_ubatch   = n_ubatch;
+    cparams.n_seq_max  = 2;
+    cparams.kv_unified = true;
+    cparams.n_rs_seq   = max_block - 1;
+    cparams.no_perf    = true;
+    if (params.n_threads > 0) {
+        cparams.n_threads       = params.n_threads;
+        cparams.n_threads_batch = params.n_threads;
+    }
+    llama_context * ctx = llama_init_from_model(model, cparams);
+    if (!ctx) {
+        llama_model_free(model);
+        clover_set_err(err, err_size, "failed to create the llama context (see llama.cpp's log)");
+        return nullptr;
+    }
+    if ((int32_t) llama_n_rs_seq(ctx) < max_block - 1) {
+        llama_free(ctx);
+        llama_model_free(model);
+        clover_set_err(err, err_size, clover_format("the context has n_rs_seq = %u, rollback of B-1 = %d positions needs more",
+                    llama_n_rs_seq(ctx), max_block - 1));
+        return nullptr;
+    }
+
+    clover_engine * eng = new (std::nothrow) clover_engine();
+    if (!eng) {
+        llama_free(ctx);
+        llama_model_free(model);
+        clover_set_err(err, err_size, "out of memory");
+        return nullptr;
+    }
+    eng->model          = model;
+    eng->ctx            = ctx;
+    eng->vocab          = vocab;
+    eng->mem            = llama_get_memory(ctx);
+    eng->info           = info;
+    eng->n_ctx          = n_ctx;
+    eng->n_batch        = n_batch;
+    eng->max_block_size = max_block;
+    eng->n_vocab        = n_vocab;
+    eng->batch_cap      = n_batch;
+    eng->batch          = llama_batch_init(n_batch, 0, 1);
+    for (llama_token t = 0; t < n_vocab; ++t) {
+        if (llama_vocab_is_eog(vocab, t)) {
+            eng->eog_ids.push_back(t);
+        }
+    }
+    clover_set_err(err, err_size, "");
+    return eng;
+}
+
+void clover_engine_free(struct clover_engine * engine) {
+    if (!engine) {
+        return;
+    }
+    llama_batch_free(engine->batch);
+    if (engine->ctx) {
+        llama_free(engine->ctx);
+    }
+    if (engine->model) {
+        llama_model_free(engine->model);
+    }
+    delete engine;
+}
+
+const struct clover_model_info * clover_engine_info(const struct clover_engine * engine) {
+    return engine ? &engine->info : nullptr;
+}
+
+struct llama_model * clover_engine_model(struct clover_engine * engine) {
+    return engine ? engine->model : nullptr;
+}
+
+struct llama_context * clover_engine_context(struct clover_engine * engine) {
+    return engine ? engine->ctx : nullptr;
+}
+
+void clover_engine_reset(struct clover_engine * engine) {
+    if (!engine) {
+        return;
+    }
+    llama_set_causal_attn(engine->ctx, true);
+    llama_memory_clear(engine->mem, true);
+    engine->n_past   = 0;
+    engine->has_seed = false;
+    engine->seed     = 0;
+}
+
+int32_t clover_engine_n_past(const struct clover_engine * engine) {
+    return engine ? engine->n_past : 0;
+}
+
+const char * clover_engine_last_error(const struct clover_engine * engine) {
+    return engine ? engine->last_error.c_str() : "engine is NULL";
+}
+
+int32_t clover_generate(struct clover_engine * engine, const llama_token * prompt, int32_t n_prompt,
+                        const struct clover_gen_params * params,
+                        clover_tokens_cb on_tokens, clover_step_cb on_step, void * user_data,
+                        struct clover_stats * stats) {
+    if (!engine) {
+        return -1;
+    }
+    clover_engine * eng = engine;
+    eng->last_error.clear();
+
+    clover_stats local_stats;
+    if (!stats) {
+        stats = &local_stats;
+    }
+    *stats = {};
+    stats->n_prompt_tokens = n_prompt;
+
+    const clover_gen_params defaults = clover_gen_default_params();
+    if (!params) {
+        params = &defaults;
+    }
+    const auto fail = [&](const std::string & msg) {
+        eng->last_error = msg;
+        return -1;
+    };
+
+    // validation (nothing is touched before it passes)
+    if (params->mode < CLOVER_MODE_AR || params->mode > CLOVER_MODE_SPEC) {
+        return fail(clover_format("unknown mode %d (0 = ar, 1 = diffusion, 2 = spec)", params->mode));
+    }
+    if (!prompt || n_prompt <= 0) {
+        return fail("the prompt is empty; at least one token is needed as the seed");
+    }
+    for (int32_t i = 0; i < n_prompt; ++i) {
+        if (prompt[i] < 0 || prompt[i] >= eng->n_vocab) {
+            return fail(clover_format("prompt token %d at index %d is outside the vocabulary (%d)", prompt[i], i, eng->n_vocab));
+        }
+    }
+    const int32_t block_size = params->block_size > 0 ? params->block_size : eng->info.block_size;
+    if (params->block_size < 0) {
+        return fail(clover_format("block size must be at least 1, got %d", params->block_size));
+    }
+    if (block_size > eng->max_block_size) {
+        return fail(clover_format("block size %d exceeds this engine's max_block_size %d (set max_block_size when loading)",
+                    block_size, eng->max_block_size));
+    }
+    float threshold = params->threshold;
+    if (std::isnan(threshold) || threshold > 1.0f) {
+        return fail(clover_format("threshold must be in [0, 1] (or negative for the calibrated default), got %g", (double) threshold));
+    }
+    if (threshold < 0.0f) {
+        bool found = false;
+        for (int32_t i = 0; i < eng->info.n_calibrated; ++i) {
+            if (eng->info.calibrated_block_sizes[i] == block_size) {
+                threshold = eng->info.calibrated_thresholds[i];
+                found = true;
+                break;
+            }
+        }
+        if (!found) {
+            fprintf(stderr, "clover: warning: block size %d is not among the calibrated sizes; using the default threshold %g\n",
+                    block_size, (double) eng->info.threshold);
+            threshold = eng->info.threshold;
+        }
+    }
+    if (params->max_tokens < 0) {
+        return fail(clover_format("max_tokens must not be negative, got %d", params->max_tokens));
+    }
+    if (!(params->temperature >= 0.0f) || std::isinf(params->temperature)) {
+        return fail(clover_format("temperature must be a finite number >= 0, got %g", (double) params->temperature));
+    }
+    if (params->top_k < 0) {
+        return fail(clover_format("top_k must be >= 0 (0 = off), got %d", params->top_k));
+    }
+    if (!(params->top_p > 0.0f && params->top_p <= 1.0f)) {
+        return fail(clover_format("top_p must be in (0, 1], got %g", (double) params->top_p));
+    }
+    if (params->draft_steps < 0) {
+        return fail(clover_format("draft_steps must be >= 0, got %d", params->draft_steps));
+    }
+    if (params->draft_steps > 0 && params->temperature > 0.0f) {
+        return fail("draft_steps applies to greedy decoding only (temperature 0)");
+    }
+    if (params->n_stop_ids > 0 && !params->stop_ids) {
+        return fail("stop_ids is NULL while n_stop_ids > 0");
+    }
+    if (params->n_banned_ids > 0 && !params->banned_ids) {
+        return fail("banned_ids is NULL while n_banned_ids > 0");
+    }
+
+    clover_run run;
+    run.eng        = eng;
+    run.params     = params;
+    run.block_size = block_size;
+    run.threshold  = threshold;
+    run.budget     = params->max_tokens;
+    run.on_tokens  = on_tokens;
+    run.on_step    = on_step;
+    run.user_data  = user_data;
+    run.stats      = stats;
+
+    run.smp.excluded.assign(eng->n_vocab, 0);
+    run.smp.excluded[eng->info.mask_token_id] = 1;
+    for (int32_t i = 0; i < params->n_banned_ids; ++i) {
+        const llama_token t = params->banned_ids[i];
+        if (t < 0 || t >= eng->n_vocab) {
+            return fail(clover_format("banned id %d is outside the vocabulary (%d)", t, eng->n_vocab));
+        }
+        run.smp.excluded[t] = 1;
+    }
+    if (std::find(run.smp.excluded.begin(), run.smp.excluded.end(), 0) == run.smp.excluded.end()) {
+        return fail("every token is banned");
+    }
+    run.smp.stop.assign(eng->n_vocab, 0);
+    if (params->n_stop_ids < 0) {
+        for (llama_token t : eng->eog_ids) {
+            run.smp.stop[t] = 1;
+        }
+    } else {
+        for (int32_t i = 0; i < params->n_stop_ids; ++i) {
+            const llama_token t = params->stop_ids[i];
+            if (t < 0 || t >= eng->n_vocab) {
+                return fail(clover_format("stop id %d is outside the vocabulary (%d)", t, eng->n_vocab));
+            }
+            run.smp.stop[t] = 1;
+        }
+    }
+    run.smp.temperature = params->temperature;
+    run.smp.top_k       = params->top_k;
+    run.smp.top_p       = params->top_p;
+    run.smp.rng.seed(params->seed);
+
+    // prefill: causal pass over [old seed, prompt[0 .. n-2]]
+    std::vector<llama_token> pending;
+    pending.reserve(n_prompt);
+    if (eng->has_seed) {
+        pending.push_back(eng->seed);
+    }
+    pending.insert(pending.end(), prompt, prompt + n_prompt - 1);
+    if ((int64_t) eng->n_past + (int64_t) pending.size() + 1 > eng->n_ctx) {
+        return fail(clover_format("the prompt needs %lld positions, more than the context size %d",
+                    (long long) eng->n_past + (long long) pending.size() + 1, eng->n_ctx));
+    }
+    {
+        const double t0 = clover_now_ms();
+        for (size_t i = 0; i < pending.size(); i += eng->n_batch) {
+            const int32_t n = (int32_t) std::min<size_t>(eng->n_batch, pending.size() - i);
+            if (!clover_causal(eng, pending.data() + i, n, {}, "prefill")) {
+                const std::string msg = eng->last_error;
+                clover_engine_reset(eng);
+                return fail(msg + "; the engine was reset");
+            }
+        }
+        stats->t_prefill_ms = clover_now_ms() - t0;
+    }
+    eng->seed     = prompt[n_prompt - 1];
+    eng->has_seed = true;
+
+    bool ok = true;
+    if (run.budget == 0) {
+        stats->stop_reason = CLOVER_STOP_LENGTH;
+    } else if (params->mode == CLOVER_MODE_AR) {
+        ok = clover_run_ar(run);
+    } else if (params->mode == CLOVER_MODE_DIFFUSION) {
+        ok = clover_run_diffusion(run);
+    } else {
+        ok = clover_run_spec(run);
+    }
+    stats->n_generated = run.n_out;
+
+    if (run.cancelled) {
+        clover_engine_reset(eng);
+        stats->stop_reason = CLOVER_STOP_CANCELLED;
+        return run.n_out;
+    }
+    if (!ok) {
+        const std::string msg = eng->last_error.empty() ? std::string("generation failed") : eng->last_error;
+        clover_engine_reset(eng);
+        return fail(msg + "; the engine was reset");
+    }
+    return run.n_out;
+}
+
+} // extern "C"

@@ -1,0 +1,126 @@
+// Clover decoding engine: ar, LowConfidence block diffusion and self-speculative decoding
+// (shared/clover-spec.md section 4) on top of libllama. A plain C API, so Python binds it with ctypes.
+//
+// One engine owns one model and one llama_context (n_seq_max = 2, kv_unified, n_rs_seq = max_block_size - 1):
+// sequence 0 holds the committed history, sequence 1 is the scratch sequence of block passes.
+// Successive clover_generate calls continue the same history (multi-turn chat) until clover_engine_reset.
+
+#pragma once
+
+#include "llama.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CLOVER_MAX_CALIBRATED 16
+#define CLOVER_HIST_SIZE      65   // histogram bins: index = value, the last bin holds everything larger
+
+enum clover_mode {
+    CLOVER_MODE_AR        = 0,
+    CLOVER_MODE_DIFFUSION = 1,
+    CLOVER_MODE_SPEC      = 2,
+};
+
+enum clover_stop_reason {
+    CLOVER_STOP_NONE      = 0,
+    CLOVER_STOP_LENGTH    = 1,  // max_tokens reached
+    CLOVER_STOP_EOG       = 2,  // an end-of-generation token (not returned)
+    CLOVER_STOP_CONTEXT   = 3,  // the context is full
+    CLOVER_STOP_CANCELLED = 4,  // a callback returned false
+};
+
+// The clover GGUF settings, read as typed values from the file (spec section 5).
+struct clover_model_info {
+    int32_t block_size;               // clover.block_size
+    float   threshold;                // clover.diffusion.threshold
+    int32_t mask_token_id;            // tokenizer.ggml.mask_token_id
+    int32_t conv_right_kernel;        // clover.ssm.conv_right_kernel
+    int32_t n_calibrated;
+    int32_t calibrated_block_sizes[CLOVER_MAX_CALIBRATED];
+    float   calibrated_thresholds [CLOVER_MAX_CALIBRATED];
+    int32_t n_vocab;
+    int32_t n_ctx_train;
+};
+
+struct clover_engine_params {
+    int32_t n_ctx;            // context size; 0 = min(n_ctx_train, 4096)
+    int32_t n_batch;          // prefill chunk size (logical batch)
+    int32_t max_block_size;   // largest B this engine accepts; 0 = max(block_size, calibrated sizes)
+    int32_t n_threads;        // 0 = llama.cpp's default
+    int32_t n_gpu_layers;     // offloaded layers (0 = CPU)
+};
+
+struct clover_gen_params {
+    int32_t             mode;          // enum clover_mode
+    int32_t             block_size;    // 0 = clover.block_size
+    float               threshold;     // < 0 = the calibrated threshold for block_size (spec 4.3)
+    int32_t             draft_steps;   // spec mode: LowConfidence steps before the argmax draft (greedy only)
+    float               temperature;   // 0 = greedy
+    int32_t             top_k;         // 0 = off
+    float               top_p;         // 1 = off
+    uint32_t            seed;
+    int32_t             max_tokens;
+    const llama_token * stop_ids;      // end-of-generation tokens; NULL with n_stop_ids < 0 = the vocab's EOG set
+    int32_t             n_stop_ids;
+    const llama_token * banned_ids;    // never produced (the mask token is always banned)
+    int32_t             n_banned_ids;
+};
+
+struct clover_stats {
+    int32_t n_prompt_tokens;
+    int32_t n_generated;
+    int32_t n_block_passes;
+    int32_t n_causal_passes;          // decode-time causal passes: ar steps, commits, verifications
+    double  t_prefill_ms;
+    double  t_block_ms;               // total time in block passes
+    double  t_causal_ms;              // total time in decode-time causal passes
+    int32_t steps_per_block[CLOVER_HIST_SIZE];   // histogram (diffusion)
+    int32_t accepted_lengths[CLOVER_HIST_SIZE];  // histogram of m per round (spec)
+    int32_t stop_reason;              // enum clover_stop_reason
+};
+
+// Committed tokens, once per committed block (ar: per token). Return false to cancel.
+typedef bool (*clover_tokens_cb)(const llama_token * tokens, int32_t n_tokens, void * user_data);
+// The canvas after each LowConfidence step: n_canvas targets, mask_token_id where still masked.
+// Return false to cancel.
+typedef bool (*clover_step_cb)(const llama_token * canvas, int32_t n_canvas, void * user_data);
+
+struct clover_engine;
+
+struct clover_engine_params clover_engine_default_params(void);
+struct clover_gen_params    clover_gen_default_params(void);
+
+// Read the clover settings of a GGUF file. Returns 0, or -1 with a message in err (err may be NULL).
+int32_t clover_read_model_info(const char * path, struct clover_model_info * info, char * err, size_t err_size);
+
+// Load the model and create the context; NULL on failure (message in err).
+struct clover_engine * clover_engine_load(const char * path, struct clover_engine_params params,
+                                          char * err, size_t err_size);
+void clover_engine_free(struct clover_engine * engine);
+
+const struct clover_model_info * clover_engine_info(const struct clover_engine * engine);
+struct llama_model   * clover_engine_model  (struct clover_engine * engine);
+struct llama_context * clover_engine_context(struct clover_engine * engine);
+
+// Forget the history: the next generate starts with a fresh prefill.
+void clover_engine_reset(struct clover_engine * engine);
+// Positions committed to the history so far (the seed's position), or 0 after a reset.
+int32_t clover_engine_n_past(const struct clover_engine * engine);
+
+// Generate a continuation of the prompt on the engine's history. Returns the number of generated tokens
+// (also written to stats), or -1 on error (clover_engine_last_error). After a cancellation the engine is
+// reset, so the next call starts fresh.
+int32_t clover_generate(struct clover_engine * engine, const llama_token * prompt, int32_t n_prompt,
+                        const struct clover_gen_params * params,
+                        clover_tokens_cb on_tokens, clover_step_cb on_step, void * user_data,
+                        struct clover_stats * stats);
+
+const char * clover_engine_last_error(const struct clover_engine * engine);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,347 @@
+// llama-clover: generate with the Clover engine (clover.h) from the command line.
+//
+//   llama-clover -m M.gguf -p TEXT --mode ar|diffusion|spec [-b B] [--threshold T] [-n N] [--draft-steps S]
+//                [--temp T --top-k K --top-p P --seed S] [-c N_CTX] [-t THREADS] [--json] [-v]
+
+#include "clover.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+static void clover_cli_usage(const char * argv0) {
+    fprintf(stderr,
+        "usage: %s -m MODEL.gguf -p PROMPT [options]\n"
+        "  --mode ar|diffusion|spec   decoding mode (default diffusion)\n"
+        "  -b, --block-size B         block size (default: clover.block_size)\n"
+        "  --threshold T              fill threshold (default: the calibrated one for B)\n"
+        "  -n, --max-tokens N         tokens to generate (default 64)\n"
+        "  --draft-steps S            spec mode: LowConfidence steps before the argmax draft (greedy only)\n"
+        "  --temp T, --top-k K, --top-p P, --seed S   sampling (temperature 0 = greedy)\n"
+        "  -c, --ctx-size N           context size (default min(n_ctx_train, 4096))\n"
+        "  --batch-size N             prefill chunk (default 512)\n"
+        "  -t, --threads N            threads (default: the number of cores)\n"
+        "  -ngl, --n-gpu-layers N     layers to offload\n"
+        "  --stop ID[,ID..]           end-of-generation ids (default: the vocab's EOG set; 'none' = no stop ids)\n"
+        "  --ban ID[,ID..]            ids never produced (the mask token is always banned)\n"
+        "  --json                     print prompt ids, token ids and stats as JSON\n"
+        "  -v, --verbose              show llama.cpp's log\n", argv0);
+}
+
+static bool g_verbose = false;
+
+static bool clover_cli_parse_ids(const std::string & s, std::vector<llama_token> & out) {
+    out.clear();
+    if (s == "none" || s.empty()) {
+        return true;
+    }
+    size_t i = 0;
+    while (i <= s.size()) {
+        const size_t j = std::min(s.find(',', i), s.size());
+        const std::string item = s.substr(i, j - i);
+        char * end = nullptr;
+        const long v = strtol(item.c_str(), &end, 10);
+        if (item.empty() || *end != '\0' || v < 0) {
+            return false;
+        }
+        out.push_back((llama_token) v);
+        i = j + 1;
+    }
+    return true;
+}
+
+static void clover_cli_log(enum ggml_log_level level, const char * text, void * /*user_data*/) {
+    if (g_verbose || level == GGML_LOG_LEVEL_ERROR) {
+        fputs(text, stderr);
+    }
+}
+
+static std::string clover_cli_piece(const llama_vocab * vocab, llama_token t) {
+    char buf[256];
+    int n = llama_token_to_piece(vocab, t, buf, sizeof(buf), 0, true);
+    if (n < 0) {
+        std::string s(-n, '\0');
+        n = llama_token_to_piece(vocab, t, &s[0], (int) s.size(), 0, true);
+        return n < 0 ? std::string() : s.substr(0, n);
+    }
+    return std::string(buf, n);
+}
+
+// valid UTF-8: every byte of an invalid or truncated sequence becomes U+FFFD
+static std::string clover_cli_utf8(const std::string & s) {
+    std::string out;
+    size_t i = 0;
+    while (i < s.size()) {
+        const unsigned char c = s[i];
+        size_t len = 0;
+        if (c < 0x80) {
+            len = 1;
+        } else if ((c & 0xE0) == 0xC0 && c >= 0xC2) {
+            len = 2;
+        } else if ((c & 0xF0) == 0xE0) {
+            len = 3;
+        } else if ((c & 0xF8) == 0xF0 && c <= 0xF4) {
+            len = 4;
+        }
+        bool ok = len > 0 && i + len <= s.size();
+        for (size_t k = 1; ok && k < len; ++k) {
+            ok = ((unsigned char) s[i + k] & 0xC0) == 0x80;
+        }
+        if (ok) {
+            out.append(s, i, len);
+            i += len;
+        } else {
+            out += "\xEF\xBF\xBD";
+            i += 1;
+        }
+    }
+    return out;
+}
+
+static std::string clover_cli_json_str(const std::string & raw) {
+    const std::string s = clover_cli_utf8(raw);
+    std::string out = "\"";
+    for (unsigned char c : s) {
+        switch (c) {
+            case '"':  out += "\\\""; break;
+            case '\\': out += "\\\\"; break;
+            case '\n': out += "\\n";  break;
+            case '\r': out += "\\r";  break;
+            case '\t': out += "\\t";  break;
+            default:
+                if (c < 0x20) {
+                    char buf[8];
+                    snprintf(buf, sizeof(buf), "\\u%04x", c);
+                    out += buf;
+                } else {
+                    out += (char) c;
+                }
+        }
+    }
+    return out + "\"";
+}
+
+static std::string clover_cli_json_ids(const std::vector<llama_token> & ids) {
+    std::string out = "[";
+    for (size_t i = 0; i < ids.size(); ++i) {
+        out += (i ? ", " : "") + std::to_string(ids[i]);
+    }
+    return out + "]";
+}
+
+static std::string clover_cli_json_hist(const int32_t * hist) {
+    std::string out = "{";
+    bool first = true;
+    for (int i = 0; i < CLOVER_HIST_SIZE; ++i) {
+        if (hist[i]) {
+            out += (first ? "\"" : ", \"") + std::to_string(i) + "\": " + std::to_string(hist[i]);
+            first = false;
+        }
+    }
+    return out + "}";
+}
+
+struct clover_cli_state {
+    const llama_vocab *      vocab;
+    std::vector<llama_token> tokens;
+    bool                     stream;
+};
+
+static bool clover_cli_on_tokens(const llama_token * tokens, int32_t n_tokens, void * user_data) {
+    auto * st = (clover_cli_state *) user_data;
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        st->tokens.push_back(tokens[i]);
+        if (st->stream) {
+            fputs(clover_cli_piece(st->vocab, tokens[i]).c_str(), stdout);
+        }
+    }
+    if (st->stream) {
+        fflush(stdout);
+    }
+    return true;
+}
+
+int main(int argc, char ** argv) {
+    std::string model_path;
+    std::string prompt;
+    bool        have_prompt = false;
+    bool        json = false;
+
+    std::vector<llama_token> stop_ids;
+    std::vector<llama_token> banned_ids;
+    clover_engine_params eparams = clover_engine_default_params();
+    eparams.n_threads = (int32_t) std::max(1u, std::thread::hardware_concurrency());
+    clover_gen_params    gparams = clover_gen_default_params();
+
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        const auto next = [&](const char * name) -> const char * {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "error: %s needs a value\n", name);
+                exit(2);
+            }
+            return argv[++i];
+        };
+        if (arg == "-m" || arg == "--model") {
+            model_path = next("-m");
+        } else if (arg == "-p" || arg == "--prompt") {
+            prompt = next("-p");
+            have_prompt = true;
+        } else if (arg == "--mode") {
+            const std::string m = next("--mode");
+            if (m == "ar") {
+                gparams.mode = CLOVER_MODE_AR;
+            } else if (m == "diffusion") {
+                gparams.mode = CLOVER_MODE_DIFFUSION;
+            } else if (m == "spec") {
+                gparams.mode = CLOVER_MODE_SPEC;
+            } else {
+                fprintf(stderr, "error: unknown mode '%s'; choose ar, diffusion or spec\n", m.c_str());
+                return 2;
+            }
+        } else if (arg == "-b" || arg == "--block-size") {
+            gparams.block_size = atoi(next("-b"));
+            if (gparams.block_size < 1) {
+                fprintf(stderr, "error: block size must be at least 1\n");
+                return 2;
+            }
+        } else if (arg == "--threshold") {
+            gparams.threshold = strtof(next("--threshold"), nullptr);
+        } else if (arg == "-n" || arg == "--max-tokens") {
+            gparams.max_tokens = atoi(next("-n"));
+        } else if (arg == "--draft-steps") {
+            gparams.draft_steps = atoi(next("--draft-steps"));
+        } else if (arg == "--temp" || arg == "--temperature") {
+            gparams.temperature = strtof(next("--temp"), nullptr);
+        } else if (arg == "--top-k") {
+            gparams.top_k = atoi(next("--top-k"));
+        } else if (arg == "--top-p") {
+            gparams.top_p = strtof(next("--top-p"), nullptr);
+        } else if (arg == "--seed") {
+            gparams.seed = (uint32_t) strtoul(next("--seed"), nullptr, 10);
+        } else if (arg == "-c" || arg == "--ctx-size") {
+            eparams.n_ctx = atoi(next("-c"));
+        } else if (arg == "--batch-size") {
+            eparams.n_batch = atoi(next("--batch-size"));
+        } else if (arg == "-t" || arg == "--threads") {
+            eparams.n_threads = atoi(next("-t"));
+        } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
+            eparams.n_gpu_layers = atoi(next("-ngl"));
+        } else if (arg == "--stop" || arg == "--ban") {
+            const bool is_stop = arg == "--stop";
+            if (!clover_cli_parse_ids(next(arg.c_str()), is_stop ? stop_ids : banned_ids)) {
+                fprintf(stderr, "error: %s expects comma-separated token ids\n", arg.c_str());
+                return 2;
+            }
+            if (is_stop) {
+                gparams.n_stop_ids = (int32_t) stop_ids.size();
+            } else {
+                gparams.n_banned_ids = (int32_t) banned_ids.size();
+            }
+        } else if (arg == "--json") {
+            json = true;
+        } else if (arg == "-v" || arg == "--verbose") {
+            g_verbose = true;
+        } else if (arg == "-h" || arg == "--help") {
+            clover_cli_usage(argv[0]);
+            return 0;
+        } else {
+            fprintf(stderr, "error: unknown argument '%s'\n", arg.c_str());
+            clover_cli_usage(argv[0]);
+            return 2;
+        }
+    }
+    if (model_path.empty() || !have_prompt) {
+        clover_cli_usage(argv[0]);
+        return 2;
+    }
+
+    gparams.stop_ids   = stop_ids.data();
+    gparams.banned_ids = banned_ids.data();
+
+    llama_log_set(clover_cli_log, nullptr);
+
+    char err[1024] = {0};
+    clover_model_info info;
+    if (clover_read_model_info(model_path.c_str(), &info, err, sizeof(err)) != 0) {
+        fprintf(stderr, "error: %s\n", err);
+        return 1;
+    }
+    if (eparams.max_block_size == 0 && gparams.block_size > 0) {
+        int32_t mb = std::max(info.block_size, gparams.block_size);
+        for (int32_t i = 0; i < info.n_calibrated; ++i) {
+            mb = std::max(mb, info.calibrated_block_sizes[i]);
+        }
+        eparams.max_block_size = mb;
+    }
+
+    clover_engine * eng = clover_engine_load(model_path.c_str(), eparams, err, sizeof(err));
+    if (!eng) {
+        fprintf(stderr, "error: %s\n", err);
+        return 1;
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(clover_engine_model(eng));
+
+    std::vector<llama_token> prompt_ids(prompt.size() + 16);
+    int32_t n = llama_tokenize(vocab, prompt.data(), (int32_t) prompt.size(), prompt_ids.data(), (int32_t) prompt_ids.size(), false, true);
+    if (n < 0) {
+        prompt_ids.resize(-n);
+        n = llama_tokenize(vocab, prompt.data(), (int32_t) prompt.size(), prompt_ids.data(), (int32_t) prompt_ids.size(), false, true);
+    }
+    if (n <= 0) {
+        fprintf(stderr, "error: %s\n", n == 0 ? "the prompt is empty after tokenization" : "tokenization failed");
+        clover_engine_free(eng);
+        return 1;
+    }
+    prompt_ids.resize(n);
+
+    clover_cli_state st = { vocab, {}, !json };
+    clover_stats stats;
+    const int32_t rc = clover_generate(eng, prompt_ids.data(), n, &gparams, clover_cli_on_tokens, nullptr, &st, &stats);
+    if (rc < 0) {
+        fprintf(stderr, "error: %s\n", clover_engine_last_error(eng));
+        clover_engine_free(eng);
+        return 1;
+    }
+
+    static const char * stop_names[] = { "", "length", "eos", "context", "cancelled" };
+    const char * stop = stats.stop_reason >= 0 && stats.stop_reason <= 4 ? stop_names[stats.stop_reason] : "";
+    static const char * mode_names[] = { "ar", "diffusion", "spec" };
+    const int32_t passes = stats.n_block_passes + stats.n_causal_passes;
+    const double  tpf    = passes ? (double) stats.n_generated / passes : 0.0;
+    const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
+
+    if (json) {
+        std::string text;
+        for (llama_token t : st.tokens) {
+            text += clover_cli_piece(vocab, t);
+        }
+        const int32_t block_size = gparams.block_size > 0 ? gparams.block_size : info.block_size;
+        printf("{\"text\": %s, \"prompt_ids\": %s, \"tokens\": %s, \"stats\": {"
+               "\"mode\": \"%s\", \"block_size\": %d, \"prompt_tokens\": %d, \"generated_tokens\": %d, "
+               "\"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.6f, "
+               "\"steps_per_block\": %s, \"accepted_lengths\": %s, \"stop_reason\": \"%s\", "
+               "\"t_prefill_ms\": %.3f, \"t_block_ms\": %.3f, \"t_causal_ms\": %.3f, "
+               "\"prefill_tok_per_s\": %.3f, \"decode_tok_per_s\": %.3f}}\n",
+               clover_cli_json_str(text).c_str(), clover_cli_json_ids(prompt_ids).c_str(),
+               clover_cli_json_ids(st.tokens).c_str(), mode_names[gparams.mode], block_size,
+               stats.n_prompt_tokens, stats.n_generated, stats.n_block_passes, stats.n_causal_passes, tpf,
+               clover_cli_json_hist(stats.steps_per_block).c_str(), clover_cli_json_hist(stats.accepted_lengths).c_str(),
+               stop, stats.t_prefill_ms, stats.t_block_ms, stats.t_causal_ms,
+               stats.t_prefill_ms > 0 ? (n - 1) / (stats.t_prefill_ms / 1000.0) : 0.0,
+               t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0);
+    } else {
+        printf("\n");
+        fprintf(stderr, "[%s] %d tokens, %d block + %d causal passes, %.2f tokens/pass, %.1f tok/s, stop: %s\n",
+                mode_names[gparams.mode], stats.n_generated, stats.n_block_passes, stats.n_causal_passes, tpf,
+                t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0, stop);
+    }
+    clover_engine_free(eng);
+    return 0;
+}
