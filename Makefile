@@ -1,4 +1,4 @@
-# Clover toolkit: `make setup`, `make test`, `make demo`, `make clean`.
+# Clover toolkit: `make setup`, `make test`, `make demo`, `make bench`, `make clean`.
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +8,7 @@ DEMO := build/demo-tiny
 PROMPT := def fibonacci(n):
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean native
+.PHONY: setup test demo clean native bench
 
 setup: $(STAMP) native
 
@@ -38,6 +38,11 @@ $(DEMO)/config.json: | setup
 demo: setup $(DEMO)/config.json
 	$(BIN)/clover-ref generate $(DEMO) -p "$(PROMPT)" --mode diffusion -n 32
 	$(BIN)/clover-ref generate $(DEMO) -p "$(PROMPT)" --mode spec -n 32
+
+# The native engine benchmark (bench/bench_engine.py): tiny and mid at f32 and q8_0, side-by-side table in
+# bench/results/bench_engine.md (+ .json). bench/bench_convert.py is separate (it streams a 5 GB checkpoint).
+bench: setup
+	$(BIN)/python bench/bench_engine.py
 
 clean:
 	rm -rf build

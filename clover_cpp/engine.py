@@ -1,0 +1,191 @@
+"""ctypes binding of the Clover decoding engine's C API (cpp_patch/tools/clover/clover.h).
+
+The structs and prototypes below mirror clover.h field by field. ``lib()`` loads ``libclover.so`` from the
+folder that holds ``libllama.so`` (``clover_cpp.native.lib_dir()``), after ``clover_cpp.native`` has loaded
+libllama through llama-cpp-python (RTLD_GLOBAL), so the engine and the Python tokenizer calls share one
+libllama.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+from . import native
+from .native import NativeError
+
+CLOVER_MAX_CALIBRATED = 16
+CLOVER_HIST_SIZE = 65
+
+# enum clover_mode
+CLOVER_MODE_AR = 0
+CLOVER_MODE_DIFFUSION = 1
+CLOVER_MODE_SPEC = 2
+MODES = {"ar": CLOVER_MODE_AR, "diffusion": CLOVER_MODE_DIFFUSION, "spec": CLOVER_MODE_SPEC}
+
+# enum clover_stop_reason
+CLOVER_STOP_NONE = 0
+CLOVER_STOP_LENGTH = 1
+CLOVER_STOP_EOG = 2
+CLOVER_STOP_CONTEXT = 3
+CLOVER_STOP_CANCELLED = 4
+# the names the PyTorch reference uses for its stop reasons (GenerationStats.stop_reason)
+STOP_REASONS = {CLOVER_STOP_NONE: "", CLOVER_STOP_LENGTH: "length", CLOVER_STOP_EOG: "eos",
+                CLOVER_STOP_CONTEXT: "context", CLOVER_STOP_CANCELLED: "cancelled"}
+
+llama_token = ctypes.c_int32
+llama_token_p = ctypes.POINTER(llama_token)
+
+
+class clover_model_info(ctypes.Structure):
+    _fields_ = [
+        ("block_size", ctypes.c_int32),
+        ("threshold", ctypes.c_float),
+        ("mask_token_id", ctypes.c_int32),
+        ("conv_right_kernel", ctypes.c_int32),
+        ("n_calibrated", ctypes.c_int32),
+        ("calibrated_block_sizes", ctypes.c_int32 * CLOVER_MAX_CALIBRATED),
+        ("calibrated_thresholds", ctypes.c_float * CLOVER_MAX_CALIBRATED),
+        ("n_vocab", ctypes.c_int32),
+        ("n_ctx_train", ctypes.c_int32),
+    ]
+
+
+class clover_engine_params(ctypes.Structure):
+    _fields_ = [
+        ("n_ctx", ctypes.c_int32),
+        ("n_batch", ctypes.c_int32),
+        ("max_block_size", ctypes.c_int32),
+        ("n_threads", ctypes.c_int32),
+        ("n_gpu_layers", ctypes.c_int32),
+    ]
+
+
+class clover_gen_params(ctypes.Structure):
+    _fields_ = [
+        ("mode", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("threshold", ctypes.c_float),
+        ("draft_steps", ctypes.c_int32),
+        ("temperature", ctypes.c_float),
+        ("top_k", ctypes.c_int32),
+        ("top_p", ctypes.c_float),
+        ("seed", ctypes.c_uint32),
+        ("max_tokens", ctypes.c_int32),
+        ("stop_ids", llama_token_p),
+        ("n_stop_ids", ctypes.c_int32),
+        ("banned_ids", llama_token_p),
+        ("n_banned_ids", ctypes.c_int32),
+    ]
+
+
+class clover_stats(ctypes.Structure):
+    _fields_ = [
+        ("n_prompt_tokens", ctypes.c_int32),
+        ("n_generated", ctypes.c_int32),
+        ("n_block_passes", ctypes.c_int32),
+        ("n_causal_passes", ctypes.c_int32),
+        ("t_prefill_ms", ctypes.c_double),
+        ("t_block_ms", ctypes.c_double),
+        ("t_causal_ms", ctypes.c_double),
+        ("steps_per_block", ctypes.c_int32 * CLOVER_HIST_SIZE),
+        ("accepted_lengths", ctypes.c_int32 * CLOVER_HIST_SIZE),
+        ("stop_reason", ctypes.c_int32),
+    ]
+
+
+clover_engine_p = ctypes.c_void_p
+
+# typedef bool (*clover_tokens_cb)(const llama_token * tokens, int32_t n_tokens, void * user_data);
+clover_tokens_cb = ctypes.CFUNCTYPE(ctypes.c_bool, llama_token_p, ctypes.c_int32, ctypes.c_void_p)
+# typedef bool (*clover_step_cb)(const llama_token * canvas, int32_t n_canvas, void * user_data);
+clover_step_cb = ctypes.CFUNCTYPE(ctypes.c_bool, llama_token_p, ctypes.c_int32, ctypes.c_void_p)
+
+_PROTOTYPES: dict[str, tuple[object, list[object]]] = {
+    "clover_engine_default_params": (clover_engine_params, []),
+    "clover_gen_default_params": (clover_gen_params, []),
+    "clover_read_model_info": (ctypes.c_int32, [ctypes.c_char_p, ctypes.POINTER(clover_model_info),
+                                                ctypes.c_char_p, ctypes.c_size_t]),
+    "clover_engine_load": (clover_engine_p, [ctypes.c_char_p, clover_engine_params, ctypes.c_char_p,
+                                             ctypes.c_size_t]),
+    "clover_engine_free": (None, [clover_engine_p]),
+    "clover_engine_info": (ctypes.POINTER(clover_model_info), [clover_engine_p]),
+    "clover_engine_model": (ctypes.c_void_p, [clover_engine_p]),
+    "clover_engine_context": (ctypes.c_void_p, [clover_engine_p]),
+    "clover_engine_reset": (None, [clover_engine_p]),
+    "clover_engine_n_past": (ctypes.c_int32, [clover_engine_p]),
+    "clover_generate": (ctypes.c_int32, [clover_engine_p, llama_token_p, ctypes.c_int32,
+                                         ctypes.POINTER(clover_gen_params), clover_tokens_cb, clover_step_cb,
+                                         ctypes.c_void_p, ctypes.POINTER(clover_stats)]),
+    "clover_engine_last_error": (ctypes.c_char_p, [clover_engine_p]),
+}
+
+_lib: ctypes.CDLL | None = None
+
+
+def lib_path() -> Path:
+    d = native.lib_dir()
+    return d / ("libclover.dylib" if sys.platform == "darwin" else "libclover.so")
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when libclover can be loaded, else (False, reason)."""
+    ok, reason = native.native_available()
+    if not ok:
+        return ok, reason
+    if not lib_path().exists():
+        return False, f"{lib_path()} not found (the engine is built by `make native`)"
+    try:
+        lib()
+    except Exception as exc:  # noqa: BLE001 - reported as a reason
+        return False, f"cannot load {lib_path()}: {exc}"
+    return True, ""
+
+
+def lib() -> ctypes.CDLL:
+    """libclover with every prototype of clover.h declared (loaded once)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    native.llama()  # libllama (and ggml) first, through llama-cpp-python, bound to the same folder
+    path = lib_path()
+    if not path.exists():
+        raise NativeError(f"{path} not found: build the engine with `make native`")
+    # make libllama's symbols global so libclover resolves against the very copy llama_cpp loaded
+    llama_so = native.lib_dir() / path.name.replace("clover", "llama")
+    if llama_so.exists():
+        ctypes.CDLL(str(llama_so), mode=ctypes.RTLD_GLOBAL)
+    try:
+        handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        raise NativeError(f"cannot load {path}: {exc}") from exc
+    missing = []
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        try:
+            fn = getattr(handle, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        fn.restype = restype
+        fn.argtypes = argtypes
+    if missing:
+        raise NativeError(f"{path} lacks {', '.join(missing)} (stale build?)")
+    _lib = handle
+    return handle
+
+
+def read_model_info(path: str) -> clover_model_info:
+    """The clover settings of a GGUF file, read without loading the weights."""
+    info = clover_model_info()
+    err = ctypes.create_string_buffer(1024)
+    if lib().clover_read_model_info(str(path).encode(), ctypes.byref(info), err, len(err)) != 0:
+        raise NativeError(f"{path}: {err.value.decode('utf-8', 'replace') or 'cannot read the clover settings'}")
+    return info
+
+
+def token_array(ids: list[int] | None) -> tuple[ctypes.Array | None, int]:
+    if ids is None:
+        return None, 0
+    arr = (llama_token * max(1, len(ids)))(*[int(t) for t in ids])
+    return arr, len(ids)

@@ -1,0 +1,520 @@
+"""``clover_cpp.Model``: the native Clover decoding engine (libclover) from Python.
+
+    with clover_cpp.Model("tiny-f32.gguf") as m:
+        gen = m.generate("def fibonacci(n):", mode="diffusion", max_tokens=64)
+        for block in gen:          # committed tokens, one list per committed block (ar: per token)
+            print(m.detokenize(block), end="", flush=True)
+        print(gen.stats.tokens_per_pass)
+
+``generate`` runs the C call in a worker thread; its callbacks push committed blocks into a small queue
+(the worker waits when the consumer falls ``buffer`` blocks behind). Closing the iterator early (``close()``,
+``break`` followed by garbage collection, or a new ``generate``) cancels the generation through the
+callback's return value; the engine then resets its history (clover.h), so the next call starts fresh.
+``run`` is the synchronous form: all tokens and the stats, no thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import engine, native
+from .native import NativeError
+
+
+class EngineError(NativeError):
+    """A call into libclover failed; the message is the engine's last error."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The clover settings of the loaded GGUF (spec section 5), as typed values."""
+
+    block_size: int
+    threshold: float
+    mask_token_id: int
+    conv_right_kernel: int
+    calibrated_block_sizes: tuple[int, ...]
+    calibrated_thresholds: tuple[float, ...]
+    n_vocab: int
+    n_ctx_train: int
+
+    @classmethod
+    def from_c(cls, info: engine.clover_model_info) -> "ModelInfo":
+        n = max(0, min(int(info.n_calibrated), engine.CLOVER_MAX_CALIBRATED))
+        return cls(int(info.block_size), float(info.threshold), int(info.mask_token_id),
+                   int(info.conv_right_kernel), tuple(int(x) for x in info.calibrated_block_sizes[:n]),
+                   tuple(float(x) for x in info.calibrated_thresholds[:n]), int(info.n_vocab),
+                   int(info.n_ctx_train))
+
+    def threshold_for(self, block_size: int) -> float:
+        """Spec 4.3: the calibrated threshold for B, else the default threshold."""
+        for b, t in zip(self.calibrated_block_sizes, self.calibrated_thresholds):
+            if b == block_size:
+                return t
+        return self.threshold
+
+
+def _hist(values: Sequence[int]) -> list[int]:
+    """A C histogram with trailing zeros trimmed (index = value; the last C bin holds larger values)."""
+    out = [int(v) for v in values]
+    while out and out[-1] == 0:
+        out.pop()
+    return out
+
+
+@dataclass
+class Stats:
+    """What one generate call did. Histograms are lists indexed by value (``steps_per_block[s]`` = number
+    of blocks that took s steps); bin 64 holds everything larger."""
+
+    mode: str
+    block_size: int
+    threshold: float
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    block_passes: int = 0
+    causal_passes: int = 0
+    prefill_ms: float = 0.0
+    block_ms: float = 0.0
+    causal_ms: float = 0.0
+    steps_per_block: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+    wall_s: float = 0.0
+
+    @classmethod
+    def from_c(cls, s: engine.clover_stats, mode: str, block_size: int, threshold: float,
+               wall_s: float) -> "Stats":
+        return cls(mode, block_size, threshold, int(s.n_prompt_tokens), int(s.n_generated),
+                   int(s.n_block_passes), int(s.n_causal_passes), float(s.t_prefill_ms), float(s.t_block_ms),
+                   float(s.t_causal_ms), _hist(s.steps_per_block), _hist(s.accepted_lengths),
+                   engine.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s)
+
+    @property
+    def passes(self) -> int:
+        return self.block_passes + self.causal_passes
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """TPF: generated tokens / decode-time passes (block + causal), as the reference counts it."""
+        return self.generated_tokens / self.passes if self.passes else 0.0
+
+    @property
+    def decode_ms(self) -> float:
+        return self.block_ms + self.causal_ms
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.generated_tokens / (self.decode_ms / 1e3) if self.decode_ms > 0 else 0.0
+
+    @property
+    def ms_per_pass(self) -> float:
+        return self.decode_ms / self.passes if self.passes else 0.0
+
+    @property
+    def ms_per_block_pass(self) -> float:
+        return self.block_ms / self.block_passes if self.block_passes else 0.0
+
+    @property
+    def ms_per_causal_pass(self) -> float:
+        return self.causal_ms / self.causal_passes if self.causal_passes else 0.0
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(self.steps_per_block)
+
+    @property
+    def n_rounds(self) -> int:
+        return sum(self.accepted_lengths)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "block_size": self.block_size, "threshold": self.threshold,
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "block_passes": self.block_passes, "causal_passes": self.causal_passes,
+            "tokens_per_pass": self.tokens_per_pass, "prefill_ms": self.prefill_ms,
+            "prefill_tok_s": self.prefill_tok_s, "block_ms": self.block_ms, "causal_ms": self.causal_ms,
+            "decode_tok_s": self.decode_tok_s, "ms_per_pass": self.ms_per_pass,
+            "ms_per_block_pass": self.ms_per_block_pass, "ms_per_causal_pass": self.ms_per_causal_pass,
+            "steps_per_block_hist": list(self.steps_per_block),
+            "accepted_lengths_hist": list(self.accepted_lengths),
+            "stop_reason": self.stop_reason, "wall_s": self.wall_s,
+        }
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    stats: Stats
+
+
+class _Call:
+    """One prepared clover_generate call: parameters, kept-alive arrays and the C callbacks."""
+
+    def __init__(self, model: "Model", prompt_ids: list[int], mode: str, block_size: int | None,
+                 threshold: float | None, draft_steps: int, max_tokens: int, temperature: float, top_k: int,
+                 top_p: float, seed: int, stop_ids: Sequence[int] | None, banned_ids: Sequence[int] | None,
+                 on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None) -> None:
+        L = engine.lib()
+        if mode not in engine.MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(engine.MODES)}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; at least one token is needed as the seed")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block size must be at least 1, got {block_size}")
+        n_vocab = model.info.n_vocab
+        for what, ids in (("prompt", prompt_ids), ("stop_ids", stop_ids or []), ("banned_ids", banned_ids or [])):
+            bad = [t for t in ids if not 0 <= int(t) < n_vocab]
+            if bad:
+                raise ValueError(f"{what} holds token ids outside the vocabulary [0, {n_vocab}): {bad[:5]}")
+        self.model = model
+        self.mode = mode
+        self.block_size = int(block_size or model.info.block_size)
+        self.threshold = float(model.info.threshold_for(self.block_size) if threshold is None else threshold)
+        self.prompt = (engine.llama_token * len(prompt_ids))(*[int(t) for t in prompt_ids])
+        self.n_prompt = len(prompt_ids)
+        self.params = L.clover_gen_default_params()
+        p = self.params
+        p.mode = engine.MODES[mode]
+        p.block_size = int(block_size or 0)
+        p.threshold = -1.0 if threshold is None else float(threshold)
+        p.draft_steps = int(draft_steps)
+        p.temperature = float(temperature)
+        p.top_k = int(top_k)
+        p.top_p = float(top_p)
+        p.seed = int(seed) & 0xFFFFFFFF
+        p.max_tokens = int(max_tokens)
+        self._stop, n_stop = engine.token_array(None if stop_ids is None else list(stop_ids))
+        if stop_ids is None:  # NULL with n < 0: the vocabulary's end-of-generation set
+            p.stop_ids, p.n_stop_ids = None, -1
+        else:
+            p.stop_ids, p.n_stop_ids = ctypes.cast(self._stop, engine.llama_token_p), n_stop
+        self._banned, n_banned = engine.token_array(list(banned_ids) if banned_ids else None)
+        p.banned_ids = ctypes.cast(self._banned, engine.llama_token_p) if self._banned is not None else None
+        p.n_banned_ids = n_banned
+        self.stats = engine.clover_stats()
+        self.user_on_step = on_step
+        self.user_on_tokens = on_tokens
+        self.error: BaseException | None = None
+        self.cancel = threading.Event()
+        self.tokens_cb = engine.clover_tokens_cb(self._tokens)
+        self.step_cb = engine.clover_step_cb(self._step) if on_step is not None else engine.clover_step_cb()
+
+    def _tokens(self, ptr: Any, n: int, _user: Any) -> bool:
+        try:
+            if self.cancel.is_set():
+                return False
+            return bool(self.user_on_tokens([int(ptr[i]) for i in range(n)]))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            self.error = exc
+            return False
+
+    def _step(self, ptr: Any, n: int, _user: Any) -> bool:
+        try:
+            if self.cancel.is_set():
+                return False
+            assert self.user_on_step is not None
+            return self.user_on_step([int(ptr[i]) for i in range(n)]) is not False
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+            return False
+
+    def run(self) -> tuple[int, float]:
+        L = engine.lib()
+        start = time.perf_counter()
+        rc = L.clover_generate(self.model._handle(), self.prompt, self.n_prompt, ctypes.byref(self.params),
+                               self.tokens_cb, self.step_cb, None, ctypes.byref(self.stats))
+        return int(rc), time.perf_counter() - start
+
+    def result_stats(self, wall_s: float) -> Stats:
+        return Stats.from_c(self.stats, self.mode, self.block_size, self.threshold, wall_s)
+
+    def raise_for(self, rc: int) -> None:
+        if self.error is not None:
+            raise self.error
+        if rc < 0:
+            raise EngineError(self.model.last_error() or "clover_generate failed")
+
+
+class Generation:
+    """The iterator ``Model.generate`` returns: yields committed token lists as they arrive.
+
+    ``stats`` and ``tokens`` (everything yielded) are set once the generation is over. ``close()``
+    cancels a running generation (the engine resets its history) and waits for the worker.
+    """
+
+    _DONE = object()
+
+    def __init__(self, call: _Call, buffer: int) -> None:
+        self._call = call
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._space = threading.Semaphore(max(1, buffer))
+        self.tokens: list[int] = []
+        self.stats: Stats | None = None
+        self.cancelled = False
+        self._rc = 0
+        self._finished = False
+        call.user_on_tokens = self._push
+        self._thread = threading.Thread(target=self._work, name="clover-generate", daemon=True)
+        self._thread.start()
+
+    def _push(self, tokens: list[int]) -> bool:
+        while not self._space.acquire(timeout=0.05):
+            if self._call.cancel.is_set():
+                return False
+        if self._call.cancel.is_set():
+            return False
+        self._queue.put(tokens)
+        return True
+
+    def _work(self) -> None:
+        rc, wall = -1, 0.0
+        try:
+            rc, wall = self._call.run()
+        except BaseException as exc:  # noqa: BLE001
+            self._call.error = exc
+        finally:
+            self._rc = rc
+            self.stats = self._call.result_stats(wall)
+            self._queue.put(self._DONE)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        if self._finished:
+            raise StopIteration
+        item = self._queue.get()
+        if item is self._DONE:
+            self._finish()
+            raise StopIteration
+        self._space.release()
+        self.tokens.extend(item)
+        return item
+
+    def _finish(self) -> None:
+        self._thread.join()
+        self._finished = True
+        if self._call.model._active is self:
+            self._call.model._active = None
+        if not self.cancelled:
+            self._call.raise_for(self._rc)
+
+    def wait(self) -> list[int]:
+        """Consume the rest; returns all tokens."""
+        for _ in self:
+            pass
+        return self.tokens
+
+    def close(self) -> None:
+        """Cancel (if still running) and wait for the worker; the engine has reset its history if cancelled."""
+        if self._finished:
+            return
+        if self._thread.is_alive():
+            self.cancelled = True
+            self._call.cancel.set()
+        while True:  # drain, so a worker blocked on the buffer sees the cancel
+            item = self._queue.get()
+            if item is self._DONE:
+                break
+            self._space.release()
+        self._thread.join()
+        self._finished = True
+        if self._call.model._active is self:
+            self._call.model._active = None
+
+    @property
+    def done(self) -> bool:
+        return self._finished
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class Model:
+    """One loaded GGUF and its engine context (history, scratch sequence, rollback room)."""
+
+    def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
+                 n_gpu_layers: int = 0, n_batch: int = 0) -> None:
+        L = engine.lib()
+        self.path = str(path)
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"{self.path}: no such file")
+        params = L.clover_engine_default_params()
+        if n_ctx:
+            params.n_ctx = int(n_ctx)
+        if n_batch:
+            params.n_batch = int(n_batch)
+        if max_block_size:
+            params.max_block_size = int(max_block_size)
+        if n_threads:
+            params.n_threads = int(n_threads)
+        elif os.environ.get("CLOVER_THREADS"):
+            params.n_threads = int(os.environ["CLOVER_THREADS"])
+        params.n_gpu_layers = int(n_gpu_layers)
+        err = ctypes.create_string_buffer(2048)
+        self._ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))
+        if not self._ptr:
+            msg = err.value.decode("utf-8", "replace").strip() or "unknown error"
+            raise EngineError(f"cannot load {self.path}: {msg}")
+        self.info = ModelInfo.from_c(L.clover_engine_info(self._ptr).contents)
+        self._llama_model = L.clover_engine_model(self._ptr)
+        self._vocab = native.llama().llama_model_get_vocab(self._llama_model)
+        self._active: Generation | None = None
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------------- plumbing
+    def _handle(self) -> int:
+        if not self._ptr:
+            raise EngineError("the model is closed")
+        return self._ptr
+
+    def last_error(self) -> str:
+        msg = engine.lib().clover_engine_last_error(self._handle())
+        return msg.decode("utf-8", "replace") if msg else ""
+
+    @property
+    def llama_model(self) -> int:
+        """The engine's ``llama_model *`` (for llama_cpp low-level calls)."""
+        self._handle()
+        return self._llama_model
+
+    @property
+    def llama_context(self) -> int:
+        return engine.lib().clover_engine_context(self._handle())
+
+    @property
+    def n_ctx(self) -> int:
+        return int(native.llama().llama_n_ctx(self.llama_context))
+
+    @property
+    def n_past(self) -> int:
+        """Positions committed to the history (the seed's position); 0 after a reset."""
+        return int(engine.lib().clover_engine_n_past(self._handle()))
+
+    # ---------------------------------------------------------------------------------- tokens
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """Text to token ids; ``special`` parses special tokens such as ``<|im_start|>``. No BOS is added."""
+        L = native.llama()
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        toks = (L.llama_token * cap)()
+        n = L.llama_tokenize(self._vocab, data, len(data), toks, cap, False, special)
+        if n < 0:
+            cap = -n
+            toks = (L.llama_token * cap)()
+            n = L.llama_tokenize(self._vocab, data, len(data), toks, cap, False, special)
+        if n < 0:
+            raise EngineError("llama_tokenize failed")
+        return [int(t) for t in toks[:n]]
+
+    def detokenize(self, ids: Sequence[int], special: bool = True) -> str:
+        """Token ids to text; ``special`` renders special tokens (as the reference's decode does)."""
+        if not ids:
+            return ""
+        L = native.llama()
+        arr = (L.llama_token * len(ids))(*[int(t) for t in ids])
+        cap = 16 * len(ids) + 64
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(cap)
+            n = L.llama_detokenize(self._vocab, arr, len(ids), buf, cap, False, special)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", "replace")
+            cap = -n + 1
+        raise EngineError("llama_detokenize failed")
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        return [int(t) for t in prompt]
+
+    # ---------------------------------------------------------------------------------- generation
+    def generate(self, prompt: str | Sequence[int], mode: str = "diffusion", block_size: int | None = None,
+                 threshold: float | None = None, draft_steps: int = 0, max_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 stop_ids: Sequence[int] | None = None, banned_ids: Sequence[int] | None = None,
+                 on_step: Callable[[list[int]], Any] | None = None, buffer: int = 2) -> Generation:
+        """Continue ``prompt`` on the engine's history; an iterator of committed token lists.
+
+        ``stop_ids=None`` uses the vocabulary's end-of-generation tokens; ``[]`` stops on none.
+        ``threshold=None`` uses the calibrated threshold for the block size. ``on_step(canvas)`` is called
+        from the worker thread after each LowConfidence step (masked targets hold ``info.mask_token_id``);
+        returning False cancels. A still-running previous generation is cancelled first.
+        """
+        self.close_active()
+        call = _Call(self, self._prompt_ids(prompt), mode, block_size, threshold, draft_steps, max_tokens,
+                     temperature, top_k, top_p, seed, stop_ids, banned_ids, lambda _t: True, on_step)
+        gen = Generation(call, buffer)
+        self._active = gen
+        return gen
+
+    def run(self, prompt: str | Sequence[int], mode: str = "diffusion", block_size: int | None = None,
+            threshold: float | None = None, draft_steps: int = 0, max_tokens: int = 64, temperature: float = 0.0,
+            top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None,
+            banned_ids: Sequence[int] | None = None, on_step: Callable[[list[int]], Any] | None = None,
+            on_tokens: Callable[[list[int]], Any] | None = None) -> Result:
+        """Synchronous ``generate``: runs in the calling thread and returns all tokens and the stats.
+        ``on_tokens(block)`` / ``on_step(canvas)`` returning False cancels."""
+        self.close_active()
+        tokens: list[int] = []
+
+        def push(block: list[int]) -> bool:
+            tokens.extend(block)
+            return True if on_tokens is None else on_tokens(block) is not False
+
+        call = _Call(self, self._prompt_ids(prompt), mode, block_size, threshold, draft_steps, max_tokens,
+                     temperature, top_k, top_p, seed, stop_ids, banned_ids, push, on_step)
+        with self._lock:
+            rc, wall = call.run()
+        call.raise_for(rc)
+        return Result(tokens, call.result_stats(wall))
+
+    def close_active(self) -> None:
+        if self._active is not None:
+            active, self._active = self._active, None
+            active.close()
+
+    def reset(self) -> None:
+        """Forget the history: the next generate starts with a fresh prefill."""
+        self.close_active()
+        engine.lib().clover_engine_reset(self._handle())
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            self.close_active()
+            engine.lib().clover_engine_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
