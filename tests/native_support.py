@@ -26,11 +26,15 @@ def require_native() -> None:
     from clover_cpp import native
 
     ok, reason = native.native_available()
-    if ok:
-        return
+    if not ok:
+        skip_or_fail(f"native runtime unavailable: {reason}")
+
+
+def skip_or_fail(reason: str) -> None:
+    """Fail with CLOVER_REQUIRE_NATIVE=1 (CI), otherwise skip with the reason."""
     if os.environ.get("CLOVER_REQUIRE_NATIVE") == "1":
         pytest.fail(f"CLOVER_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
-    pytest.skip(f"native runtime unavailable: {reason} (set CLOVER_REQUIRE_NATIVE=1 to make this a failure)")
+    pytest.skip(f"{reason} (set CLOVER_REQUIRE_NATIVE=1 to make this a failure)")
 
 
 def record(name: str, value: Any) -> None:

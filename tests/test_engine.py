@@ -9,7 +9,6 @@ they fail. Every near-tie divergence is recorded in build/native-parity.json (en
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 
 from engine_support import REF_TOL, Ledger, reference_run
-from native_support import REPO_ROOT, clover_convert, dump_results, record, require_native
+from native_support import REPO_ROOT, clover_convert, dump_results, record, require_native, skip_or_fail
 
 MODES = ("ar", "diffusion", "spec")
 LEDGER = Ledger()
@@ -30,11 +29,8 @@ def require_engine() -> None:
     from clover_cpp import engine
 
     ok, reason = engine.available()
-    if ok:
-        return
-    if os.environ.get("CLOVER_REQUIRE_NATIVE") == "1":
-        pytest.fail(f"CLOVER_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
-    pytest.skip(f"native engine unavailable: {reason} (set CLOVER_REQUIRE_NATIVE=1 to make this a failure)")
+    if not ok:
+        skip_or_fail(f"native engine unavailable: {reason}")
 
 
 @pytest.fixture(scope="module", autouse=True)
