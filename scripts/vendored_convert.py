@@ -4,7 +4,7 @@
     python3 scripts/vendored_convert.py MODEL_DIR --outfile OUT.gguf [--outtype f32|f16|bf16|q8_0]
         [--tree VENDORED_LLAMA_CPP] [--tokenizer-pre qwen35] [-- EXTRA CONVERTER ARGS]
 
-Needs a Python with torch, numpy, safetensors and transformers (e.g. /tmp/probe-venv/bin/python).
+Needs a Python with torch, numpy, safetensors and transformers (the project venv, .venv/bin/python).
 - The vendored tree's own gguf-py is put first on sys.path (the PyPI gguf wheel differs; see docs/gotchas).
 - `--no-mtp` is always passed: our checkpoints have no MTP tensors and the converter asserts otherwise.
 - The converter refuses BPE tokenizers whose pre-tokenizer hash it does not know. Our test checkpoints
