@@ -4,8 +4,6 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
-DEMO := build/demo-tiny
-PROMPT := def fibonacci(n):
 PYTEST_ARGS ?=
 
 .PHONY: setup test demo clean native bench
@@ -32,19 +30,17 @@ $(STAMP): pyproject.toml
 test: setup
 	CLOVER_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# The main job, on the default model: a random `tiny` checkpoint until the trained demo model ships.
-# Convert it to a q8_0 GGUF, then continue a code prompt with the native engine in diffusion and spec modes.
-DEMO_GGUF := $(DEMO)/demo-tiny-q8_0.gguf
+# The main job, on the shipped default model (models/clover-demo, see its README): convert it to a q8_0
+# GGUF, then continue a code prompt with the native engine in ar, diffusion and spec modes, with a stats table.
+DEMO_MODEL := models/clover-demo
+DEMO_GGUF := build/demo/clover-demo-q8_0.gguf
 
-$(DEMO)/config.json: | setup
-	$(BIN)/clover-ref init $(DEMO) --preset tiny --seed 0
-
-$(DEMO_GGUF): $(DEMO)/config.json
-	$(BIN)/clover-convert $(DEMO) $@ --outtype q8_0
+$(DEMO_GGUF): $(DEMO_MODEL)/model.safetensors $(DEMO_MODEL)/config.json | setup
+	mkdir -p $(dir $@)
+	$(BIN)/clover-convert $(DEMO_MODEL) $@ --outtype q8_0
 
 demo: setup $(DEMO_GGUF)
-	$(BIN)/clover-cpp generate -m $(DEMO_GGUF) -p "$(PROMPT)" --mode diffusion -n 32 -t 2
-	$(BIN)/clover-cpp generate -m $(DEMO_GGUF) -p "$(PROMPT)" --mode spec -n 32 -t 2
+	$(BIN)/python scripts/demo.py $(DEMO_GGUF)
 
 # The native engine benchmark (bench/bench_engine.py): tiny and mid at f32 and q8_0, side-by-side table in
 # bench/results/bench_engine.md (+ .json). bench/bench_convert.py is separate (it streams a 5 GB checkpoint).

@@ -1,0 +1,97 @@
+"""Quality of a trained Clover on held-out standard-library code (the model card's figures; not a test).
+
+    .venv/bin/python bench/eval_demo_model.py MODEL_DIR [--prompts 24] [--tokens 64]
+
+Causal perplexity comes from the PyTorch reference; decoding figures from the native engine on an f32
+GGUF converted from MODEL_DIR: for diffusion at tau 0.9 and 0.95 with B = 8, 16, 32, TPF (tokens per
+decode-time pass, block and causal) and tokens per block pass, and how often the diffusion output equals
+greedy ar output; for spec mode, the mean accepted length per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clover_convert.cli import main as convert_main
+from clover_ref.batched import causal_with_history
+from clover_ref.checkpoint import load_model
+from clover_ref.train import corpus_files, encode_files
+
+
+def perplexity(model_dir: Path, stream: np.ndarray, length: int = 128, sequences: int = 64) -> float:
+    model = load_model(model_dir)
+    starts = np.linspace(0, len(stream) - length - 1, sequences).astype(int)
+    ids = torch.as_tensor(np.stack([stream[s: s + length] for s in starts]))
+    with torch.no_grad():
+        logits, _ = causal_with_history(model, ids, split=0)
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return math.exp(nll.item())
+
+
+def decode_figures(gguf: Path, prompts: list[list[int]], tokens: int) -> dict:
+    import clover_cpp
+
+    out: dict = {}
+    with clover_cpp.Model(str(gguf), n_ctx=1024, n_threads=2, max_block_size=32) as model:
+        def run(**options):
+            model.reset()
+            return model.run(list(prompt), max_tokens=tokens, **options)
+
+        ar_outputs = []
+        for prompt in prompts:
+            ar_outputs.append(run(mode="ar").tokens)
+        for tau in (0.9, 0.95):
+            for b in (8, 16, 32):
+                generated = passes = block_passes = equal = 0
+                for prompt, ar in zip(prompts, ar_outputs):
+                    r = run(mode="diffusion", block_size=b, threshold=tau)
+                    generated += r.stats.generated_tokens
+                    passes += r.stats.passes
+                    block_passes += r.stats.block_passes
+                    equal += int(r.tokens == ar)
+                out[f"diffusion tau={tau} B={b}"] = {
+                    "tpf": generated / passes, "tokens_per_block_pass": generated / block_passes,
+                    "equals_ar": equal / len(prompts)}
+        for b in (8, 16, 32):
+            accepted = rounds = equal = 0
+            for prompt, ar in zip(prompts, ar_outputs):
+                r = run(mode="spec", block_size=b)
+                hist = r.stats.accepted_lengths
+                accepted += sum(m * n for m, n in enumerate(hist))
+                rounds += sum(hist)
+                equal += int(r.tokens == ar)
+            out[f"spec B={b}"] = {"mean_accepted": accepted / rounds, "equals_ar": equal / len(prompts)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    _, held = corpus_files()
+    stream = encode_files(held, max_bytes=1 << 20)
+    starts = np.linspace(0, len(stream) - args.prompt_tokens - 1, args.prompts).astype(int)
+    prompts = [stream[s: s + args.prompt_tokens].tolist() for s in starts]
+    figures = {"held_out_tokens": int(len(stream)), "causal_perplexity": perplexity(args.model_dir, stream)}
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = Path(tmp) / "model-f32.gguf"
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout pure JSON
+            convert_main([str(args.model_dir), str(gguf), "--outtype", "f32"])
+        figures.update(decode_figures(gguf, prompts, args.tokens))
+    print(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
