@@ -417,18 +417,10 @@ class Model:
     # ---------------------------------------------------------------------------------- tokens
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """Text to token ids; ``special`` parses special tokens such as ``<|im_start|>``. No BOS is added."""
-        L = native.llama()
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        toks = (L.llama_token * cap)()
-        n = L.llama_tokenize(self._vocab, data, len(data), toks, cap, False, special)
-        if n < 0:
-            cap = -n
-            toks = (L.llama_token * cap)()
-            n = L.llama_tokenize(self._vocab, data, len(data), toks, cap, False, special)
-        if n < 0:
-            raise EngineError("llama_tokenize failed")
-        return [int(t) for t in toks[:n]]
+        try:
+            return native.tokenize(self._vocab, text, add_special=False, parse_special=special)
+        except native.NativeError as exc:
+            raise EngineError(str(exc)) from None
 
     def detokenize(self, ids: Sequence[int], special: bool = True) -> str:
         """Token ids to text; ``special`` renders special tokens (as the reference's decode does)."""

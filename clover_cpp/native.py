@@ -34,6 +34,22 @@ class NativeError(RuntimeError):
     """The native runtime is missing or a native call failed."""
 
 
+def tokenize(vocab: Any, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    """Token ids of ``text`` with a llama_vocab pointer, growing the buffer when llama_tokenize asks."""
+    L = llama()
+    data = text.encode("utf-8")
+    cap = len(data) + 16
+    toks = (L.llama_token * cap)()
+    n = L.llama_tokenize(vocab, data, len(data), toks, cap, add_special, parse_special)
+    if n < 0:
+        cap = -n
+        toks = (L.llama_token * cap)()
+        n = L.llama_tokenize(vocab, data, len(data), toks, cap, add_special, parse_special)
+    if n < 0:
+        raise NativeError("llama_tokenize failed")
+    return [int(t) for t in toks[:n]]
+
+
 def lib_dir() -> Path:
     """Folder holding libllama.so (``$CLOVER_NATIVE_LIB`` overrides build/native/lib)."""
     env = os.environ.get("CLOVER_NATIVE_LIB")
@@ -114,18 +130,7 @@ class Model:
         return None if n < 0 else buf.value.decode()
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
-        L = llama()
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        toks = (L.llama_token * cap)()
-        n = L.llama_tokenize(self.vocab, data, len(data), toks, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            toks = (L.llama_token * cap)()
-            n = L.llama_tokenize(self.vocab, data, len(data), toks, cap, add_special, parse_special)
-        if n < 0:
-            raise NativeError("llama_tokenize failed")
-        return list(toks[:n])
+        return tokenize(self.vocab, text, add_special, parse_special)
 
     def mask_token(self) -> int:
         return int(llama().llama_vocab_mask(self.vocab))
