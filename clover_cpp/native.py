@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,6 +29,7 @@ SCRATCH_SEQ = 1
 _llama: ModuleType | None = None
 _log_lines: list[str] = []
 _log_cb: Any = None
+_log_listeners: list[Callable[[int, str], None]] = []
 
 
 class NativeError(RuntimeError):
@@ -90,7 +92,9 @@ def llama() -> ModuleType:
         msg = text.decode("utf-8", "replace")
         _log_lines.append(msg)
         del _log_lines[:-200]
-        if level == 3 and os.environ.get("CLOVER_NATIVE_QUIET") != "1":  # errors
+        for listener in list(_log_listeners):
+            listener(level, msg)
+        if level == 4 and os.environ.get("CLOVER_NATIVE_QUIET") != "1":  # GGML_LOG_LEVEL_ERROR
             print(msg, end="", flush=True, file=__import__("sys").stderr)
 
     _log_cb = _cb
@@ -100,18 +104,32 @@ def llama() -> ModuleType:
     return llama_cpp
 
 
+@contextmanager
+def log_listener(listener: Callable[[int, str], None]) -> Iterator[None]:
+    """Call ``listener(level, text)`` with every fragment llama.cpp logs inside the ``with`` block
+    (fragments are not always whole lines: join them and split on newlines)."""
+    llama()
+    _log_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _log_listeners.remove(listener)
+
+
 def recent_log() -> str:
     """The last lines llama.cpp logged (load errors are only reported there)."""
     return "".join(_log_lines)
 
 
 class Model:
-    """A loaded GGUF model (CPU)."""
+    """A loaded GGUF model (CPU unless n_gpu_layers / $CLOVER_N_GPU_LAYERS offloads layers)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None) -> None:
         L = llama()
         params = L.llama_model_default_params()
-        params.n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
+        if n_gpu_layers is None:
+            n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
+        params.n_gpu_layers = n_gpu_layers
         params.use_mmap = True
         _log_lines.clear()
         self.path = str(path)
@@ -151,9 +169,17 @@ class Context:
     """A context on ``Model`` with two sequences (0 = history, 1 = scratch) and a unified KV cache."""
 
     def __init__(self, model: Model, n_ctx: int = 1024, n_batch: int = 512, n_ubatch: int = 64,
-                 n_rs_seq: int = 0, n_threads: int | None = None) -> None:
+                 n_rs_seq: int = 0, n_threads: int | None = None,
+                 eval_callback: tuple[Any, Any] | None = None) -> None:
+        """``eval_callback``: an optional (ggml_backend_sched_eval_callback, user data) pair set as
+        ``cb_eval`` / ``cb_eval_user_data`` (e.g. libclover's importance-matrix collector); it is kept
+        referenced for the context's lifetime."""
         L = llama()
         p = L.llama_context_default_params()
+        self._eval_callback = eval_callback  # the C side holds only raw pointers
+        if eval_callback is not None:
+            p.cb_eval = eval_callback[0]
+            p.cb_eval_user_data = eval_callback[1]
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_ubatch

@@ -1,0 +1,102 @@
+"""What clover-quantize needs to know about its input before it calls llama.cpp: is it a clover GGUF, which
+shards it has, and which of its tensors are already quantized."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from .types import is_quantized
+
+ARCH = "clover"
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+class InputError(ValueError):
+    """The input file cannot be quantized; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class InputTensor:
+    name: str
+    shape: tuple[int, ...]          # ne0 first, as ggml and llama.cpp print it
+    type: GGMLQuantizationType
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class InputModel:
+    path: Path                      # the file given (the first shard of a split model)
+    shards: tuple[Path, ...]
+    tensors: tuple[InputTensor, ...]
+    file_type: int | None           # general.file_type
+
+    @property
+    def quantized(self) -> list[InputTensor]:
+        return [t for t in self.tensors if is_quantized(t.type)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _field_str(reader: GGUFReader, key: str) -> str | None:
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    if field.types[:1] != [GGUFValueType.STRING]:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+
+
+def _field_int(reader: GGUFReader, key: str) -> int | None:
+    field = reader.get_field(key)
+    if field is None or not field.types or field.types[0] == GGUFValueType.STRING:
+        return None
+    return int(field.parts[field.data[0]][0])
+
+
+def shard_paths(path: Path) -> tuple[Path, ...]:
+    """All shards of a split model given its first shard (``name-00001-of-00003.gguf``), else ``(path,)``."""
+    m = _SPLIT_RE.match(path.name)
+    if not m:
+        return (path,)
+    n = int(m.group("n"))
+    if int(m.group("i")) != 1:
+        raise InputError(f"{path}: give the first shard of a split model (…-00001-of-{n:05d}.gguf)")
+    shards = tuple(path.with_name(f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1))
+    missing = [str(p) for p in shards if not p.is_file()]
+    if missing:
+        raise InputError(f"{path}: split model shard(s) missing: {', '.join(missing)}")
+    return shards
+
+
+def read_input(path: Path) -> InputModel:
+    """Read the header(s) of a clover GGUF (no tensor data). Raises InputError for anything else."""
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    shards = shard_paths(path)
+    tensors: list[InputTensor] = []
+    file_type: int | None = None
+    for i, shard in enumerate(shards):
+        try:
+            reader = GGUFReader(shard, "r")
+        except (ValueError, OSError, IndexError, KeyError) as exc:
+            raise InputError(f"{shard}: not a GGUF file ({' '.join(str(exc).split()) or type(exc).__name__})") from None
+        if i == 0:
+            arch = _field_str(reader, "general.architecture")
+            if arch is None:
+                raise InputError(f"{shard}: general.architecture is missing: not a llama.cpp model GGUF")
+            if arch != ARCH:
+                raise InputError(f"{shard}: general.architecture is '{arch}', not '{ARCH}': "
+                                 "clover-quantize only quantizes Clover GGUF files (clover-convert makes them)")
+            if _field_int(reader, "clover.block_size") is None:
+                raise InputError(f"{shard}: clover.block_size is missing: not a complete Clover GGUF")
+            file_type = _field_int(reader, "general.file_type")
+        for t in reader.tensors:
+            tensors.append(InputTensor(t.name, tuple(int(d) for d in t.shape), GGMLQuantizationType(t.tensor_type),
+                                       int(t.n_bytes)))
+    return InputModel(path, shards, tuple(tensors), file_type)

@@ -1,0 +1,291 @@
+"""Drive llama_model_quantize of the patched llama.cpp (through llama-cpp-python) for Clover GGUF files.
+
+The per-tensor types are llama.cpp's own decisions: a dry run (``params.dry_run``) logs one line per tensor
+with the type it would write, and the plan is read from those lines. The real run writes into a
+temporary folder next to the output and renames at the end, so a failure leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gguf import GGMLQuantizationType
+from tqdm import tqdm
+
+from clover_cpp import native
+
+from .importance import Imatrix, load_imatrix
+from .inspect import InputError, InputModel, read_input
+from .types import FileType, tensor_nbytes
+
+# "[  12/ 853]           blk.0.ffn_down_exps.weight - [  512,  2048,   256,     1], type =   bf16, "
+_TENSOR_LINE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)\s+-\s+\[([^\]]*)\],\s+type\s+=\s+(\w+),")
+# dry run, the rest of the line: "size =   512.00 MiB ->   144.00 MiB (q4_K)" or "size =    0.016 MiB"
+_DRY_TAIL = re.compile(r"size\s+=\s+[\d.]+\s+MiB(?:\s+->\s+[\d.]+\s+MiB\s+\((\w+)\))?")
+
+
+class QuantizeError(RuntimeError):
+    """llama.cpp refused or failed; the message carries its reason."""
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]
+    src_type: GGMLQuantizationType
+    dst_type: GGMLQuantizationType
+    src_bytes: int
+    dst_bytes: int
+
+
+@dataclass
+class Plan:
+    file_type: FileType
+    tensors: list[TensorPlan]
+
+    @property
+    def src_bytes(self) -> int:
+        return sum(t.src_bytes for t in self.tensors)
+
+    @property
+    def dst_bytes(self) -> int:
+        return sum(t.dst_bytes for t in self.tensors)
+
+    @property
+    def n_params(self) -> int:
+        total = 0
+        for t in self.tensors:
+            n = 1
+            for d in t.shape:
+                n *= d
+            total += n
+        return total
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.dst_bytes / max(1, self.n_params)
+
+    def types_by_count(self) -> dict[str, tuple[int, int]]:
+        """dst type name -> (tensor count, bytes)."""
+        out: dict[str, tuple[int, int]] = {}
+        for t in self.tensors:
+            n, b = out.get(t.dst_type.name, (0, 0))
+            out[t.dst_type.name] = (n + 1, b + t.dst_bytes)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
+
+
+@dataclass
+class QuantizeOptions:
+    input: Path
+    file_type: FileType
+    output: Path | None = None
+    imatrix: Path | None = None
+    tensor_types: Sequence[tuple[str, GGMLQuantizationType]] = ()
+    output_tensor_type: GGMLQuantizationType | None = None
+    token_embedding_type: GGMLQuantizationType | None = None
+    threads: int = 0
+    dry_run: bool = False
+    keep_split: bool = False
+    allow_requantize: bool = False
+    progress: bool | None = None      # None: a bar when stderr is a terminal
+
+
+@dataclass
+class QuantizeResult:
+    plan: Plan
+    paths: list[Path] = field(default_factory=list)   # written files (none for a dry run)
+    imatrix: Imatrix | None = None
+
+
+def default_output(path: Path, ft: FileType) -> Path:
+    """``model-f16.gguf`` -> ``model-Q4_K_M.gguf`` (a trailing float-type tag is replaced)."""
+    stem = re.sub(r"-\d{5}-of-\d{5}$", "", path.stem)
+    stem = re.sub(r"[-_.](f32|f16|bf16|F32|F16|BF16)$", "", stem)
+    return path.with_name(f"{stem}-{ft.name}.gguf")
+
+
+def check_options(opts: QuantizeOptions, model: InputModel) -> None:
+    """The checks llama.cpp would make late (or not at all), made before any work, with clear messages."""
+    if opts.file_type.needs_imatrix and opts.imatrix is None and not opts.dry_run:
+        raise InputError(f"{opts.file_type.name} needs an importance matrix: pass --imatrix FILE "
+                         f"(make one with `clover-cpp imatrix -m {opts.input} -f calib.txt -o imatrix.gguf`), "
+                         "or choose a K-quant such as Q4_K_M")
+    if model.quantized and not opts.allow_requantize:
+        t = model.quantized[0]
+        raise InputError(f"{opts.input}: tensor {t.name} is already {t.type.name}: quantizing a quantized file "
+                         "loses precision twice; start from the f16/bf16/f32 GGUF or pass --allow-requantize")
+    for pattern, _ in opts.tensor_types:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise InputError(f"--tensor-type: '{pattern}' is not a valid regular expression ({exc})") from None
+
+
+class _Params:
+    """llama_model_quantize_params plus the C arrays it points to (kept alive as long as this object)."""
+
+    def __init__(self, opts: QuantizeOptions, imatrix: Imatrix | None, dry_run: bool) -> None:
+        L = native.llama()
+        p = L.llama_model_quantize_default_params()
+        p.nthread = int(opts.threads)
+        p.ftype = opts.file_type.ftype
+        p.allow_requantize = bool(opts.allow_requantize)
+        p.keep_split = bool(opts.keep_split)
+        p.dry_run = dry_run
+        if opts.output_tensor_type is not None:
+            p.output_tensor_type = int(opts.output_tensor_type)
+        if opts.token_embedding_type is not None:
+            p.token_embedding_type = int(opts.token_embedding_type)
+        self._keep: list[Any] = []
+        if opts.tensor_types:
+            arr = (L.llama_model_tensor_override * (len(opts.tensor_types) + 1))()
+            for i, (pattern, qtype) in enumerate(opts.tensor_types):
+                arr[i].pattern = pattern.encode()
+                arr[i].type = int(qtype)
+            arr[len(opts.tensor_types)].pattern = None
+            p.tt_overrides = arr
+            self._keep.append(arr)
+        if imatrix is not None:
+            entries = list(imatrix.entries.items())
+            arr_i = (L.llama_model_imatrix_data * (len(entries) + 1))()
+            for i, (name, values) in enumerate(entries):
+                arr_i[i].name = name.encode()
+                arr_i[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                arr_i[i].size = values.size
+            arr_i[len(entries)].name = None
+            p.imatrix = arr_i
+            self._keep += [arr_i, entries]
+            kv = _imatrix_kv(L, imatrix)
+            p.kv_overrides = kv
+            self._keep.append(kv)
+        self.params = p
+
+
+def _imatrix_kv(L: Any, imatrix: Imatrix) -> Any:
+    """The quantize.imatrix.* keys llama-quantize records in its output."""
+    items: list[tuple[str, str | int]] = [("quantize.imatrix.file", str(imatrix.path))]
+    if imatrix.datasets:
+        items.append(("quantize.imatrix.dataset", imatrix.datasets[0]))
+    items.append(("quantize.imatrix.entries_count", len(imatrix.entries)))
+    if imatrix.chunk_count:
+        items.append(("quantize.imatrix.chunks_count", imatrix.chunk_count))
+    arr = (L.llama_model_kv_override * (len(items) + 1))()
+    for i, (key, value) in enumerate(items):
+        arr[i].key = key.encode()[:127]
+        if isinstance(value, int):
+            arr[i].tag = L.LLAMA_KV_OVERRIDE_TYPE_INT
+            arr[i].value.val_i64 = value
+        else:
+            arr[i].tag = L.LLAMA_KV_OVERRIDE_TYPE_STR
+            arr[i].value.val_str = value.encode()[:127]
+    arr[len(items)].key = b""
+    return arr
+
+
+class _LineLog:
+    """Joins llama.cpp's log fragments into lines and hands each line to ``on_line``."""
+
+    def __init__(self, on_line: Callable[[str], None]) -> None:
+        self.on_line = on_line
+        self.buf = ""
+        self.errors: list[str] = []
+        self.level = 0
+
+    def __call__(self, level: int, text: str) -> None:
+        if level != 5:  # GGML_LOG_LEVEL_CONT continues the previous message
+            self.level = level
+        if self.level == 4 or "failed to quantize" in text:  # GGML_LOG_LEVEL_ERROR
+            self.errors.append(text.strip())
+        self.buf += text
+        while "\n" in self.buf:
+            line, self.buf = self.buf.split("\n", 1)
+            self.on_line(line)
+
+
+def _call_quantize(src: Path, dst: Path, params: _Params, on_line: Callable[[str], None]) -> None:
+    L = native.llama()
+    log = _LineLog(on_line)
+    with native.log_listener(log):
+        rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params.params))
+    if rc != 0:
+        reasons = [e for e in log.errors if e] or ["unknown error (see llama.cpp's log)"]
+        raise QuantizeError(f"llama_model_quantize failed on {src}: " + " | ".join(dict.fromkeys(reasons)))
+
+
+def plan_quantization(opts: QuantizeOptions, model: InputModel, imatrix: Imatrix | None = None) -> Plan:
+    """llama.cpp's per-tensor types for ``opts`` (a dry run: reads no tensor data, writes nothing)."""
+    by_name = {t.name: t for t in model.tensors}
+    rows: list[TensorPlan] = []
+    pending: dict[str, Any] = {}
+
+    def on_line(line: str) -> None:
+        m = _TENSOR_LINE.search(line)
+        if not m:
+            return
+        name = m.group(3)
+        tail = _DRY_TAIL.search(line, m.end())
+        if name not in by_name or tail is None:
+            pending["bad"] = line
+            return
+        src = by_name[name]
+        dst = GGMLQuantizationType[tail.group(1).upper()] if tail.group(1) else src.type
+        rows.append(TensorPlan(name, src.shape, src.type, dst, src.nbytes,
+                               src.nbytes if dst == src.type else tensor_nbytes(dst, src.shape)))
+
+    params = _Params(opts, imatrix, dry_run=True)
+    _call_quantize(model.path, model.path.with_suffix(".dry-run.gguf"), params, on_line)
+    if "bad" in pending or len(rows) != len(model.tensors):
+        raise QuantizeError(f"could not read llama.cpp's plan for {model.path}: parsed {len(rows)} of "
+                            f"{len(model.tensors)} tensors" + (f" (line: {pending['bad']!r})" if pending else ""))
+    return Plan(opts.file_type, rows)
+
+
+def quantize(opts: QuantizeOptions) -> QuantizeResult:
+    """Plan (dry run) or quantize ``opts.input``. Raises InputError, ImatrixError or QuantizeError."""
+    model = read_input(opts.input)
+    check_options(opts, model)
+    imatrix = load_imatrix(opts.imatrix) if opts.imatrix is not None else None
+    plan = plan_quantization(opts, model, imatrix)
+    result = QuantizeResult(plan, imatrix=imatrix)
+    if opts.dry_run:
+        return result
+    out = opts.output or default_output(opts.input, opts.file_type)
+    if out.resolve() == opts.input.resolve():
+        raise InputError(f"{out}: the output would overwrite the input")
+    if out.exists() and out.is_dir():
+        raise InputError(f"{out}: is a directory (give the output file name)")
+    if not out.parent.is_dir():
+        raise InputError(f"{out.parent}: no such directory for the output")
+    keep_split = opts.keep_split and len(model.shards) > 1
+    opts_run = QuantizeOptions(**{**opts.__dict__, "keep_split": keep_split})
+    params = _Params(opts_run, imatrix, dry_run=False)
+    bar = tqdm(total=len(model.tensors), unit="tensor", desc="clover-quantize", dynamic_ncols=True,
+               disable=None if opts.progress is None else not opts.progress)
+
+    def on_line(line: str) -> None:
+        if _TENSOR_LINE.search(line):
+            bar.update(1)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        target = tmp / (out.stem if keep_split else out.name)
+        _call_quantize(model.path, target, params, on_line)
+        written = sorted(tmp.iterdir())
+        if not written:
+            raise QuantizeError(f"llama_model_quantize wrote nothing for {opts.input}")
+        finals = [out.parent / p.name for p in written]
+        for p, final in zip(written, finals):
+            p.replace(final)
+        result.paths = finals
+        return result
+    finally:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+

@@ -1,0 +1,376 @@
+"""clover-quantize (issue 6): plans equal what is written, the Clover type rules, the quantized files run in
+all three modes, quality against f16 (KL divergence and top-1 of causal and block logits), and the errors.
+
+Everything runs the patched llama.cpp (llama_model_quantize through llama-cpp-python): no mocks.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFWriter
+
+from native_support import REPO_ROOT, VENV_PYTHON, clover_convert, dump_results, record, require_native
+
+from clover_quantize.run import QuantizeOptions, default_output, plan_quantization, quantize
+from clover_quantize.inspect import read_input
+from clover_quantize.types import FILE_TYPES, file_type
+
+QUANT_TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_M", "IQ4_NL",
+               "IQ4_XS", "F16", "BF16"]
+
+# Tensors that stay F32 in every file (issue 6): the four clover tensors, norms, ssm_a, dt, conv, router and
+# the shared-expert gate.
+ALWAYS_F32 = re.compile(r"(ssm_conv1d_right|ssm_hist\.|ssm_blk_scale|_norm\.weight|ssm_a$|ssm_dt\.|"
+                        r"ssm_conv1d\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight)")
+AT_LEAST_Q8 = re.compile(r"ssm_(alpha|beta)\.weight")
+AT_LEAST_Q8_TYPES = {T.Q8_0, T.F16, T.BF16, T.F32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native() -> None:
+    require_native()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(VENV_PYTHON), "-m", "clover_quantize.cli", *args], capture_output=True, text=True,
+                          cwd=REPO_ROOT)
+
+
+def _types(path: Path) -> dict[str, T]:
+    return {t.name: T(t.tensor_type) for t in GGUFReader(path).tensors}
+
+
+def write_imatrix(path: Path, model_gguf: Path, seed: int = 0) -> Path:
+    """An imatrix GGUF in llama.cpp's format for every quantizable weight of ``model_gguf``, with random
+    positive importances (the loader and the quantizer's use of it are under test, not the collector)."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), arch="")
+    w.add_type("imatrix")
+    w.add_array("imatrix.datasets", ["synthetic"])
+    w.add_uint32("imatrix.chunk_count", 1)
+    w.add_uint32("imatrix.chunk_size", 64)
+    for t in GGUFReader(model_gguf).tensors:
+        shape = [int(d) for d in t.shape]
+        if len(shape) < 2 or shape[1] == 1 or ALWAYS_F32.search(t.name) or t.name == "output.weight":
+            continue
+        n_expert = shape[2] if len(shape) == 3 else 1
+        counts = np.full((n_expert, 1), 64.0, dtype=np.float32)
+        sums = (rng.gamma(2.0, 1.0, size=(n_expert, shape[0])) * 64.0).astype(np.float32)
+        w.add_tensor(f"{t.name}.in_sum2", sums)
+        w.add_tensor(f"{t.name}.counts", counts)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_f16(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("q-tiny") / "tiny-f16.gguf", "f16")
+
+
+@pytest.fixture(scope="module")
+def tiny_imatrix(tiny_f16: Path) -> Path:
+    return write_imatrix(tiny_f16.with_name("tiny-imatrix.gguf"), tiny_f16)
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized(tiny_f16: Path, tiny_imatrix: Path) -> dict[str, tuple[Path, Any]]:
+    """Every type of the table, quantized from the tiny f16 file: name -> (path, plan)."""
+    out: dict[str, tuple[Path, Any]] = {}
+    for name in QUANT_TYPES:
+        ft = file_type(name)
+        opts = QuantizeOptions(input=tiny_f16, file_type=ft, output=tiny_f16.with_name(f"tiny-{name}.gguf"),
+                               imatrix=tiny_imatrix if ft.needs_imatrix else None, progress=False)
+        res = quantize(opts)
+        assert res.paths == [opts.output]
+        out[name] = (opts.output, res.plan)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ unit
+
+
+def test_type_table_covers_the_issue() -> None:
+    names = {t.name for t in FILE_TYPES}
+    assert {"Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS"} <= names
+    assert {t.name for t in FILE_TYPES if t.needs_imatrix} == {"IQ4_NL", "IQ4_XS"}
+    assert file_type("q4_k_m").name == "Q4_K_M"
+
+
+def test_default_output_name() -> None:
+    assert default_output(Path("/m/model-f16.gguf"), file_type("Q4_K_M")) == Path("/m/model-Q4_K_M.gguf")
+    assert default_output(Path("m/x.gguf"), file_type("Q8_0")) == Path("m/x-Q8_0.gguf")
+    assert default_output(Path("m/x-bf16-00001-of-00002.gguf"), file_type("Q6_K")) == Path("m/x-Q6_K.gguf")
+
+
+# ------------------------------------------------------------------------------------------ types and rules
+
+
+@pytest.mark.parametrize("name", QUANT_TYPES)
+def test_written_types_match_the_plan(name: str, tiny_quantized: dict[str, tuple[Path, Any]]) -> None:
+    path, plan = tiny_quantized[name]
+    written = _types(path)
+    planned = {t.name: t.dst_type for t in plan.tensors}
+    assert written == planned
+    assert path.stat().st_size >= plan.dst_bytes
+    for tensor, qtype in written.items():
+        if ALWAYS_F32.search(tensor):
+            assert qtype == T.F32, f"{name}: {tensor} is {qtype.name}, must stay F32"
+        if AT_LEAST_Q8.search(tensor):
+            assert qtype in AT_LEAST_Q8_TYPES, f"{name}: {tensor} is {qtype.name}, must be Q8_0 or better"
+    reader = GGUFReader(path)
+    ft = reader.get_field("general.file_type")
+    assert ft is not None and int(ft.parts[ft.data[0]][0]) == file_type(name).ftype
+
+
+def test_mid_plan_uses_k_quants_and_the_rules(mid_f16: Path) -> None:
+    """On the real per-layer dims (hidden 2048) the K-quants apply without fallback; the rules hold."""
+    model = read_input(mid_f16)
+    plan = plan_quantization(QuantizeOptions(input=mid_f16, file_type=file_type("Q4_K_M")), model)
+    types = {t.name: t.dst_type for t in plan.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == T.Q4_K
+    assert types["blk.0.ssm_alpha.weight"] == T.Q8_0 and types["blk.0.ssm_beta.weight"] == T.Q8_0
+    assert types["blk.0.ssm_hist.weight"] == T.F32
+    assert T.Q6_K in set(types.values())  # the mix raises half of ffn_down / attn_v
+    assert plan.dst_bytes < 0.4 * plan.src_bytes
+
+
+def test_tensor_type_overrides(tiny_f16: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o.gguf"
+    done = _cli(str(tiny_f16), str(out), "Q4_0", "--tensor-type", r"ffn_up_exps=q8_0",
+                "--output-tensor-type", "f16", "--token-embedding-type", "q8_0")
+    assert done.returncode == 0, done.stderr
+    types = _types(out)
+    assert types["blk.0.ffn_up_exps.weight"] == T.Q8_0
+    assert types["blk.0.ffn_gate_exps.weight"] == T.Q4_0
+    assert types["output.weight"] == T.F16
+    assert types["token_embd.weight"] == T.Q8_0
+    # the rule wins over a manual override that would take ssm_alpha below Q8_0
+    done = _cli(str(tiny_f16), str(tmp_path / "o2.gguf"), "Q8_0", "--tensor-type", "ssm_alpha=q4_0")
+    assert done.returncode == 0, done.stderr
+    assert _types(tmp_path / "o2.gguf")["blk.0.ssm_alpha.weight"] == T.Q8_0
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_f16: Path, tmp_path: Path) -> None:
+    out = tmp_path / "never.gguf"
+    done = _cli(str(tiny_f16), str(out), "Q4_K_M", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    n = len(GGUFReader(tiny_f16).tensors)
+    assert sum(1 for ln in lines if re.match(r"^(blk|token_embd|output)", ln)) == n
+    m = re.search(r"^(\d+) tensors: ([\d,]+) -> ([\d,]+) bytes", done.stdout, re.M)
+    assert m and int(m.group(1)) == n
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_keep_split(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(tiny_checkpoint), str(tmp_path / "s.gguf"),
+                           "--outtype", "f16", "--split-max-tensors", "60"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    first = tmp_path / "s-00001-of-00002.gguf"
+    assert first.exists()
+    done = _cli(str(first), str(tmp_path / "q.gguf"), "Q8_0", "--keep-split")
+    assert done.returncode == 0, done.stderr
+    shards = sorted(tmp_path.glob("q-*-of-*.gguf"))
+    assert [p.name for p in shards] == ["q-00001-of-00002.gguf", "q-00002-of-00002.gguf"]
+    merged = tmp_path / "m.gguf"
+    assert _cli(str(first), str(merged), "Q8_0").returncode == 0
+    split_types = {**_types(shards[0]), **_types(shards[1])}
+    assert split_types == _types(merged)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# ------------------------------------------------------------------------------------------ use
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K_M", "Q4_0", "IQ4_XS"])
+def test_quantized_files_generate_in_all_modes(name: str, tiny_quantized: dict[str, tuple[Path, Any]]) -> None:
+    from clover_cpp import Model
+
+    path, _ = tiny_quantized[name]
+    with Model(path, n_ctx=256) as model:
+        prompt = model.tokenize("def add(a, b):\n    return")
+        for mode in ("ar", "diffusion", "spec"):
+            model.reset()
+            res = model.run(prompt, mode=mode, max_tokens=16, stop_ids=[])
+            assert len(res.tokens) == 16 and res.stats.generated_tokens == 16
+            assert all(0 <= t < 3072 and t != model.info.mask_token_id for t in res.tokens)
+            assert res.stats.passes >= (16 if mode == "ar" else 2)
+        # (spec == ar token for token is not asserted here: a batched verification pass and a 1-token
+        # pass round differently on quantized dot products, and random weights have near-ties)
+
+
+# ------------------------------------------------------------------------------------------ quality
+
+
+@pytest.fixture(scope="module")
+def mid_f16(mid_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return clover_convert(mid_checkpoint, tmp_path_factory.mktemp("q-mid") / "mid-f16.gguf", "f16")
+
+
+def _logits(path: Path, tokens: list[int], windows: list[tuple[int, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """Causal logits of every position of ``tokens`` (appended segment by segment), and the block logits
+    of the masked rows of a window at each segment boundary p (history = tokens[:p], window = the next
+    WINDOW tokens with the given rows masked), in one walk over the sequence."""
+    from clover_cpp import native
+
+    model = native.load_model(path)
+    ctx = native.create_context(model, n_ctx=512, n_ubatch=64, n_batch=512)
+    try:
+        mask = model.mask_token()
+        causal, block = [], []
+        done = 0
+        for p, masked in windows:
+            causal.append(ctx.causal(tokens[done:p]))
+            done = p
+            window = list(tokens[p:p + WINDOW])
+            for j in masked:
+                window[j] = mask
+            block.append(ctx.block(window, rows=masked))
+        causal.append(ctx.causal(tokens[done:]))
+        return np.concatenate(causal), np.concatenate(block)
+    finally:
+        ctx.close()
+        model.close()
+
+
+WINDOW = 16
+
+
+def _kl_top1(ref: np.ndarray, q: np.ndarray) -> tuple[float, float]:
+    ref = ref.astype(np.float64)
+    q = q.astype(np.float64)
+    lp = ref - ref.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    lq = q - q.max(-1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    kl = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+    top1 = float((ref.argmax(-1) == q.argmax(-1)).mean())
+    return kl, top1
+
+
+def _quality(f16: Path, tag: str, types: list[str], imatrix: Path | None) -> dict[str, dict[str, float]]:
+    from clover_cpp import native
+
+    model = native.load_model(f16)
+    text = (REPO_ROOT / "reference" / "decode.py").read_text()[:4000]
+    tokens = model.tokenize(text)[:128]
+    model.close()
+    rng = np.random.default_rng(0)
+    windows = []
+    for p in (16, 48, 80, 112):
+        k = int(rng.integers(4, WINDOW + 1))
+        windows.append((p, sorted(rng.choice(WINDOW, size=k, replace=False).tolist())))
+    ref_c, ref_b = _logits(f16, tokens, windows)
+    results: dict[str, dict[str, float]] = {}
+    for name in types:
+        ft = file_type(name)
+        out = f16.with_name(f"{tag}-{name}.gguf")
+        quantize(QuantizeOptions(input=f16, file_type=ft, output=out, progress=False,
+                                 imatrix=imatrix if ft.needs_imatrix else None))
+        c, b = _logits(out, tokens, windows)
+        kc, tc = _kl_top1(ref_c, c)
+        kb, tb = _kl_top1(ref_b, b)
+        results[name] = {"kl_causal": kc, "top1_causal": tc, "kl_block": kb, "top1_block": tb,
+                         "rows_causal": len(ref_c), "rows_block": len(ref_b)}
+        out.unlink()
+        record(f"quantize_quality_{tag}", results)
+        dump_results()
+    return results
+
+
+QUALITY_TYPES = ["Q8_0", "Q6_K", "Q4_K_M", "Q4_0", "IQ4_XS"]  # all types: bench/bench_quantize.py
+
+
+def test_quality_mid(mid_f16: Path) -> None:
+    """KL(f16 || quantized) and top-1 agreement of causal and block logits on the real per-layer dims
+    (hidden 2048, where the K-quants apply without fallback).
+
+    What must hold is the order of the formats on both passes: more bits, less KL (Q8_0 < Q6_K < Q4_K_M <
+    Q4_0). The bounds leave a factor of about 3 over the values measured on this fixture (recorded in
+    build/native-parity.json; causal KL: Q8_0 5.6e-4, Q6_K 2.8e-3, Q4_K_M 2.7e-2, IQ4_XS 2.7e-2, Q4_0
+    4.0e-2). Random weights give nearly flat logits (max |logit| about 4.6 over 3072 tokens), so causal
+    top-1 is limited by near-ties (Q8_0 0.92, the 4-bit types about 0.6) and its bounds are loose; the
+    trained model below is where top-1 means something.
+    """
+    imatrix = write_imatrix(mid_f16.with_name("mid-imatrix.gguf"), mid_f16)
+    r = _quality(mid_f16, "mid", QUALITY_TYPES, imatrix)
+    for kind in ("causal", "block"):
+        kl = {n: r[n][f"kl_{kind}"] for n in r}
+        assert kl["Q8_0"] < kl["Q6_K"] < kl["Q4_K_M"] < kl["Q4_0"], (kind, kl)
+        assert kl["IQ4_XS"] < kl["Q4_0"], (kind, kl)
+        assert kl["Q8_0"] < 2e-3 and kl["Q6_K"] < 1e-2, (kind, kl)
+        assert max(kl["Q4_K_M"], kl["IQ4_XS"], kl["Q4_0"]) < 0.12, (kind, kl)
+        assert r["Q8_0"][f"top1_{kind}"] >= 0.8, (kind, r["Q8_0"])
+        for n in ("Q4_K_M", "Q4_0", "IQ4_XS"):
+            assert r[n][f"top1_{kind}"] >= (0.45 if kind == "causal" else 0.9), (kind, n, r[n])
+
+
+def test_quality_trained_demo(tmp_path: Path) -> None:
+    """The same on the shipped trained model (models/clover-demo), whose peaked distributions make top-1
+    meaningful. Its hidden size of 128 is below the K-quants' 256-wide blocks, so llama.cpp falls back to
+    Q5_0/Q5_1/Q8_0 (and IQ4_NL for IQ4_XS) for most tensors. Measured: causal KL Q8_0 2.0e-4, Q4_K_M 5.4e-3,
+    Q4_0 1.0e-2; causal top-1 0.98, 0.96, 0.88; bounds about 3x the KL and a few points below the top-1."""
+    f16 = clover_convert(REPO_ROOT / "models" / "clover-demo", tmp_path / "demo-f16.gguf", "f16")
+    imatrix = write_imatrix(tmp_path / "demo-imatrix.gguf", f16)
+    r = _quality(f16, "demo", ["Q8_0", "Q4_K_M", "Q4_0", "IQ4_XS"], imatrix)
+    for kind in ("causal", "block"):
+        kl = {n: r[n][f"kl_{kind}"] for n in r}
+        assert kl["Q8_0"] < kl["Q4_K_M"] < kl["Q4_0"], (kind, kl)
+        assert kl["Q8_0"] < 1e-3 and kl["Q4_K_M"] < 2e-2 and kl["Q4_0"] < 3.5e-2, (kind, kl)
+        assert r["Q8_0"][f"top1_{kind}"] >= 0.95, (kind, r["Q8_0"])
+        assert r["Q4_K_M"][f"top1_{kind}"] >= 0.9, (kind, r["Q4_K_M"])
+        assert r["Q4_0"][f"top1_{kind}"] >= 0.8, (kind, r["Q4_0"])
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def _assert_clean_failure(done: subprocess.CompletedProcess[str], needle: str, folder: Path) -> None:
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clover-quantize: error: "), done.stderr
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in done.stderr
+    assert not [p for p in folder.iterdir() if p.name.startswith(".") or p.name.startswith("out")]
+
+
+def test_errors(tiny_f16: Path, tiny_quantized: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    out = str(tmp_path / "out.gguf")
+    _assert_clean_failure(_cli(str(tiny_f16), out, "Q4_X"), "unknown quantization type 'Q4_X'", tmp_path)
+    _assert_clean_failure(_cli(str(tiny_f16), out, "IQ4_XS"), "IQ4_XS needs an importance matrix", tmp_path)
+    q8 = tiny_quantized["Q8_0"][0]
+    _assert_clean_failure(_cli(str(q8), out, "Q4_K_M"), "is already Q8_0", tmp_path)
+    _assert_clean_failure(_cli(str(tmp_path / "missing.gguf"), out, "Q8_0"), "no such file", tmp_path)
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"hello world, not a gguf" * 10)
+    _assert_clean_failure(_cli(str(not_gguf), out, "Q8_0"), "not a GGUF", tmp_path)
+    llama = tmp_path / "llama.gguf"
+    w = GGUFWriter(str(llama), arch="llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_clean_failure(_cli(str(llama), out, "Q8_0"), "general.architecture is 'llama'", tmp_path)
+    _assert_clean_failure(_cli(str(tiny_f16), out, "Q4_0", "--tensor-type", "([=q8_0"), "regular expression",
+                          tmp_path)
+    _assert_clean_failure(_cli(str(tiny_f16), out, "Q4_0", "--tensor-type", "ffn=q9_9"), "unknown tensor type",
+                          tmp_path)
+    bad_imatrix = tmp_path / "bad-imatrix.gguf"
+    bad_imatrix.write_bytes(b"\0" * 64)
+    _assert_clean_failure(_cli(str(tiny_f16), out, "IQ4_XS", "--imatrix", str(bad_imatrix)), "bad-imatrix.gguf",
+                          tmp_path)
+    # requantizing is allowed on request
+    done = _cli(str(q8), out, "Q4_0", "--allow-requantize")
+    assert done.returncode == 0, done.stderr
+    assert _types(Path(out))["blk.0.ffn_up_exps.weight"] == T.Q4_0
