@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="at most N tensors per shard")
     parser.add_argument("--dry-run", action="store_true",
                         help="print every tensor's name, shape, type and bytes and the total; read no tensor data")
+    parser.add_argument("--skeleton", action="store_true",
+                        help="with --dry-run: also write OUT.gguf with the real header and a sparse all-zero data "
+                             "region (full size, almost no disk), for planning tools such as "
+                             "`clover-quantize --dry-run`; never run it")
     parser.add_argument("--metadata", type=Path, metavar="FILE", help="JSON file overriding general.* keys")
     parser.add_argument("--threads", type=positive_int, default=min(2, os.cpu_count() or 1), metavar="N",
                         help="threads that read and encode chunks ahead of the writer; each adds one chunk "
@@ -80,10 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.outfile_arg is not None and args.outfile is not None:
         build_parser().error("give the output file either as OUT.gguf or as --outfile, not both")
+    if args.skeleton and not args.dry_run:
+        build_parser().error("--skeleton goes with --dry-run")
     _log_warnings_to_stderr()
     options = ConvertOptions(
         model_dir=args.model, outfile=args.outfile or args.outfile_arg, outtype=args.outtype,
         split_max_size=args.split_max_size, split_max_tensors=args.split_max_tensors, dry_run=args.dry_run,
+        skeleton=args.skeleton,
         metadata=args.metadata, threads=args.threads,
     )
     try:
@@ -95,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{where}{exc.strerror or exc}")
     if args.dry_run:
         print_plan(result, sys.stdout)
+        if args.skeleton:
+            for path in result.paths:
+                print(f"wrote skeleton {path} (sparse; zero weights, for planning only)")
     else:
         for path in result.paths:
             print(path)

@@ -37,6 +37,7 @@ class ConvertOptions:
     split_max_size: int = 0
     split_max_tensors: int = 0
     dry_run: bool = False
+    skeleton: bool = False  # with dry_run: write the header and a sparse, all-zero data region (for planning)
     metadata: Path | None = None
     threads: int = 2
     progress: bool | None = None  # None: a progress bar only when stderr is a terminal
@@ -147,6 +148,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
         paths = shard_paths(final_path, len(writer.tensors))
         result = ConvertResult(plan, out_type, paths, shard_sizes)
         if options.dry_run:
+            if options.skeleton:
+                result.paths = _write_skeleton(writer, plan, final_path)
             return result
         assert pipeline is not None
         _write(writer, pipeline, plan, final_path, options.progress)
@@ -155,6 +158,26 @@ def convert(options: ConvertOptions) -> ConvertResult:
         if pipeline is not None:
             pipeline.close()
         writer.close()
+
+
+def _write_skeleton(writer: GGUFWriter, plan: ConversionPlan, final_path: Path) -> list[Path]:
+    """The real header, key/values and tensor infos, followed by a data region that is a hole: the file has
+    its full size but occupies almost no disk. llama.cpp's loader accepts it, so planning tools such as
+    ``clover-quantize --dry-run`` see the exact model (its weights are zeros: never run it)."""
+    with AtomicOutput(final_path) as output:
+        try:
+            writer.write_header_to_file(path=output.temp_path)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            assert writer.fout is not None
+            for fout, tensors in zip(writer.fout, writer.tensors):
+                writer.write_padding(fout, fout.tell())
+                data = sum(GGUFWriter.ggml_pad(ti.nbytes, writer.data_alignment) for ti in tensors.values())
+                fout.truncate(fout.tell() + data)
+            writer.close()
+            return output.publish(len(writer.tensors))
+        except OSError as exc:
+            raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
 
 
 def _write(writer: GGUFWriter, pipeline: ChunkPipeline, plan: ConversionPlan, final_path: Path,
