@@ -374,3 +374,24 @@ def test_errors(tiny_f16: Path, tiny_quantized: dict[str, tuple[Path, Any]], tmp
     done = _cli(str(q8), out, "Q4_0", "--allow-requantize")
     assert done.returncode == 0, done.stderr
     assert _types(Path(out))["blk.0.ffn_up_exps.weight"] == T.Q4_0
+
+
+def test_skeleton_plans_like_the_real_file(tiny_checkpoint: Path, tiny_f16: Path, tmp_path: Path) -> None:
+    """`clover-convert --dry-run --skeleton` (how bench/plan_35b.py plans the 35B) gives llama.cpp the same
+    model as the real file: the plans are equal, and the skeleton's data region is a hole."""
+    skeleton = tmp_path / "skeleton.gguf"
+    done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(tiny_checkpoint), str(skeleton),
+                           "--outtype", "f16", "--dry-run", "--skeleton"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert skeleton.stat().st_size == tiny_f16.stat().st_size
+    assert skeleton.stat().st_blocks * 512 < tiny_f16.stat().st_size // 2  # sparse
+    for name in ("Q4_K_M", "Q8_0"):
+        opts = QuantizeOptions(input=skeleton, file_type=file_type(name), dry_run=True)
+        a = plan_quantization(opts, read_input(skeleton))
+        b = plan_quantization(QuantizeOptions(input=tiny_f16, file_type=file_type(name), dry_run=True),
+                              read_input(tiny_f16))
+        assert a.tensors == b.tensors
+    bad = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(tiny_checkpoint), str(tmp_path / "x.gguf"),
+                          "--skeleton"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--skeleton goes with --dry-run" in bad.stderr
+    assert not (tmp_path / "x.gguf").exists()
