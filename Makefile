@@ -30,14 +30,19 @@ $(STAMP): pyproject.toml
 test: setup
 	CLOVER_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# The main job, on the shipped default model (models/clover-demo, see its README): convert it to a q8_0
-# GGUF, then continue a code prompt with the native engine in ar, diffusion and spec modes, with a stats table.
+# The main job, on the shipped default model (models/clover-demo, see its README): convert it to an f16 GGUF,
+# quantize that to Q4_K_M with clover-quantize, then continue a code prompt with the native engine in ar,
+# diffusion and spec modes, with a stats table.
 DEMO_MODEL := models/clover-demo
-DEMO_GGUF := build/demo/clover-demo-q8_0.gguf
+DEMO_F16 := build/demo/clover-demo-f16.gguf
+DEMO_GGUF := build/demo/clover-demo-Q4_K_M.gguf
 
-$(DEMO_GGUF): $(DEMO_MODEL)/model.safetensors $(DEMO_MODEL)/config.json | setup
+$(DEMO_F16): $(DEMO_MODEL)/model.safetensors $(DEMO_MODEL)/config.json | setup
 	mkdir -p $(dir $@)
-	$(BIN)/clover-convert $(DEMO_MODEL) $@ --outtype q8_0
+	$(BIN)/clover-convert $(DEMO_MODEL) $@ --outtype f16
+
+$(DEMO_GGUF): $(DEMO_F16) | setup
+	$(BIN)/clover-quantize $< $@ Q4_K_M
 
 demo: setup $(DEMO_GGUF)
 	$(BIN)/python scripts/demo.py $(DEMO_GGUF)
