@@ -46,8 +46,8 @@ def log(msg: str) -> None:
     print(f"[bench_engine {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare(name: str, work: Path) -> dict[str, Path]:
-    """Checkpoint, clover GGUFs (f32, q8_0) and the stock twin GGUFs (f32, q8_0)."""
+def prepare(name: str, work: Path, stock: bool = True) -> dict[str, Path]:
+    """Checkpoint, clover GGUFs (f32, q8_0) and (with ``stock``) the stock twin GGUFs (f32, q8_0)."""
     from clover_ref.factory import init_checkpoint
     from native_support import clover_convert, quantize
     from test_convert_support import make_qwen_twin, vendored_convert
@@ -66,6 +66,8 @@ def prepare(name: str, work: Path) -> dict[str, Path]:
         ("stock-q8_0", lambda out: quantize(files["stock-f32"], out, "Q8_0")),
     ):
         out = d / f"{kind}.gguf"
+        if kind.startswith("stock") and not stock:
+            continue
         if not out.exists():
             log(f"{name}: {kind}")
             make(out)
@@ -194,6 +196,7 @@ def markdown(results: dict[str, Any]) -> str:
     f2 = lambda x: f"{x:.2f}"  # noqa: E731
     lines = [
         f"Engine benchmark, {results['host']['cpus']} CPUs, {results['threads']} threads, "
+        f"{results.get('n_gpu_layers', 0)} layers offloaded, "
         f"{results['date']}. Random-weight models: diffusion uses the GGUF's B and calibrated threshold, "
         "spec draft_steps 0, greedy.",
         "",
@@ -223,7 +226,13 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-engine")
     parser.add_argument("--models", default="tiny,mid")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded (a GPU build: GPU=cuda)")
+    parser.add_argument("--skip-stock", action="store_true", help="leave out the stock qwen35moe comparison "
+                        "(it needs the vendored converter and transformers)")
+    parser.add_argument("--skip-reference", action="store_true", help="leave out the PyTorch reference's tok/s")
+    parser.add_argument("--name", default="bench_engine", help="results file stem in bench/results")
     args = parser.parse_args()
+    os.environ["CLOVER_N_GPU_LAYERS"] = str(args.n_gpu_layers)
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
     os.environ["CLOVER_THREADS"] = str(args.threads)
     from clover_cpp import engine
@@ -235,11 +244,12 @@ def main() -> int:
     start = time.time()
     models = [m for m in args.models.split(",") if m]
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
+                               "n_gpu_layers": args.n_gpu_layers,
                                "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                                         "python": platform.python_version()},
                                "models": models, "runs": {}}
     for name in models:
-        files = prepare(name, args.workdir)
+        files = prepare(name, args.workdir, stock=not args.skip_stock)
         ref_tok_s = None
         for q in ("f32", "q8_0"):
             key = f"{name}/{q}"
@@ -247,22 +257,23 @@ def main() -> int:
             run: dict[str, Any] = {"engine": engine_runs(files[f"clover-{q}"], name, args.threads)}
             log(f"{key}: cost ratio")
             run["cost"] = cost_ratio(files[f"clover-{q}"], run["engine"]["block_size"], args.threads)
-            log(f"{key}: stock vs clover AR (low-level loop)")
-            ar = lowlevel_ar({"stock": files[f"stock-{q}"], "clover": files[f"clover-{q}"]}, STOCK_TOKENS[name],
-                             args.threads)
-            run["stock_ar_tok_s"], run["clover_lowlevel_ar_tok_s"] = ar["stock"], ar["clover"]
-            if ref_tok_s is None:
+            if not args.skip_stock:
+                log(f"{key}: stock vs clover AR (low-level loop)")
+                ar = lowlevel_ar({"stock": files[f"stock-{q}"], "clover": files[f"clover-{q}"]}, STOCK_TOKENS[name],
+                                 args.threads)
+                run["stock_ar_tok_s"], run["clover_lowlevel_ar_tok_s"] = ar["stock"], ar["clover"]
+            if ref_tok_s is None and not args.skip_reference:
                 log(f"{name}: PyTorch reference")
                 ref_tok_s = reference_ar(files["checkpoint"], REF_TOKENS[name])
             run["reference_ar_tok_s"] = ref_tok_s
             results["runs"][key] = run
     results["seconds"] = time.time() - start
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_engine.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=1))
     md = markdown(results)
-    (RESULTS / "bench_engine.md").write_text(md)
+    (RESULTS / f"{args.name}.md").write_text(md)
     print(md)
-    log(f"done in {results['seconds']:.0f} s; wrote {RESULTS / 'bench_engine.json'} and bench_engine.md")
+    log(f"done in {results['seconds']:.0f} s; wrote {RESULTS / args.name}.json and .md")
     return 0
 
 

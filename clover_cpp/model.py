@@ -357,7 +357,7 @@ class Model:
     """One loaded GGUF and its engine context (history, scratch sequence, rollback room)."""
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
-                 n_gpu_layers: int = 0, n_batch: int = 0) -> None:
+                 n_gpu_layers: int | None = None, n_batch: int = 0) -> None:
         L = engine.lib()
         self.path = str(path)
         if not os.path.exists(self.path):
@@ -373,6 +373,8 @@ class Model:
             params.n_threads = int(n_threads)
         elif os.environ.get("CLOVER_THREADS"):
             params.n_threads = int(os.environ["CLOVER_THREADS"])
+        if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.native.Model
+            n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
         params.n_gpu_layers = int(n_gpu_layers)
         err = ctypes.create_string_buffer(2048)
         self._ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))

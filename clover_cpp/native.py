@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,6 +71,22 @@ def native_available() -> tuple[bool, str]:
     return True, ""
 
 
+def _preload_libstdcxx() -> None:
+    """Put the system libstdc++ in the global symbol scope before libllama is loaded.
+
+    python3 does not link libstdc++, so libllama's C++ template instantiations (std::ostream inserters,
+    ...) are resolved through its own dependency list, where a CUDA build's libggml-cuda.so (compiled by
+    nvcc's host toolchain) comes first and exports its copies. Binding to those crashed in
+    llama_model::print_info on an H200 (CUDA 13). A C++ program links libstdc++ first and never sees this.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass
+
+
 def llama() -> ModuleType:
     """The ``llama_cpp`` module bound to our libraries (imported once, backend initialised)."""
     global _llama, _log_cb
@@ -82,6 +99,7 @@ def llama() -> ModuleType:
     if prev is not None and Path(prev).resolve() != d.resolve():
         raise NativeError(f"LLAMA_CPP_LIB_PATH={prev} points elsewhere than {d}")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
+    _preload_libstdcxx()
     try:
         import llama_cpp  # noqa: PLC0415 - must follow LLAMA_CPP_LIB_PATH
     except ImportError as exc:
