@@ -4,7 +4,11 @@
                         [-n N] [--draft-steps S] [--temperature T --top-k K --top-p P --seed S] [--json]
 
 Bad input prints exactly one line (``clover-cpp: error: ...``) and exits with status 2.
-Subcommands planned next to ``generate``: ``chat``, ``serve``, ``imatrix``.
+    clover-cpp imatrix -m F16.gguf -f CALIB.txt [-o imatrix.gguf] [--chunk-size 512] [--chunks N]
+                       [--block-size B] [--no-masked] [--seed S] [-t N] [-ngl N]
+
+    clover-cpp chat -m MODEL.gguf [--mode M] [--think on|off] [--visual] ...   (clover_cpp/chat.py)
+    clover-cpp serve -m MODEL.gguf [--host H] [--port P] ...                   (clover_cpp/server.py)
 """
 
 from __future__ import annotations
@@ -49,7 +53,62 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-t", "--threads", type=int, default=0)
     gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
+
+    imx = sub.add_parser("imatrix", help="importance matrix for quantization, with masked calibration")
+    imx.add_argument("-m", "--model", required=True, help="Clover GGUF file (F16/BF16/F32)")
+    imx.add_argument("-f", "--file", required=True, help="calibration text (UTF-8)")
+    imx.add_argument("-o", "--output", default="imatrix.gguf", help="output imatrix GGUF (default imatrix.gguf)")
+    imx.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; memory is cleared between")
+    imx.add_argument("--chunks", type=int, default=None, help="process at most this many chunks")
+    imx.add_argument("--block-size", type=int, default=None, help="block window size (default clover.block_size)")
+    imx.add_argument("--no-masked", action="store_true", help="causal passes only (AR-only calibration)")
+    imx.add_argument("--seed", type=int, default=0, help="seed of the random masks")
+    imx.add_argument("-t", "--threads", type=int, default=0)
+    imx.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    imx.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_chat(sub)
+    _add_serve(sub)
     return parser
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Loading and decoding options shared by chat and serve."""
+    p.add_argument("-m", "--model", required=True, help="Clover GGUF file")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
+    p.add_argument("-t", "--threads", type=int, default=0)
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn/request may use "
+                   "(0 = the largest of the model's block size and calibrated sizes)")
+    p.add_argument("--mode", choices=["ar", "diffusion", "spec"], default="diffusion")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's chat template")
+    _add_engine_args(chat)
+    chat.add_argument("-n", "--max-tokens", type=int, default=1024, help="most tokens per answer")
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--reasoning", choices=["show", "hide"], default="show",
+                      help="show the <think> reasoning dimmed, or hide it")
+    chat.add_argument("--visual", action="store_true", help="show the canvas filling step by step")
+    chat.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    chat.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/serve.md)")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
+    serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
+    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -108,13 +167,112 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_imatrix(args: argparse.Namespace) -> int:
+    """Masked calibration over a text file, written in llama.cpp's imatrix GGUF format (clover_cpp/imatrix.py)."""
+    from pathlib import Path
+
+    from . import engine, native
+    from .imatrix import collect
+
+    for flag, value, low in (("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
+                             ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
+                             ("-ngl/--n-gpu-layers", args.n_gpu_layers, -1), ("--seed", args.seed, 0)):
+        if value is not None and value < low:
+            raise BadInput(f"{flag} must be at least {low}, got {value}")
+    for flag, path in (("-m/--model", args.model), ("-f/--file", args.file)):
+        if not os.path.isfile(path):
+            raise BadInput(f"{path}: no such file ({flag})")
+    out = Path(args.output)
+    if out.is_dir() or not out.resolve().parent.is_dir():
+        raise BadInput(f"{out}: cannot write there (-o/--output needs a file in an existing folder)")
+    try:
+        info = engine.read_model_info(args.model)
+    except native.NativeError as exc:
+        raise BadInput(f"{args.model} is not a clover GGUF: {exc}") from None
+    if args.chunk_size > info.n_ctx_train:
+        raise BadInput(f"--chunk-size {args.chunk_size} exceeds the model's training context {info.n_ctx_train}")
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{args.file}: not UTF-8 text (byte {exc.start})") from None
+    if not text.strip():
+        raise BadInput(f"{args.file}: the calibration file is empty")
+    model = native.Model(args.model, n_gpu_layers=args.n_gpu_layers)
+    try:
+        tokens = model.tokenize(text, add_special=False, parse_special=False)
+        if len(tokens) < args.chunk_size:
+            raise BadInput(f"{args.file}: {len(tokens)} tokens, fewer than one chunk of {args.chunk_size} "
+                           "(use a longer file or a smaller --chunk-size)")
+        res = collect(model, tokens, out, dataset=args.file, chunk_size=args.chunk_size, max_chunks=args.chunks,
+                      block_size=args.block_size or info.block_size, masked=not args.no_masked, seed=args.seed,
+                      n_threads=args.threads or None, progress=not args.no_progress)
+    finally:
+        model.close()
+    calib = (f"masked calibration: {res.causal_rows} causal + {res.block_rows} block-window rows, "
+             f"{res.masked_inputs} masked inputs, B = {res.block_size}" if res.masked
+             else f"AR-only calibration: {res.causal_rows} causal rows")
+    chunks = f"{res.n_chunks} chunk{'s' if res.n_chunks != 1 else ''} of {res.chunk_size} tokens"
+    print(f"{PROG}: wrote {res.path}: {res.n_entries} entries, {chunks} ({res.n_tokens} of {res.n_tokens_file} "
+          f"tokens; {calib}) in {res.seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _check_engine_args(args: argparse.Namespace) -> None:
+    """Checks for _add_engine_args (chat and serve)."""
+    if not os.path.isfile(args.model):
+        raise BadInput(f"{args.model}: no such file")
+    for flag, value, low in (("-c/--ctx-size", args.ctx_size, 0), ("--max-block-size", args.max_block_size, 0),
+                             ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0)):
+        if value is not None and value < low:
+            raise BadInput(f"{flag} must be at least {low}, got {value}")
+    if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
+        raise BadInput(f"--threshold must be in [0, 1], got {args.threshold}")
+    if args.temperature < 0:
+        raise BadInput(f"--temperature must be >= 0, got {args.temperature}")
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        raise BadInput(f"{args.chat_template}: no such file (--chat-template)")
+
+
+def run_chat_command(args: argparse.Namespace) -> int:
+    """The interactive chat (clover_cpp/chat.py)."""
+    _check_engine_args(args)
+    if args.max_tokens < 1:
+        raise BadInput(f"-n/--max-tokens must be at least 1, got {args.max_tokens}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise BadInput(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise BadInput(f"--top-k must be >= 0, got {args.top_k}")
+    from .chat import run_chat
+
+    return run_chat(args)
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible server (clover_cpp/server.py)."""
+    _check_engine_args(args)
+    if not 0 <= args.port <= 65535:
+        raise BadInput(f"--port must be in 0..65535, got {args.port}")
+    from .server import run_serve
+
+    return run_serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .native import NativeError
 
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")  # llama.cpp's error log would add lines; we print one
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "imatrix":
+            return run_imatrix(args)
+        if args.command == "chat":
+            return run_chat_command(args)
+        if args.command == "serve":
+            return run_serve_command(args)
         return run_generate(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     except (BadInput, ValueError, FileNotFoundError, NativeError) as exc:
         message = " ".join(str(exc).split())  # always exactly one line
         print(f"{PROG}: error: {message}", file=sys.stderr)

@@ -1,0 +1,455 @@
+"""`clover-cpp chat`: an interactive multi-turn chat on the native engine.
+
+Each turn renders the whole conversation with the model's chat template and prefills it on a fresh
+history (the Qwen template drops earlier turns' reasoning, so a new prompt never extends the engine's
+history token for token), then streams every committed block. Reasoning (``<think>``) is shown dimmed or
+hidden; ``--visual`` redraws the block canvas at every LowConfidence step, as llama-diffusion-cli's visual
+mode does. Ctrl-C stops the answer being generated; the chat goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from .chat_template import ChatTemplate, TemplateError, load_template
+from .model import Model, Stats
+from .native import NativeError
+from .output_parser import OutputParser, TextEvent, opens_reasoning
+from .text_stream import TextPipeline
+from .worker import default_max_block_size
+
+HELP = """commands:
+  /think on|off           reasoning (enable_thinking) for the next answers
+  /mode ar|diffusion|spec decoding mode
+  /block N | default      block size B (1..{max_block})
+  /threshold X | default  confidence threshold in [0, 1] (default: calibrated for B)
+  /reset                  forget the conversation
+  /stats                  statistics of the last answer and of the session
+  /help                   this list
+  /exit, /quit, Ctrl-D    leave
+Ctrl-C stops the answer being generated; the chat goes on."""
+
+MODES = ("ar", "diffusion", "spec")
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = "diffusion"
+    block_size: int | None = None
+    threshold: float | None = None
+    enable_thinking: bool = True
+    max_tokens: int = 1024
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+class Style:
+    """ANSI styling, or none."""
+
+    def __init__(self, color: bool) -> None:
+        self.color = color
+
+    def _wrap(self, code: str, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.color and text else text
+
+    def dim(self, text: str) -> str:
+        return self._wrap("2", text)
+
+    def bold(self, text: str) -> str:
+        return self._wrap("1", text)
+
+    def error(self, text: str) -> str:
+        return self._wrap("31", text)
+
+    def canvas(self, text: str) -> str:
+        return self._wrap("36", text)
+
+
+def use_color(choice: str, out: TextIO) -> bool:
+    if choice != "auto":
+        return choice == "always"
+    return out.isatty() and os.environ.get("TERM", "") != "dumb" and "NO_COLOR" not in os.environ
+
+
+@dataclass
+class Turn:
+    tokens: list[int]
+    stats: Stats | None
+    interrupted: bool
+    reasoning: str
+    content: str
+
+
+class AnswerPrinter:
+    """Prints reasoning/content events; reasoning dimmed (or between <think> tags without color), or hidden."""
+
+    def __init__(self, out: TextIO, style: Style, show_reasoning: bool) -> None:
+        self.out = out
+        self.style = style
+        self.show_reasoning = show_reasoning
+        self.channel: str | None = None
+        self.reasoning = ""
+        self.content = ""
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def event(self, ev: Any) -> None:
+        if not isinstance(ev, TextEvent):
+            return
+        if ev.channel == "reasoning":
+            self.reasoning += ev.text
+            if not self.show_reasoning:
+                return
+            if self.channel != "reasoning":
+                self.write(self.style.dim("thinking: ") if self.style.color else "<think>\n")
+                self.channel = "reasoning"
+            self.write(self.style.dim(ev.text))
+        else:
+            self.content += ev.text
+            if self.channel == "reasoning":
+                self.write("\n\n" if self.style.color else "\n</think>\n\n")
+            self.channel = "content"
+            self.write(ev.text)
+
+    def close(self) -> None:
+        if self.channel == "reasoning" and not self.style.color:
+            self.write("\n</think>")
+        self.write("\n")
+
+
+class ChatApp:
+    def __init__(self, model: Model, template: ChatTemplate, settings: Settings, max_block_size: int,
+                 out: TextIO = sys.stdout, style: Style | None = None, show_reasoning: bool = True,
+                 visual: bool = False, system: str | None = None) -> None:
+        self.model = model
+        self.template = template
+        self.settings = settings
+        self.max_block_size = max_block_size
+        self.out = out
+        self.style = style or Style(False)
+        self.show_reasoning = show_reasoning
+        self.visual = visual
+        self.system = system
+        self.messages: list[dict[str, Any]] = self._fresh_messages()
+        self.last: Stats | None = None
+        self.turns = 0
+        self.total_tokens = 0
+        self.total_decode_ms = 0.0
+
+    def _fresh_messages(self) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def say(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    # ------------------------------------------------------------------------------ loop
+    def banner(self) -> None:
+        info, s = self.model.info, self.settings
+        name = Path(self.model.path).name
+        self.say(self.style.bold(f"clover-cpp chat: {name}") + self.style.dim(
+            f" (n_ctx {self.model.n_ctx}, B {info.block_size}, max B {self.max_block_size}, "
+            f"threshold {info.threshold:.3g})"))
+        self.say(self.style.dim(f"mode {s.mode}, thinking {'on' if s.enable_thinking else 'off'}. /help lists the "
+                                "commands; Ctrl-C stops an answer; Ctrl-D or /exit quits."))
+
+    def loop(self, read: Callable[[str], str] = input) -> int:
+        self.banner()
+        while True:
+            try:
+                line = read("> ")
+            except EOFError:
+                self.say()
+                return 0
+            except KeyboardInterrupt:
+                self.say()
+                self.say(self.style.dim("(Ctrl-C stops an answer; /exit or Ctrl-D quits)"))
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return 0
+                continue
+            self.answer(line)
+
+    # ------------------------------------------------------------------------------ commands
+    def command(self, line: str) -> bool:
+        """Run a /command; False to leave."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        s = self.settings
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/help":
+            self.say(HELP.format(max_block=self.max_block_size))
+        elif name == "/think":
+            if arg not in ("on", "off", ""):
+                self.fail("usage: /think on|off")
+            else:
+                if arg:
+                    self.settings = replace(s, enable_thinking=arg == "on")
+                self.say(self.style.dim(f"thinking {'on' if self.settings.enable_thinking else 'off'}"))
+        elif name == "/mode":
+            if arg not in (*MODES, ""):
+                self.fail(f"usage: /mode {'|'.join(MODES)}")
+            else:
+                if arg:
+                    self.settings = replace(s, mode=arg)
+                self.say(self.style.dim(f"mode {self.settings.mode}"))
+        elif name == "/block":
+            self._set_block(arg)
+        elif name == "/threshold":
+            self._set_threshold(arg)
+        elif name == "/reset":
+            self.messages = self._fresh_messages()
+            self.model.reset()
+            self.say(self.style.dim("conversation cleared"))
+        elif name == "/stats":
+            self.show_stats()
+        else:
+            self.fail(f"unknown command {name}; /help lists the commands")
+        return True
+
+    def _set_block(self, arg: str) -> None:
+        if arg in ("default", ""):
+            if arg:
+                self.settings = replace(self.settings, block_size=None)
+            self.say(self.style.dim(f"block size {self.settings.block_size or self.model.info.block_size}"))
+            return
+        try:
+            b = int(arg)
+        except ValueError:
+            b = 0
+        if not 1 <= b <= self.max_block_size:
+            self.fail(f"/block takes an integer in 1..{self.max_block_size} (start with --max-block-size for more)")
+            return
+        self.settings = replace(self.settings, block_size=b)
+        self.say(self.style.dim(f"block size {b}, threshold {self._threshold_text()}"))
+
+    def _set_threshold(self, arg: str) -> None:
+        if arg in ("default", ""):
+            if arg:
+                self.settings = replace(self.settings, threshold=None)
+            self.say(self.style.dim(f"threshold {self._threshold_text()}"))
+            return
+        try:
+            t = float(arg)
+        except ValueError:
+            t = -1.0
+        if not 0.0 <= t <= 1.0:
+            self.fail("/threshold takes a number in [0, 1], or 'default'")
+            return
+        self.settings = replace(self.settings, threshold=t)
+        self.say(self.style.dim(f"threshold {t:g}"))
+
+    def _threshold_text(self) -> str:
+        if self.settings.threshold is not None:
+            return f"{self.settings.threshold:g}"
+        b = self.settings.block_size or self.model.info.block_size
+        return f"{self.model.info.threshold_for(b):.3g} (calibrated for B = {b})"
+
+    def fail(self, message: str) -> None:
+        self.say(self.style.error(f"error: {message}"))
+
+    def show_stats(self) -> None:
+        if self.last is None:
+            self.say(self.style.dim("no answer yet"))
+            return
+        for key, value in self.last.to_dict().items():
+            shown = f"{value:.4g}" if isinstance(value, float) else value
+            self.say(self.style.dim(f"  {key:<20} {shown}"))
+        rate = self.total_tokens / (self.total_decode_ms / 1e3) if self.total_decode_ms > 0 else 0.0
+        self.say(self.style.dim(f"  session: {self.turns} answers, {self.total_tokens} tokens, {rate:.1f} tok/s"))
+
+    # ------------------------------------------------------------------------------ a turn
+    def answer(self, text: str) -> None:
+        s = self.settings
+        self.messages.append({"role": "user", "content": text})
+        try:
+            prompt = self.template.render(self.messages, enable_thinking=s.enable_thinking)
+            ids = self.model.tokenize(prompt)
+        except (TemplateError, NativeError) as exc:
+            self.messages.pop()
+            self.fail(str(exc))
+            return
+        room = self.model.n_ctx - len(ids)
+        if room < 1:
+            self.messages.pop()
+            self.fail(f"the conversation has {len(ids)} tokens and fills the context ({self.model.n_ctx}); "
+                      "/reset to start over")
+            return
+        try:
+            turn = self._generate(text, ids, min(s.max_tokens, room), opens_reasoning(prompt))
+        except (ValueError, NativeError) as exc:
+            self.messages.pop()
+            self.fail(" ".join(str(exc).split()))
+            return
+        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+        if turn.reasoning:
+            message["reasoning_content"] = turn.reasoning
+        self.messages.append(message)
+        if turn.stats is not None:
+            self.last = turn.stats
+            self.turns += 1
+            self.total_tokens += turn.stats.generated_tokens
+            self.total_decode_ms += turn.stats.decode_ms
+            self.say(self.style.dim(self.stats_line(turn.stats, turn.interrupted)))
+
+    def stats_line(self, st: Stats, interrupted: bool) -> str:
+        head = "[ar]" if st.mode == "ar" else f"[{st.mode} B={st.block_size} threshold={st.threshold:.3g}]"
+        stop = "interrupted" if interrupted else st.stop_reason
+        return (f"{head} {st.generated_tokens} tokens, {st.decode_tok_s:.1f} tok/s, TPF {st.tokens_per_pass:.2f}, "
+                f"prefill {st.prompt_tokens} tokens, stop: {stop}")
+
+    def _generate(self, user_text: str, ids: list[int], max_tokens: int, in_reasoning: bool) -> Turn:
+        visual = self.visual and self.settings.mode != "ar"
+        self.model.reset()
+        run = BackgroundRun(self.model, ids, self.settings, max_tokens, want_steps=visual)
+        printer = AnswerPrinter(self.out, self.style, self.show_reasoning)
+        pipeline = TextPipeline(lambda t: self.model.detokenize(t, special=False),
+                                parser=OutputParser(in_reasoning, parse_tools=False))
+        tokens: list[int] = []
+        steps = 0
+        for kind, payload in run.events():
+            if kind == "step":
+                steps += 1
+                self._frame(user_text, tokens, payload, steps)
+                continue
+            tokens += payload
+            if visual:
+                self._frame(user_text, tokens, None, steps)
+            else:
+                for ev in pipeline.feed(payload):
+                    printer.event(ev)
+        if visual:  # the last frame: the answer as a normal turn
+            self.out.write(CLEAR + self.style.bold("> ") + user_text + "\n")
+            parser = OutputParser(in_reasoning, parse_tools=False)
+            tail = parser.feed(self.model.detokenize(tokens, special=False)) + parser.finish()
+        else:
+            tail = pipeline.finish()
+        for ev in tail:
+            printer.event(ev)
+        printer.close()
+        if run.cancelled:
+            self.say(self.style.error("[interrupted]"))
+        if run.error is not None:
+            raise run.error
+        return Turn(tokens, run.stats, run.cancelled, printer.reasoning, printer.content)
+
+    def _frame(self, user_text: str, tokens: list[int], canvas: list[int] | None, step: int) -> None:
+        """One visual frame: the committed text, then the block canvas (masked targets as '_')."""
+        mask = self.model.info.mask_token_id
+        text = self.model.detokenize(tokens, special=False)
+        shown = ""
+        if canvas is not None:
+            shown = "".join(self.style.dim("_") if t == mask
+                            else self.style.canvas(self.model.detokenize([t], special=False)) for t in canvas)
+        s = self.settings
+        head = f"[{s.mode} B={s.block_size or self.model.info.block_size}] step {step}, {len(tokens)} tokens"
+        self.out.write(CLEAR + self.style.bold("> ") + user_text + "\n" + text + shown + "\n\n"
+                       + self.style.dim(head) + "\n")
+        self.out.flush()
+
+
+class BackgroundRun:
+    """``Model.run`` on a worker thread. Committed blocks (and, with ``want_steps``, LowConfidence canvases)
+    arrive through ``events()``; Ctrl-C (SIGINT) meanwhile sets ``cancelled`` and the engine stops at its
+    next callback instead of the app getting a KeyboardInterrupt."""
+
+    def __init__(self, model: Model, ids: list[int], s: Settings, max_tokens: int, want_steps: bool) -> None:
+        self._queue: queue.Queue[tuple[str, list[int]]] = queue.Queue()
+        self._cancel = threading.Event()
+        self._want_steps = want_steps
+        self.stats: Stats | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, args=(model, ids, s, max_tokens), name="clover-chat",
+                                        daemon=True)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def _on_tokens(self, block: list[int]) -> bool:
+        self._queue.put(("block", list(block)))
+        return not self._cancel.is_set()
+
+    def _on_step(self, canvas: list[int]) -> bool:
+        if self._want_steps:
+            self._queue.put(("step", list(canvas)))
+        return not self._cancel.is_set()
+
+    def _work(self, model: Model, ids: list[int], s: Settings, max_tokens: int) -> None:
+        try:
+            self.stats = model.run(ids, mode=s.mode, block_size=s.block_size, threshold=s.threshold,
+                                   max_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                   seed=s.seed, stop_ids=[] if s.ignore_eos else None, on_tokens=self._on_tokens,
+                                   on_step=None if s.mode == "ar" else self._on_step).stats
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            self.error = exc
+        finally:
+            self._queue.put(("done", []))
+
+    def events(self) -> Iterator[tuple[str, list[int]]]:
+        """("block", tokens) and ("step", canvas) until the run ends."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, lambda *_: self._cancel.set()) if main else None
+        self._thread.start()
+        finished = False
+        try:
+            while True:
+                try:
+                    kind, payload = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if kind == "done":
+                    finished = True
+                    return
+                yield kind, payload
+        finally:
+            if not finished:  # the consumer stopped early: stop the engine too
+                self._cancel.set()
+            self._thread.join()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    model = Model(args.model, n_ctx=args.ctx_size, n_threads=args.threads, max_block_size=args.max_block_size,
+                  n_gpu_layers=args.n_gpu_layers)
+    try:
+        template = load_template(model.llama_model, args.model, args.chat_template)
+        if template is None:
+            raise ValueError(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")
+        max_block = args.max_block_size or default_max_block_size(model)
+        if args.block_size is not None and args.block_size > max_block:
+            raise ValueError(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+        settings = Settings(mode=args.mode, block_size=args.block_size, threshold=args.threshold,
+                            enable_thinking=args.think == "on", max_tokens=args.max_tokens,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+        app = ChatApp(model, template, settings, max_block, sys.stdout, Style(use_color(args.color, sys.stdout)),
+                      show_reasoning=args.reasoning == "show", visual=args.visual, system=args.system)
+        return app.loop()
+    finally:
+        model.close()

@@ -1,0 +1,62 @@
+"""The model's chat template (``tokenizer.chat_template`` in the GGUF), rendered with the reference renderer.
+
+Rendering is ``clover_ref.tokenizer.render_chat`` (Jinja configured like transformers'
+``apply_chat_template``) with the template text read from the GGUF, so the native runtime and the
+reference build the same prompt text.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from clover_ref.tokenizer import render_chat
+
+from . import native
+
+
+class TemplateError(ValueError):
+    """The template could not render these messages (the message says why)."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, origin: str) -> None:
+        self.source = source
+        self.origin = origin
+
+    @classmethod
+    def from_model(cls, llama_model: Any, path: str) -> "ChatTemplate | None":
+        """The GGUF's default template (``tokenizer.chat_template``), or None when it has none."""
+        raw = native.llama().llama_model_chat_template(llama_model, None)
+        if not raw:
+            return None
+        return cls(raw.decode("utf-8", "replace"), f"{path}: tokenizer.chat_template")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "ChatTemplate":
+        p = Path(path)
+        try:
+            return cls(p.read_text(encoding="utf-8"), str(p))
+        except OSError as exc:
+            raise FileNotFoundError(f"{p}: cannot read the chat template ({exc.strerror})") from None
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               enable_thinking: bool = True, add_generation_prompt: bool = True) -> str:
+        try:
+            return render_chat(messages, tools=tools or None, enable_thinking=enable_thinking,
+                               add_generation_prompt=add_generation_prompt, template=self.source)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"the chat template cannot render these messages: {exc}") from None
+        except (TypeError, AttributeError, KeyError) as exc:  # a message shape the template does not expect
+            raise TemplateError(f"the chat template cannot render these messages: {exc}") from None
+
+
+def load_template(llama_model: Any, model_path: str, override: str | None) -> ChatTemplate | None:
+    """``override`` (a file) if given, else the GGUF's template."""
+    if override:
+        return ChatTemplate.from_file(override)
+    return ChatTemplate.from_model(llama_model, model_path)

@@ -1,0 +1,204 @@
+"""OpenAI request bodies (pydantic), the OpenAI error body, and the response/chunk builders.
+
+Fields the engine cannot honour either get a 400 (``n`` > 1, ``logprobs``, ``tool_choice`` that forces a
+call, structured ``response_format``, ``suffix``, ``best_of`` > 1) or are accepted and ignored when
+OpenAI clients send them by default (penalties, ``user``, ``parallel_tool_calls``, ``store``...).
+Clover extras: ``mode``, ``block_size``, ``threshold``, ``top_k``, ``ignore_eos``, ``return_token_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .model import Stats
+from .output_parser import ToolCall
+
+MODES = ("ar", "diffusion", "spec")
+
+
+# ------------------------------------------------------------------------------------------ errors
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",  # noqa: A002
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ------------------------------------------------------------------------------------------ requests
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    type: str
+
+
+class CloverFields(_Lenient):
+    """Sampling, stopping and the clover extras shared by both endpoints."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # clover extras
+    mode: Literal["ar", "diffusion", "spec"] | None = None
+    block_size: int | None = Field(default=None, ge=1)
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+
+class ChatCompletionRequest(CloverFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+
+class CompletionRequest(CloverFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# ------------------------------------------------------------------------------------------ responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+
+
+def finish_reason(stats: Stats | None, stopped_by_string: bool, has_tool_calls: bool) -> str:
+    if has_tool_calls:
+        return "tool_calls"
+    if stopped_by_string or stats is None:
+        return "stop"
+    return FINISH_REASONS.get(stats.stop_reason, "stop")
+
+
+def usage(prompt_tokens: int, stats: Stats | None) -> dict[str, Any]:
+    """OpenAI usage plus ``clover``: the engine's statistics (mode, B, threshold, passes, TPF, timings)."""
+    completion = stats.generated_tokens if stats is not None else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "clover": stats.to_dict() if stats is not None else None}
+
+
+def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:
+        out = {"index": index, **out}
+    return out
+
+
+def chat_chunk(cid: str, created: int, model: str, delta: dict[str, Any] | None,
+               finish: str | None = None, extra_choice: dict[str, Any] | None = None,
+               usage_block: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (empty choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                                         **(extra_choice or {})}]
+    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": choices}
+    if usage_block is not None:
+        out["usage"] = usage_block
+    return out
+
+
+def completion_chunk(cid: str, created: int, model: str, text: str | None, finish: str | None = None,
+                     extra_choice: dict[str, Any] | None = None,
+                     usage_block: dict[str, Any] | None = None) -> dict[str, Any]:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                                        **(extra_choice or {})}]
+    out: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "choices": choices}
+    if usage_block is not None:
+        out["usage"] = usage_block
+    return out

@@ -1,0 +1,213 @@
+"""OpenAI requests to engine work: rendered prompt ids, GenParams, and the text pipeline settings.
+
+Everything here runs before a job is queued, so a bad request is answered with a 400 and never reaches
+the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from .chat_template import ChatTemplate, TemplateError
+from .model import Model
+from .openai_schema import APIError, ChatCompletionRequest, ChatMessage, CloverFields, CompletionRequest, invalid
+from .output_parser import opens_reasoning
+from .worker import GenParams
+
+MAX_STOP_STRINGS = 4
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Server-wide defaults for what a request leaves out."""
+
+    mode: str = "diffusion"
+    block_size: int | None = None
+    threshold: float | None = None
+    temperature: float = 0.0
+    enable_thinking: bool = True
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    params: GenParams
+    stops: list[str]
+    start_in_reasoning: bool = False
+    parse_tools: bool = False
+    echo_text: str = ""
+
+
+class Preparer:
+    def __init__(self, model: Model, template: ChatTemplate | None, model_id: str, max_block_size: int,
+                 defaults: Defaults) -> None:
+        self.model = model
+        self.template = template
+        self.model_id = model_id
+        self.max_block_size = max_block_size
+        self.defaults = defaults
+        self.n_ctx = model.n_ctx
+
+    # ------------------------------------------------------------------------------ shared
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_id}`.",
+                           param="model", code="model_not_found")
+
+    def _stops(self, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise invalid(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+        return [s for s in stops if s]
+
+    def _banned(self, logit_bias: dict[str, float] | None) -> tuple[int, ...]:
+        banned = []
+        for key, bias in (logit_bias or {}).items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= tok < self.model.info.n_vocab:
+                raise invalid(f"logit_bias token {tok} is outside the vocabulary (0..{self.model.info.n_vocab - 1})",
+                              "logit_bias")
+            if bias != -100:
+                raise invalid("logit_bias supports only -100 (ban a token); other biases are not implemented",
+                              "logit_bias", "unsupported_value")
+            banned.append(tok)
+        return tuple(banned)
+
+    def _params(self, req: CloverFields, n_prompt: int, max_tokens: int | None, param: str) -> GenParams:
+        if req.n != 1:
+            raise invalid("only n = 1 is supported", "n", "unsupported_value")
+        block = req.block_size or self.defaults.block_size
+        if block is not None and block > self.max_block_size:
+            raise invalid(f"block_size {block} exceeds the server's largest block size {self.max_block_size} "
+                          f"(start it with --max-block-size)", "block_size")
+        room = self.n_ctx - n_prompt
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self.n_ctx} tokens. However, your "
+                           f"{param} has {n_prompt} tokens, which leaves no room for a completion.",
+                           param=param, code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.n_ctx} tokens. However, you "
+                           f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {param}, {max_tokens} "
+                           f"in the completion). Please reduce the {param} or the completion length.",
+                           param="max_tokens", code="context_length_exceeded")
+        temperature = self.defaults.temperature if req.temperature is None else req.temperature
+        seed = req.seed if req.seed is not None else (secrets.randbits(32) if temperature > 0 else 0)
+        threshold = req.threshold if req.threshold is not None else self.defaults.threshold
+        return GenParams(mode=req.mode or self.defaults.mode, block_size=block, threshold=threshold,
+                         max_tokens=max_tokens, temperature=temperature, top_k=req.top_k or 0,
+                         top_p=1.0 if req.top_p is None else req.top_p, seed=seed,
+                         stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias))
+
+    def _tokenize(self, text: str, param: str) -> list[int]:
+        ids = self.model.tokenize(text, special=True)
+        if not ids:
+            raise invalid(f"the {param} is empty after tokenization", param)
+        return ids
+
+    # ------------------------------------------------------------------------------ chat
+    def chat(self, req: ChatCompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        if self.template is None:
+            raise invalid("this model has no chat template; use /v1/completions, or start the server with "
+                          "--chat-template FILE", "messages", "no_chat_template")
+        if req.logprobs:
+            raise invalid("logprobs are not supported", "logprobs", "unsupported_value")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise invalid(f"response_format {req.response_format.type!r} is not supported (only 'text')",
+                          "response_format", "unsupported_value")
+        choice = req.tool_choice
+        if choice not in (None, "auto", "none"):
+            raise invalid("tool_choice supports 'auto' and 'none' only: the engine cannot force a tool call",
+                          "tool_choice", "unsupported_value")
+        kwargs = req.chat_template_kwargs or {}
+        thinking = kwargs.get("enable_thinking", self.defaults.enable_thinking)
+        if not isinstance(thinking, bool):
+            raise invalid("chat_template_kwargs.enable_thinking must be true or false",
+                          "chat_template_kwargs.enable_thinking")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        messages = [template_message(m, i) for i, m in enumerate(req.messages)]
+        try:
+            text = self.template.render(messages, tools=tools, enable_thinking=thinking)
+        except TemplateError as exc:
+            raise invalid(str(exc), "messages") from None
+        ids = self._tokenize(text, "messages")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._params(req, len(ids), max_tokens, "messages")
+        return Prepared(ids, params, self._stops(req.stop), start_in_reasoning=opens_reasoning(text),
+                        parse_tools=bool(tools) and choice != "none")
+
+    # ------------------------------------------------------------------------------ completions
+    def completion(self, req: CompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        if req.suffix:
+            raise invalid("suffix is not supported", "suffix", "unsupported_value")
+        if req.logprobs:
+            raise invalid("logprobs are not supported", "logprobs", "unsupported_value")
+        if req.best_of not in (None, 1):
+            raise invalid("only best_of = 1 is supported", "best_of", "unsupported_value")
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise invalid("batched prompts are not supported: send one prompt per request", "prompt",
+                              "unsupported_value")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self._tokenize(prompt, "prompt")
+            echo = prompt
+        else:
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise invalid("the prompt is empty", "prompt")
+            bad = [t for t in ids if not 0 <= t < self.model.info.n_vocab]
+            if bad:
+                raise invalid(f"prompt token {bad[0]} is outside the vocabulary (0..{self.model.info.n_vocab - 1})",
+                              "prompt")
+            echo = self.model.detokenize(ids)
+        params = self._params(req, len(ids), req.max_tokens, "prompt")
+        return Prepared(ids, params, self._stops(req.stop), echo_text=echo if req.echo else "")
+
+
+def _text(content: Any, index: int) -> str | None:
+    """Message content as text: a string, or the text parts of a list joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise invalid(f"messages[{index}]: content part type {part.type!r} is not supported (text only)",
+                          f"messages.{index}.content", "unsupported_value")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
+    """An OpenAI message as the chat template reads it."""
+    content = _text(m.content, index)
+    if content is None and m.role != "assistant":
+        raise invalid(f"messages[{index}]: a {m.role} message needs content", f"messages.{index}.content",
+                      "missing_required_parameter")
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+    if m.name:
+        out["name"] = m.name
+    if m.role == "assistant":
+        if m.reasoning_content is not None:
+            out["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+    if m.role == "tool" and m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _arguments(args: str | dict[str, Any]) -> str:
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

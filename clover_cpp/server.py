@@ -1,0 +1,402 @@
+"""`clover-cpp serve`: an OpenAI-compatible HTTP server on the native engine (FastAPI + uvicorn + SSE).
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (streaming with sse-starlette, or not). Requests queue on the one engine
+(``worker.EngineWorker``); a client that disconnects cancels its generation, queued or running. Every
+error is an OpenAI error body; nothing a client sends stops the server. See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .chat_template import ChatTemplate, load_template
+from .model import Model
+from .openai_schema import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, completion_chunk,
+                            error_body, finish_reason, new_id, now, tool_call_dict, usage)
+from .output_parser import Event, OutputParser, TextEvent, ToolCallEvent, collect
+from .prepare import Defaults, Prepared, Preparer
+from .text_stream import TextPipeline
+from .worker import EngineWorker, Job, default_max_block_size
+
+log = logging.getLogger("clover_cpp.server")
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming answer was ready."""
+
+
+class CloverService:
+    """The model, its queue and the request preparer behind the routes."""
+
+    def __init__(self, model: Model, template: ChatTemplate | None, model_id: str, max_block_size: int,
+                 defaults: Defaults) -> None:
+        self.model = model
+        self.model_id = model_id
+        self.worker = EngineWorker(model)
+        self.prepare = Preparer(model, template, model_id, max_block_size, defaults)
+        self.max_block_size = max_block_size
+        self.created = int(os.path.getmtime(model.path)) if os.path.exists(model.path) else 0
+
+    def model_card(self) -> dict[str, Any]:
+        info = self.model.info
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "clover-cpp",
+                "clover": {"n_ctx": self.model.n_ctx, "max_block_size": self.max_block_size,
+                           "block_size": info.block_size, "threshold": info.threshold,
+                           "calibrated_block_sizes": list(info.calibrated_block_sizes),
+                           "calibrated_thresholds": list(info.calibrated_thresholds),
+                           "mask_token_id": info.mask_token_id, "n_vocab": info.n_vocab}}
+
+    def pipeline(self, prep: Prepared, chat: bool) -> TextPipeline:
+        parser = OutputParser(prep.start_in_reasoning, prep.parse_tools) if chat else None
+        return TextPipeline(lambda ids: self.model.detokenize(ids, special=False), prep.stops, parser)
+
+
+# ---------------------------------------------------------------------------------------------- running jobs
+async def _watch_disconnect(job: Job, request: Request) -> bool:
+    """Poll the connection while the job runs; cancel the job and return True when the client has left."""
+    while not job.finished:
+        if await request.is_disconnected():
+            job.cancel()
+            return True
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    return False
+
+
+async def _collect(job: Job, pipeline: TextPipeline, request: Request) -> tuple[list[Event], list[int]]:
+    """Run a job to its end for a non-streaming answer: all events and all generated tokens. Raises
+    ClientGone when the client disconnected meanwhile (the job is cancelled then)."""
+    events: list[Event] = []
+    tokens: list[int] = []
+    watcher = asyncio.ensure_future(_watch_disconnect(job, request))
+    try:
+        while (block := await job.next_block()) is not None:
+            tokens += block
+            events += pipeline.feed(block)
+            if pipeline.stopped:
+                job.cancel()
+                await job.wait()
+                break
+        events += pipeline.finish()
+    finally:
+        job.cancel()
+        if not watcher.done():
+            watcher.cancel()
+    if not watcher.cancelled() and watcher.done() and watcher.result():
+        raise ClientGone
+    return events, tokens
+
+
+def _raise_job_error(job: Job) -> None:
+    if job.error is not None:
+        exc = job.error
+        if isinstance(exc, ValueError):
+            raise APIError(400, str(exc))
+        raise APIError(500, f"generation failed: {exc}", type="server_error", code="engine_error")
+
+
+def _sse(payload: dict[str, Any] | str) -> dict[str, str]:
+    return {"data": payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}
+
+
+def _job_error_body(job: Job) -> dict[str, Any]:
+    try:
+        _raise_job_error(job)
+    except APIError as err:
+        return err.body()
+    return error_body("generation failed", "server_error")
+
+
+# ---------------------------------------------------------------------------------------------- chat
+async def _chat_stream(svc: CloverService, req: ChatCompletionRequest, prep: Prepared
+                       ) -> AsyncIterator[dict[str, str]]:
+    job = svc.worker.submit(prep.prompt_ids, prep.params)  # queued when the stream starts, not before
+    cid, created = new_id("chatcmpl"), now()
+    pipeline = svc.pipeline(prep, chat=True)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    tokens: list[int] = []
+    n_calls = 0
+
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, extra: dict[str, Any] | None = None,
+              usage_block: dict[str, Any] | None = None) -> dict[str, str]:
+        return _sse(chat_chunk(cid, created, svc.model_id, delta, finish, extra, usage_block))
+
+    def deltas(events: list[Event]) -> list[dict[str, str]]:
+        nonlocal n_calls
+        out = []
+        for ev in events:
+            if isinstance(ev, ToolCallEvent):
+                out.append(chunk({"tool_calls": [tool_call_dict(ev.call, n_calls)]}))
+                n_calls += 1
+            elif ev.channel == "reasoning":
+                out.append(chunk({"reasoning_content": ev.text}))
+            else:
+                out.append(chunk({"content": ev.text}))
+        return out
+
+    try:
+        first = {"prompt_token_ids": prep.prompt_ids} if req.return_token_ids else None
+        yield chunk({"role": "assistant", "content": ""}, extra=first)
+        while (block := await job.next_block()) is not None:
+            tokens += block
+            for c in deltas(pipeline.feed(block)):
+                yield c
+            if pipeline.stopped:
+                job.cancel()
+                await job.wait()
+                break
+        for c in deltas(pipeline.finish()):
+            yield c
+        if job.error is not None:
+            yield _sse(_job_error_body(job))
+            return
+        finish = finish_reason(job.stats, pipeline.stopped, n_calls > 0)
+        yield chunk({}, finish, {"token_ids": tokens} if req.return_token_ids else None)
+        if include_usage:
+            yield chunk(None, usage_block=usage(len(prep.prompt_ids), job.stats))
+        yield _sse("[DONE]")
+    finally:
+        job.cancel()  # a disconnect lands here (the task is cancelled): stop the engine
+
+
+async def chat_completions(svc: CloverService, req: ChatCompletionRequest, request: Request) -> Any:
+    prep = svc.prepare.chat(req)
+    if req.stream:
+        return EventSourceResponse(_chat_stream(svc, req, prep), sep="\n", ping=15)
+    job = svc.worker.submit(prep.prompt_ids, prep.params)
+    pipeline = svc.pipeline(prep, chat=True)
+    try:
+        events, tokens = await _collect(job, pipeline, request)
+    except ClientGone:
+        return Response(status_code=499)
+    _raise_job_error(job)
+    parsed = collect(events)
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": parsed.content if parsed.content or not parsed.tool_calls else None}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [tool_call_dict(c) for c in parsed.tool_calls]
+    choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
+                              "finish_reason": finish_reason(job.stats, pipeline.stopped, bool(parsed.tool_calls))}
+    body: dict[str, Any] = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
+                            "model": svc.model_id, "choices": [choice],
+                            "usage": usage(len(prep.prompt_ids), job.stats)}
+    if req.return_token_ids:
+        choice["token_ids"] = tokens
+        body["prompt_token_ids"] = prep.prompt_ids
+    return body
+
+
+# ---------------------------------------------------------------------------------------------- completions
+async def _completion_stream(svc: CloverService, req: CompletionRequest, prep: Prepared
+                             ) -> AsyncIterator[dict[str, str]]:
+    job = svc.worker.submit(prep.prompt_ids, prep.params)
+    cid, created = new_id("cmpl"), now()
+    pipeline = svc.pipeline(prep, chat=False)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    tokens: list[int] = []
+
+    def chunk(text: str | None, finish: str | None = None, extra: dict[str, Any] | None = None,
+              usage_block: dict[str, Any] | None = None) -> dict[str, str]:
+        return _sse(completion_chunk(cid, created, svc.model_id, text, finish, extra, usage_block))
+
+    try:
+        if prep.echo_text:
+            yield chunk(prep.echo_text)
+        while (block := await job.next_block()) is not None:
+            tokens += block
+            for ev in pipeline.feed(block):
+                assert isinstance(ev, TextEvent)
+                yield chunk(ev.text)
+            if pipeline.stopped:
+                job.cancel()
+                await job.wait()
+                break
+        for ev in pipeline.finish():
+            assert isinstance(ev, TextEvent)
+            yield chunk(ev.text)
+        if job.error is not None:
+            yield _sse(_job_error_body(job))
+            return
+        extra = {"token_ids": tokens, "prompt_token_ids": prep.prompt_ids} if req.return_token_ids else None
+        yield chunk("", finish_reason(job.stats, pipeline.stopped, False), extra)
+        if include_usage:
+            yield chunk(None, usage_block=usage(len(prep.prompt_ids), job.stats))
+        yield _sse("[DONE]")
+    finally:
+        job.cancel()
+
+
+async def completions(svc: CloverService, req: CompletionRequest, request: Request) -> Any:
+    prep = svc.prepare.completion(req)
+    if req.stream:
+        return EventSourceResponse(_completion_stream(svc, req, prep), sep="\n", ping=15)
+    job = svc.worker.submit(prep.prompt_ids, prep.params)
+    pipeline = svc.pipeline(prep, chat=False)
+    try:
+        events, tokens = await _collect(job, pipeline, request)
+    except ClientGone:
+        return Response(status_code=499)
+    _raise_job_error(job)
+    text = prep.echo_text + "".join(e.text for e in events if isinstance(e, TextEvent))
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                              "finish_reason": finish_reason(job.stats, pipeline.stopped, False)}
+    body: dict[str, Any] = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
+                            "model": svc.model_id, "choices": [choice],
+                            "usage": usage(len(prep.prompt_ids), job.stats)}
+    if req.return_token_ids:
+        choice["token_ids"] = tokens
+        body["prompt_token_ids"] = prep.prompt_ids
+    return body
+
+
+# ---------------------------------------------------------------------------------------------- the app
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    kind = first.get("type", "")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if kind == "json_invalid":
+        return APIError(400, f"We could not parse the JSON body of your request: {first.get('msg', '')}.",
+                        code="invalid_json")
+    if not loc:
+        return APIError(400, "The request body must be a JSON object (Content-Type: application/json).",
+                        code="missing_body" if kind == "missing" else "invalid_type")
+    common = loc
+    for err in errors[1:]:  # a union reports one error per member, tagged by the member's type: cut the tags
+        other = [str(x) for x in err.get("loc", ()) if x != "body"]
+        n = 0
+        while n < min(len(common), len(other)) and common[n] == other[n]:
+            n += 1
+        common = common[:n]
+    param = ".".join(common or loc)
+    code = "missing_required_parameter" if kind == "missing" else (
+        "invalid_type" if kind.endswith("_type") or kind in ("model_attributes_type",) else "invalid_value")
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}{more}.", param=param,
+                    code=code)
+
+
+def create_app(svc: CloverService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        svc.worker.shutdown()
+
+    app = FastAPI(title="clover-cpp", description="OpenAI-compatible server for Clover block-diffusion models",
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_r: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_r: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            msg, code = f"Unknown endpoint: {request.method} {request.url.path}", "not_found"
+        elif exc.status_code == 405:
+            msg, code = f"Method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            msg, code = str(exc.detail), None
+        return JSONResponse(error_body(msg, "invalid_request_error", None, code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(_r: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {exc}", "server_error", None, "internal_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": svc.model_id, **svc.worker.health()}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [svc.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        svc.prepare.check_model(model_id)
+        return svc.model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+        return await chat_completions(svc, req, request)
+
+    @app.post("/v1/completions")
+    async def complete(req: CompletionRequest, request: Request) -> Any:
+        return await completions(svc, req, request)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    model = Model(args.model, n_ctx=args.ctx_size, n_threads=args.threads, max_block_size=args.max_block_size,
+                  n_gpu_layers=args.n_gpu_layers)
+    try:
+        template = load_template(model.llama_model, args.model, args.chat_template)
+        max_block = args.max_block_size or default_max_block_size(model)
+        if args.block_size is not None and args.block_size > max_block:
+            raise ValueError(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
+        model_id = args.alias or Path(args.model).name.removesuffix(".gguf")
+        defaults = Defaults(mode=args.mode, block_size=args.block_size, threshold=args.threshold,
+                            temperature=args.temperature, enable_thinking=args.think == "on")
+        svc = CloverService(model, template, model_id, max_block, defaults)
+        sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"clover-cpp serve: {model_id} (n_ctx {model.n_ctx}, B {model.info.block_size}, mode {args.mode}) "
+              f"listening on http://{shown}:{port}", file=sys.stderr, flush=True)
+        if template is None:
+            print("clover-cpp serve: warning: the model has no chat template; /v1/chat/completions answers 400",
+                  file=sys.stderr, flush=True)
+        config = uvicorn.Config(create_app(svc), log_level=args.log_level,
+                                access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=3)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        model.close()
+    return 0

@@ -1,0 +1,174 @@
+"""One engine, one queue: generation jobs run one at a time on a single worker thread.
+
+Each job resets the engine and prefills its own prompt, so two requests never share or interleave a
+history. Committed blocks travel to the asyncio side through an ``asyncio.Queue``. ``Job.cancel()`` makes
+the engine stop at its next callback (a committed block, or a LowConfidence step in diffusion/spec); a job
+cancelled while still waiting never starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .model import Model, Stats
+
+
+@dataclass(frozen=True)
+class GenParams:
+    mode: str
+    block_size: int | None
+    threshold: float | None
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] | None = None  # None: the vocabulary's end-of-generation tokens
+    banned_ids: tuple[int, ...] = ()
+
+
+_DONE = object()
+
+
+def default_max_block_size(model: Model) -> int:
+    """The engine's default ``max_block_size``: the largest of clover.block_size and the calibrated sizes."""
+    return max((model.info.block_size, *model.info.calibrated_block_sizes))
+
+
+class Job:
+    """A queued or running generation. Await ``next_block()`` until it returns None."""
+
+    def __init__(self, prompt_ids: list[int], params: GenParams, loop: asyncio.AbstractEventLoop) -> None:
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stats: Stats | None = None
+        self.error: BaseException | None = None
+        self.started = False
+        self.finished = False
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._cancel = threading.Event()
+        self._drained = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Stop the generation at the engine's next callback (safe to call from any thread, any time)."""
+        self._cancel.set()
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            self._cancel.set()
+
+    # ---------------------------------------------------------------------- worker thread
+    def _on_tokens(self, block: list[int]) -> bool:
+        if self._cancel.is_set():
+            return False
+        self._put(list(block))
+        return True
+
+    def _on_step(self, _canvas: list[int]) -> bool:
+        return not self._cancel.is_set()
+
+    def run(self, model: Model) -> None:
+        self.started = True
+        try:
+            if self._cancel.is_set():
+                return
+            p = self.params
+            model.reset()
+            result = model.run(self.prompt_ids, mode=p.mode, block_size=p.block_size, threshold=p.threshold,
+                               max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                               seed=p.seed, stop_ids=None if p.stop_ids is None else list(p.stop_ids),
+                               banned_ids=list(p.banned_ids) or None,
+                               on_tokens=self._on_tokens,
+                               on_step=None if p.mode == "ar" else self._on_step)
+            self.stats = result.stats
+        except BaseException as exc:  # noqa: BLE001 - reported to the request, the worker lives on
+            self.error = exc
+        finally:
+            self.finished = True
+            self._put(_DONE)
+
+    # ---------------------------------------------------------------------- asyncio side
+    async def next_block(self) -> list[int] | None:
+        """The next committed block, or None when the job is over (check ``error``)."""
+        if self._drained:
+            return None
+        item = await self._queue.get()
+        if item is _DONE:
+            self._drained = True
+            return None
+        return item
+
+    async def wait(self) -> None:
+        """Drop the remaining blocks and wait for the job to end."""
+        while await self.next_block() is not None:
+            pass
+
+
+class EngineWorker:
+    """The single engine thread and its counters (reported by /health)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-engine")
+        self._jobs: list[Job] = []
+        self.completed = 0
+        self.cancelled = 0
+        self.failed = 0
+        self.recent: deque[dict[str, Any]] = deque(maxlen=16)  # the latest finished jobs, newest last
+
+    def submit(self, prompt_ids: list[int], params: GenParams) -> Job:
+        job = Job(prompt_ids, params, asyncio.get_running_loop())
+        self._jobs.append(job)
+        self._executor.submit(self._run, job)
+        return job
+
+    def _run(self, job: Job) -> None:
+        start = time.perf_counter()
+        try:
+            job.run(self.model)
+        finally:
+            self._jobs.remove(job)
+            s = job.stats
+            if job.error is not None:
+                self.failed += 1
+            elif (s.stop_reason == "cancelled") if s is not None else job.cancelled:
+                self.cancelled += 1
+            else:
+                self.completed += 1
+            self.recent.append({
+                "prompt_tokens": len(job.prompt_ids),
+                "generated_tokens": s.generated_tokens if s else 0,
+                "stop_reason": s.stop_reason if s else ("cancelled" if job.cancelled else "error"),
+                "mode": job.params.mode,
+                "seconds": round(time.perf_counter() - start, 4),
+            })
+
+    @property
+    def running(self) -> bool:
+        return any(j.started and not j.finished for j in list(self._jobs))
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for j in list(self._jobs) if not j.started)
+
+    def health(self) -> dict[str, Any]:
+        return {"running": self.running, "waiting": self.waiting, "completed": self.completed,
+                "cancelled": self.cancelled, "failed": self.failed, "recent": list(self.recent)}
+
+    def shutdown(self) -> None:
+        for job in list(self._jobs):
+            job.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=False)

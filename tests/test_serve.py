@@ -1,0 +1,540 @@
+"""`clover-cpp serve` (issue 7): a live server on the tiny GGUF driven by the official `openai` client.
+
+Every answer is compared with the reference: the checkpoint's chat template rendered by clover_ref,
+tokenized by its tokenizer.json and decoded greedily by clover_ref.decode on a fresh history. The output
+parser (reasoning, tool calls) and the text stream helpers are unit-tested first; they need no native code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chat_support import Reference, child_env, cli_command, require_engine
+from clover_cpp.output_parser import (OutputParser, TextEvent, ToolCallEvent, collect, opens_reasoning,
+                                      parse_output, parse_tool_call)
+from clover_cpp.text_stream import Detokenizer, StopMatcher
+from native_support import clover_convert
+
+MODEL_ID = "tiny"
+THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+# ============================================================================ parser and stream units
+def _feed_in_pieces(text: str, cuts: list[int], start: bool, tools: bool) -> list[Any]:
+    parser = OutputParser(start, tools)
+    events: list[Any] = []
+    last = 0
+    for c in cuts + [len(text)]:
+        events += parser.feed(text[last:c])
+        last = c
+    return events + parser.finish()
+
+
+SAMPLES = [
+    # (text, start_in_reasoning, parse_tools, reasoning, content, tool calls as (name, arguments dict))
+    ("Let me think.\n</think>\n\nThe answer is 4.", True, False, "Let me think.", "The answer is 4.", []),
+    ("\nplan\n\n</think>\n\nI'll call it.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+     "{\"city\": \"Paris\"}}\n</tool_call>", True, True, "plan", "I'll call it.",
+     [("get_weather", {"city": "Paris"})]),
+    ("<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"b\", "
+     "\"arguments\": {\"x\": [1, 2]}}\n</tool_call>", False, True, None, "", [("a", {}), ("b", {"x": [1, 2]})]),
+    ("x <tool_call>not json</tool_call> y", False, True, None, "x<tool_call>not json</tool_call> y", []),
+    ("<tool_call>{\"name\": \"f\", \"arguments\": {\"k\": 1}}", False, True, None, "", [("f", {"k": 1})]),
+    ("<tool_call>{\"name\": \"f\"", False, True, None, "<tool_call>{\"name\": \"f\"", []),
+    ("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", False, False, None,
+     "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", []),
+    ("<think>\nhidden\n</think>\n\nshown", False, False, "hidden", "shown", []),
+    ("reasoning cut by the length limit", True, False, "reasoning cut by the length limit", "", []),
+    ("  indented code\n    more\n", False, False, None, "  indented code\n    more", []),
+    ("a </thin b", True, False, "a </thin b", "", []),
+]
+
+
+@pytest.mark.parametrize("text,start,tools,reasoning,content,calls", SAMPLES)
+def test_output_parser(text: str, start: bool, tools: bool, reasoning: str | None, content: str,
+                       calls: list[tuple[str, dict[str, Any]]]) -> None:
+    whole = parse_output(text, start, tools)
+    assert whole.reasoning == reasoning
+    assert whole.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == calls
+    # every way of cutting the text in two or three pieces gives the same answer (streaming == whole)
+    for i in range(len(text) + 1):
+        for j in sorted({i, (i + len(text)) // 2, len(text)}):
+            got = collect(_feed_in_pieces(text, [i, j], start, tools))
+            assert (got.reasoning, got.content) == (reasoning, content), (i, j)
+            assert [(c.name, c.arguments) for c in got.tool_calls] == \
+                   [(c.name, c.arguments) for c in whole.tool_calls]
+
+
+def test_output_parser_events_are_incremental() -> None:
+    parser = OutputParser(start_in_reasoning=True, parse_tools=True)
+    assert parser.feed("step one") == [TextEvent("reasoning", "step one")]
+    assert parser.feed(" </thi") == []  # a tag still arriving is held back, and so is the trailing space
+    assert parser.feed("nk>\n\nHi <tool") == [TextEvent("content", "Hi")]
+    assert parser.feed("_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}") == []
+    events = parser.feed("</tool_call>")
+    assert len(events) == 1 and isinstance(events[0], ToolCallEvent)
+    assert events[0].call.name == "f" and json.loads(events[0].call.arguments) == {"a": 1}
+    assert events[0].call.id.startswith("call_")
+    assert parser.finish() == []
+
+
+def test_parse_tool_call_shapes() -> None:
+    assert parse_tool_call('{"name": "f", "arguments": "{\\"a\\": 1}"}').arguments == '{"a": 1}'
+    assert parse_tool_call('{"name": "f", "parameters": {"a": 1}}').arguments == '{"a": 1}'
+    assert parse_tool_call('{"name": "f", "arguments": "not json"}') is None
+    assert parse_tool_call('{"arguments": {}}') is None
+    assert parse_tool_call("[1, 2]") is None
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_stop_matcher_across_pieces() -> None:
+    text = "alpha beta STOP gamma"
+    for i in range(len(text) + 1):
+        m = StopMatcher(["STOP", "zzz"])
+        out = m.feed(text[:i]) + m.feed(text[i:]) + m.finish()
+        assert out == "alpha beta " and m.stopped, i
+    m = StopMatcher(["STOP"])
+    assert m.feed("no ST") == "no " and m.finish() == "ST" and not m.stopped
+
+
+def test_detokenizer_holds_incomplete_utf8() -> None:
+    pieces = {1: b"caf", 2: b"\xc3", 3: b"\xa9!", 4: b"\xff"}
+
+    def detok(ids: Any) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+
+    d = Detokenizer(detok)
+    assert d.feed([1]) == "caf"
+    assert d.feed([2]) == ""  # half of 'é'
+    assert d.feed([3]) == "é!"
+    assert d.feed([4]) == ""
+    assert d.finish() == "\ufffd"
+
+
+# ============================================================================ the live server
+@pytest.fixture(scope="module")
+def ref(tiny_checkpoint: Path, tiny_model: Any) -> Reference:
+    return Reference(tiny_checkpoint, tiny_model)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    require_engine()
+    folder = tmp_path_factory.mktemp("serve")
+    gguf = clover_convert(tiny_checkpoint, folder / f"{MODEL_ID}.gguf", "f32")
+    log_path = folder / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "--max-block-size", "32",
+                                            "--log-level", "warning"),
+                                stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            found = re.search(r"listening on (http://\S+)", log_path.read_text())
+            if found:
+                url = found.group(1)
+            elif proc.poll() is not None:
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            else:
+                time.sleep(0.05)
+        assert url, "the server did not start in 120 s"
+        while True:  # listening is printed just before uvicorn starts serving
+            try:
+                _get(url + "/health")
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield url
+        assert proc.poll() is None, f"the server died:\n{log_path.read_text()[-3000:]}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _post_raw(url: str, body: bytes, content_type: str = "application/json",
+              method: str = "POST") -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=body if method == "POST" else None, method=method,
+                                 headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _token_ids(resp: Any) -> tuple[list[int], list[int]]:
+    extra = resp.model_extra or {}
+    choice = resp.choices[0].model_extra or {}
+    return extra["prompt_token_ids"], choice["token_ids"]
+
+
+def _clover(resp: Any) -> dict[str, Any]:
+    return resp.usage.model_extra["clover"]
+
+
+def _check_stats(clover: dict[str, Any], want_stats: Any, mode: str) -> None:
+    assert clover["mode"] == mode
+    assert clover["generated_tokens"] == want_stats.generated_tokens
+    assert (clover["block_passes"], clover["causal_passes"]) == (want_stats.block_passes, want_stats.causal_passes)
+    assert clover["stop_reason"] == want_stats.stop_reason
+    passes = clover["block_passes"] + clover["causal_passes"]
+    assert clover["tokens_per_pass"] == pytest.approx(clover["generated_tokens"] / passes)
+
+
+USER = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+def test_models_and_health(client: Any, server: str) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_ID]
+    card = models.data[0].model_extra["clover"]
+    assert card["n_ctx"] == 4096 and card["block_size"] == 8 and card["max_block_size"] == 32
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+    health = _get(server + "/health")
+    assert health["status"] == "ok" and health["model"] == MODEL_ID
+
+
+@pytest.mark.parametrize("mode,opts", [("ar", {}), ("diffusion", {"block_size": 8, "threshold": 0.006}),
+                                       ("spec", {"block_size": 4})])
+def test_chat_equals_reference_and_stream_reassembles(client: Any, ref: Reference, mode: str,
+                                                      opts: dict[str, Any]) -> None:
+    want = ref.chat(USER, mode, 24, thinking=False, **opts)
+    extra = {"mode": mode, "return_token_ids": True, **opts, **THINK_OFF}
+    resp = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=24, temperature=0,
+                                          extra_body=extra)
+    prompt_ids, tokens = _token_ids(resp)
+    assert prompt_ids == want.prompt_ids
+    assert tokens == want.tokens
+    msg = resp.choices[0].message
+    assert msg.content == want.parsed.content and msg.content
+    assert msg.model_extra.get("reasoning_content") is None
+    assert resp.choices[0].finish_reason == ("length" if want.stats.stop_reason == "length" else "stop")
+    assert resp.usage.prompt_tokens == len(want.prompt_ids)
+    assert resp.usage.completion_tokens == len(want.tokens)
+    assert resp.usage.total_tokens == len(want.prompt_ids) + len(want.tokens)
+    _check_stats(_clover(resp), want.stats, mode)
+
+    stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == msg.content
+    assert finish == [resp.choices[0].finish_reason]
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # it streamed
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+    assert chunks[-1].usage.model_extra["clover"]["block_passes"] == _clover(resp)["block_passes"]
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert last.choices[0].model_extra["token_ids"] == want.tokens
+
+
+def test_thinking_on_and_off(client: Any, ref: Reference) -> None:
+    opts = {"mode": "diffusion", "block_size": 8, "threshold": 0.006}
+    on = ref.chat(USER, "diffusion", 20, thinking=True, block_size=8, threshold=0.006)
+    off = ref.chat(USER, "diffusion", 20, thinking=False, block_size=8, threshold=0.006)
+    assert on.prompt_text.endswith("<think>\n") and off.prompt_text.endswith("<think>\n\n</think>\n\n")
+    r_on = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=20, temperature=0,
+                                          extra_body={**opts, "return_token_ids": True,
+                                                      "chat_template_kwargs": {"enable_thinking": True}})
+    r_default = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=20, temperature=0,
+                                               extra_body=opts)
+    r_off = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=20, temperature=0,
+                                           extra_body={**opts, "return_token_ids": True, **THINK_OFF})
+    assert _token_ids(r_on) == (on.prompt_ids, on.tokens)
+    assert _token_ids(r_off) == (off.prompt_ids, off.tokens)
+    # thinking on: the model is inside <think>; without a </think> everything it wrote is reasoning
+    assert on.parsed.reasoning and r_on.choices[0].message.model_extra["reasoning_content"] == on.parsed.reasoning
+    assert r_on.choices[0].message.content == on.parsed.content
+    assert r_default.choices[0].message.model_extra["reasoning_content"] == on.parsed.reasoning  # the default
+    assert r_off.choices[0].message.model_extra.get("reasoning_content") is None
+    assert r_off.choices[0].message.content == off.parsed.content
+    # streamed reasoning arrives as delta.reasoning_content and reassembles
+    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=20, temperature=0,
+                                                 stream=True, extra_body=opts))
+    streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    assert streamed == on.parsed.reasoning
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_tool_call_round_trip(client: Any, ref: Reference) -> None:
+    """tools, an assistant message with tool_calls and the tool's result go through the template: the
+    server's prompt equals the reference rendering token for token, and so does the answer."""
+    args = json.dumps({"city": "Paris"})
+    convo = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"role": "assistant", "content": "",
+              "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                                 "arguments": args}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp_c\": 21, \"sky\": \"clear\"}"}]
+    want = ref.chat(convo, "ar", 16, thinking=False, tools=TOOLS, parse_tools=True)
+    assert "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>" \
+        in want.prompt_text
+    assert "<tool_response>\n{\"temp_c\": 21" in want.prompt_text and "\"name\": \"get_weather\"" in want.prompt_text
+    resp = client.chat.completions.create(model=MODEL_ID, messages=convo, tools=TOOLS, tool_choice="auto",
+                                          max_tokens=16, temperature=0,
+                                          extra_body={"mode": "ar", "return_token_ids": True, **THINK_OFF})
+    assert _token_ids(resp) == (want.prompt_ids, want.tokens)
+    assert resp.choices[0].message.content == want.parsed.content
+    assert (resp.choices[0].message.tool_calls or []) == []  # random weights write no <tool_call>
+    # content given as text parts renders the same prompt
+    parts = [dict(m) for m in convo]
+    parts[0]["content"] = [{"type": "text", "text": "What is the weather in Paris?"}]
+    again = client.chat.completions.create(model=MODEL_ID, messages=parts, tools=TOOLS, max_tokens=16,
+                                           temperature=0, extra_body={"mode": "ar", "return_token_ids": True,
+                                                                      **THINK_OFF})
+    assert _token_ids(again) == (want.prompt_ids, want.tokens)
+
+
+def test_completions_echo_and_stop(client: Any, ref: Reference) -> None:
+    prompt = "def fibonacci(n):\n    if n < 2:\n"
+    want = ref.completion(prompt, "diffusion", 24, block_size=8, threshold=0.006)
+    extra = {"mode": "diffusion", "block_size": 8, "threshold": 0.006, "return_token_ids": True}
+    resp = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+    assert resp.choices[0].text == want.text
+    assert resp.choices[0].model_extra["token_ids"] == want.tokens
+    assert resp.usage.completion_tokens == len(want.tokens)
+    _check_stats(resp.usage.model_extra["clover"], want.stats, "diffusion")
+    echo = client.completions.create(model=MODEL_ID, prompt=want.prompt_ids, max_tokens=24, temperature=0,
+                                     echo=True, extra_body=extra)
+    assert echo.choices[0].text == prompt + want.text
+    chunks = list(client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0,
+                                            stream=True, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    # a stop string cuts the text before it, with finish_reason "stop"
+    stop = want.text[len(want.text) // 2:len(want.text) // 2 + 3]
+    cut = want.text[:want.text.index(stop)]
+    stopped = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                        extra_body=extra)
+    assert stopped.choices[0].text == cut and stopped.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0,
+                                            stop=stop, stream=True, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+
+
+def test_eight_concurrent_clients(client: Any, ref: Reference, server: str) -> None:
+    """Eight threads at once, mixed modes and streaming: each answer equals the reference's."""
+    before = _get(server + "/health")
+    cases = []
+    for i in range(8):
+        mode = ("ar", "diffusion", "spec")[i % 3]
+        opts = {"diffusion": {"block_size": 8, "threshold": 0.006}, "spec": {"block_size": 8}}.get(mode, {})
+        messages = [{"role": "user", "content": f"Client {i}: write a loop that counts to {3 + i}."}]
+        cases.append((messages, mode, opts, i % 2 == 1))
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        messages, mode, opts, stream = cases[i]
+        extra = {"mode": mode, "return_token_ids": True, **opts, **THINK_OFF}
+        try:
+            if stream:
+                chunks = list(client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20,
+                                                             temperature=0, stream=True, extra_body=extra))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+                results[i] = (text, last.choices[0].model_extra["token_ids"])
+            else:
+                resp = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20,
+                                                      temperature=0, extra_body=extra)
+                results[i] = (resp.choices[0].message.content, _token_ids(resp)[1])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for i, (messages, mode, opts, _) in enumerate(cases):
+        want = ref.chat(messages, mode, 20, thinking=False, **opts)
+        text, tokens = results[i]
+        assert tokens == want.tokens, f"client {i} ({mode})"
+        assert text == want.parsed.content, f"client {i} ({mode})"
+    after = _get(server + "/health")
+    assert after["completed"] - before["completed"] == 8 and after["failed"] == 0
+
+
+def test_disconnect_mid_stream_frees_the_engine(client: Any, ref: Reference, server: str) -> None:
+    """A long streamed generation (about a minute on one core) is dropped after its first chunks: the engine
+    stops it, and the next request is answered at once and correctly."""
+    before = _get(server + "/health")
+    long = {"mode": "diffusion", "block_size": 16, "threshold": 1.0, "ignore_eos": True, **THINK_OFF}
+    stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=4000, temperature=0,
+                                            stream=True, extra_body=long)
+    seen = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            seen += 1
+            if seen == 2:
+                break
+    stream.close()
+    start = time.monotonic()
+    want = ref.chat(USER, "ar", 12, thinking=False)
+    resp = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=12, temperature=0,
+                                          extra_body={"mode": "ar", "return_token_ids": True, **THINK_OFF})
+    waited = time.monotonic() - start
+    assert _token_ids(resp)[1] == want.tokens
+    assert waited < 15, f"the next request waited {waited:.1f} s: the dropped generation kept the engine"
+    after = _get(server + "/health")
+    assert after["cancelled"] == before["cancelled"] + 1
+    dropped = [j for j in after["recent"] if j["stop_reason"] == "cancelled"][-1]
+    assert dropped["mode"] == "diffusion" and dropped["generated_tokens"] < 1000, dropped
+
+
+def test_disconnect_while_waiting_for_a_full_answer(client: Any, server: str) -> None:
+    from openai import APITimeoutError, OpenAI
+
+    before = _get(server + "/health")
+    impatient = OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=1.5)
+    with pytest.raises(APITimeoutError):
+        impatient.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=4000, temperature=0,
+                                          extra_body={"mode": "diffusion", "block_size": 16, "threshold": 1.0,
+                                                      "ignore_eos": True, **THINK_OFF})
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        health = _get(server + "/health")
+        if health["cancelled"] > before["cancelled"] and not health["running"]:
+            break
+        time.sleep(0.1)
+    assert health["cancelled"] == before["cancelled"] + 1 and not health["running"], health
+
+
+# ============================================================================ bad requests
+def _chat_body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+BAD_CHAT = [
+    ("unknown model", _chat_body(model="gpt-4o"), 404, "model", "model_not_found"),
+    ("no messages", {"model": MODEL_ID}, 400, "messages", "missing_required_parameter"),
+    ("empty messages", _chat_body(messages=[]), 400, "messages", None),
+    ("bad role", _chat_body(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role", None),
+    ("user without content", _chat_body(messages=[{"role": "user"}]), 400, "messages.0.content", None),
+    ("image part", _chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "messages.0.content", None),
+    ("temperature", _chat_body(temperature=3), 400, "temperature", None),
+    ("top_p", _chat_body(top_p=0), 400, "top_p", None),
+    ("max_tokens 0", _chat_body(max_tokens=0), 400, "max_tokens", None),
+    ("max_tokens too big", _chat_body(max_tokens=5000), 400, "max_tokens", "context_length_exceeded"),
+    ("prompt too long", _chat_body(messages=[{"role": "user", "content": "word " * 5000}]), 400, "messages",
+     "context_length_exceeded"),
+    ("n", _chat_body(n=2), 400, "n", None),
+    ("mode", _chat_body(mode="beam"), 400, "mode", None),
+    ("block_size 0", _chat_body(block_size=0), 400, "block_size", None),
+    ("block_size too big", _chat_body(block_size=64), 400, "block_size", None),
+    ("threshold", _chat_body(threshold=1.5), 400, "threshold", None),
+    ("tool_choice required", _chat_body(tools=TOOLS, tool_choice="required"), 400, "tool_choice", None),
+    ("bad tool", _chat_body(tools=[{"type": "function", "function": {"description": "no name"}}]), 400,
+     "tools.0.function.name", None),
+    ("logprobs", _chat_body(logprobs=True), 400, "logprobs", None),
+    ("json mode", _chat_body(response_format={"type": "json_object"}), 400, "response_format", None),
+    ("five stops", _chat_body(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+    ("enable_thinking type", _chat_body(chat_template_kwargs={"enable_thinking": "yes"}), 400,
+     "chat_template_kwargs.enable_thinking", None),
+    ("logit_bias", _chat_body(logit_bias={"5": 3}), 400, "logit_bias", None),
+    ("stream type", _chat_body(stream="maybe"), 400, "stream", None),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param,code", BAD_CHAT, ids=[c[0] for c in BAD_CHAT])
+def test_bad_chat_requests(server: str, name: str, body: dict[str, Any], status: int, param: str | None,
+                           code: str | None) -> None:
+    got, err = _post_raw(server + "/v1/chat/completions", json.dumps(body).encode())
+    assert got == status, (name, err)
+    assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}, err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    assert err["error"]["param"] == param, err
+    if code:
+        assert err["error"]["code"] == code, err
+
+
+BAD_COMPLETION = [
+    ("batched prompts", {"prompt": ["a", "b"]}, "prompt"),
+    ("token outside the vocabulary", {"prompt": [1, 2, 999999]}, "prompt"),
+    ("empty prompt", {"prompt": ""}, "prompt"),
+    ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("logprobs", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("prompt type", {"prompt": {"text": "x"}}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("name,fields,param", BAD_COMPLETION, ids=[c[0] for c in BAD_COMPLETION])
+def test_bad_completion_requests(server: str, name: str, fields: dict[str, Any], param: str) -> None:
+    got, err = _post_raw(server + "/v1/completions", json.dumps({"model": MODEL_ID, **fields}).encode())
+    assert got == 400, (name, err)
+    assert err["error"]["param"] == param, err
+
+
+def test_bad_http(server: str, client: Any) -> None:
+    from openai import BadRequestError, NotFoundError
+
+    status, err = _post_raw(server + "/v1/chat/completions", b'{"model": "tiny", "messages": [')
+    assert status == 400 and err["error"]["code"] == "invalid_json"
+    status, err = _post_raw(server + "/v1/chat/completions", b"[1, 2]")
+    assert status == 400 and err["error"]["type"] == "invalid_request_error"
+    status, err = _post_raw(server + "/v1/chat/completions", b"\xff\xfe garbage")
+    assert status == 400
+    status, err = _post_raw(server + "/v1/nothing", b"{}")
+    assert status == 404 and err["error"]["code"] == "not_found"
+    status, err = _post_raw(server + "/v1/chat/completions", b"", method="GET")
+    assert status == 405 and err["error"]["code"] == "method_not_allowed"
+    with pytest.raises(NotFoundError) as nf:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(BadRequestError) as br:
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], n=3)
+    assert br.value.param == "n"
+    # after all that the server still answers
+    assert _get(server + "/health")["status"] == "ok"
+    ok = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                        extra_body={"mode": "ar"})
+    assert ok.usage.completion_tokens <= 3
+
+
+def test_bad_command_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF garbage")
+    for args in (["serve", "-m", "/nonexistent.gguf"], ["serve", "-m", str(bad)],
+                 ["serve", "-m", str(bad), "--port", "70000"], ["chat", "-m", str(bad), "--threshold", "2"]):
+        done = subprocess.run(cli_command(*args), capture_output=True, text=True, env=child_env(), timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("clover-cpp: error:"), \
+            (args, done.stderr)
