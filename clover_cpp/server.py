@@ -104,6 +104,19 @@ async def _collect(job: Job, pipeline: TextPipeline, request: Request) -> tuple[
     return events, tokens
 
 
+async def _run_to_end(svc: CloverService, prep: Prepared, request: Request, chat: bool
+                      ) -> tuple[Job, TextPipeline, list[Event], list[int]] | None:
+    """Queue a non-streaming request and wait for it; None when the client disconnected (job cancelled)."""
+    job = svc.worker.submit(prep.prompt_ids, prep.params)
+    pipeline = svc.pipeline(prep, chat=chat)
+    try:
+        events, tokens = await _collect(job, pipeline, request)
+    except ClientGone:
+        return None
+    _raise_job_error(job)
+    return job, pipeline, events, tokens
+
+
 def _raise_job_error(job: Job) -> None:
     if job.error is not None:
         exc = job.error
@@ -180,13 +193,10 @@ async def chat_completions(svc: CloverService, req: ChatCompletionRequest, reque
     prep = svc.prepare.chat(req)
     if req.stream:
         return EventSourceResponse(_chat_stream(svc, req, prep), sep="\n", ping=15)
-    job = svc.worker.submit(prep.prompt_ids, prep.params)
-    pipeline = svc.pipeline(prep, chat=True)
-    try:
-        events, tokens = await _collect(job, pipeline, request)
-    except ClientGone:
-        return Response(status_code=499)
-    _raise_job_error(job)
+    done = await _run_to_end(svc, prep, request, chat=True)
+    if done is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    job, pipeline, events, tokens = done
     parsed = collect(events)
     message: dict[str, Any] = {"role": "assistant",
                                "content": parsed.content if parsed.content or not parsed.tool_calls else None}
@@ -249,13 +259,10 @@ async def completions(svc: CloverService, req: CompletionRequest, request: Reque
     prep = svc.prepare.completion(req)
     if req.stream:
         return EventSourceResponse(_completion_stream(svc, req, prep), sep="\n", ping=15)
-    job = svc.worker.submit(prep.prompt_ids, prep.params)
-    pipeline = svc.pipeline(prep, chat=False)
-    try:
-        events, tokens = await _collect(job, pipeline, request)
-    except ClientGone:
-        return Response(status_code=499)
-    _raise_job_error(job)
+    done = await _run_to_end(svc, prep, request, chat=False)
+    if done is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    job, pipeline, events, tokens = done
     text = prep.echo_text + "".join(e.text for e in events if isinstance(e, TextEvent))
     choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
                               "finish_reason": finish_reason(job.stats, pipeline.stopped, False)}
