@@ -322,9 +322,11 @@ def test_quality_trained_demo(tmp_path: Path) -> None:
     Q4_0 1.0e-2; causal top-1 0.98, 0.96, 0.88; bounds about 3x the KL and a few points below the top-1."""
     f16 = clover_convert(REPO_ROOT / "models" / "clover-demo", tmp_path / "demo-f16.gguf", "f16")
     imatrix = write_imatrix(tmp_path / "demo-imatrix.gguf", f16)
-    r = _quality(f16, "demo", ["Q8_0", "Q4_K_M", "Q4_0", "IQ4_XS"], imatrix)
+    r = _quality(f16, "demo", ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS"], imatrix)
     for kind in ("causal", "block"):
         kl = {n: r[n][f"kl_{kind}"] for n in r}
+        for n in r:  # every type of the issue: a bound at Q4_0's level
+            assert kl[n] < 3.5e-2 and r[n][f"top1_{kind}"] >= 0.8, (kind, n, r[n])
         assert kl["Q8_0"] < kl["Q4_K_M"] < kl["Q4_0"], (kind, kl)
         assert kl["Q8_0"] < 1e-3 and kl["Q4_K_M"] < 2e-2 and kl["Q4_0"] < 3.5e-2, (kind, kl)
         assert r["Q8_0"][f"top1_{kind}"] >= 0.95, (kind, r["Q8_0"])
