@@ -37,12 +37,14 @@ def _type_list() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=f"{PROG} IN.gguf [OUT.gguf] TYPE [options]",
         description="Quantize a Clover GGUF (from clover-convert) with llama.cpp's mixes and the Clover rules: "
                     "the Clover tensors, norms, ssm_a, dt, conv, router and shared-expert gate stay F32; "
                     "ssm_alpha/ssm_beta stay at Q8_0 or better.",
         epilog="types:\n" + _type_list())
     parser.add_argument("input", type=Path, metavar="IN.gguf")
-    parser.add_argument("args", nargs="+", metavar="[OUT.gguf] TYPE")
+    parser.add_argument("args", nargs="*", metavar="[OUT.gguf] TYPE",
+                        help="output file (default: IN with the type in its name) and the type, listed below")
     parser.add_argument("--imatrix", type=Path, metavar="FILE", help="importance matrix (clover-cpp imatrix)")
     parser.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
                         help="quantize tensors whose name matches REGEX to TYPE (repeatable; first match wins)")
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace) -> QuantizeOptions:
+    if not args.args:
+        raise BadInput("expected IN.gguf [OUT.gguf] TYPE: the TYPE is missing (see --help for the types)")
     if len(args.args) > 2:
         raise BadInput(f"expected IN.gguf [OUT.gguf] TYPE, got {len(args.args) + 1} positional arguments")
     out = Path(args.args[0]) if len(args.args) == 2 else None

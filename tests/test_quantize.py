@@ -349,6 +349,7 @@ def _assert_clean_failure(done: subprocess.CompletedProcess[str], needle: str, f
 def test_errors(tiny_f16: Path, tiny_quantized: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
     out = str(tmp_path / "out.gguf")
     _assert_clean_failure(_cli(str(tiny_f16), out, "Q4_X"), "unknown quantization type 'Q4_X'", tmp_path)
+    _assert_clean_failure(_cli(str(tiny_f16)), "the TYPE is missing", tmp_path)
     _assert_clean_failure(_cli(str(tiny_f16), out, "IQ4_XS"), "IQ4_XS needs an importance matrix", tmp_path)
     q8 = tiny_quantized["Q8_0"][0]
     _assert_clean_failure(_cli(str(q8), out, "Q4_K_M"), "is already Q8_0", tmp_path)
