@@ -2,13 +2,12 @@
 
     clover-cpp generate -m MODEL.gguf -p TEXT [--mode ar|diffusion|spec] [--block-size B] [--threshold T]
                         [-n N] [--draft-steps S] [--temperature T --top-k K --top-p P --seed S] [--json]
-
-Bad input prints exactly one line (``clover-cpp: error: ...``) and exits with status 2.
     clover-cpp imatrix -m F16.gguf -f CALIB.txt [-o imatrix.gguf] [--chunk-size 512] [--chunks N]
-                       [--block-size B] [--no-masked] [--seed S] [-t N] [-ngl N]
-
+                       [--block-size B] [--no-masked] [--seed S] [-t N] [-ngl N]       (clover_cpp/imatrix.py)
     clover-cpp chat -m MODEL.gguf [--mode M] [--think on|off] [--visual] ...   (clover_cpp/chat.py)
     clover-cpp serve -m MODEL.gguf [--host H] [--port P] ...                   (clover_cpp/server.py)
+
+Bad input prints exactly one line (``clover-cpp: error: ...``) and exits with status 2.
 """
 
 from __future__ import annotations
