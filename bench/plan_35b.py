@@ -83,15 +83,7 @@ def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int]) -> dict[i
     try:
         for b in block_sizes:
             lines: list[str] = []
-            buf = [""]
-
-            def on_log(_level: int, text: str) -> None:
-                buf[0] += text
-                while "\n" in buf[0]:
-                    line, buf[0] = buf[0].split("\n", 1)
-                    lines.append(line)
-
-            with native.log_listener(on_log):
+            with native.log_listener(lambda _level, line: lines.append(line)):
                 # the engine's settings (tools/clover/clover.cpp): n_ubatch = max(B + 1, 512), n_rs_seq = B - 1
                 ctx = native.create_context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=max(b + 1, 512),
                                             n_rs_seq=b - 1, n_threads=2)

@@ -122,16 +122,41 @@ def llama() -> ModuleType:
     return llama_cpp
 
 
+class _LineJoiner:
+    """llama.cpp logs fragments (a line may come in several calls, GGML_LOG_LEVEL_CONT continuing the
+    previous one); this hands whole lines, each with the level of the message it belongs to."""
+
+    def __init__(self, on_line: Callable[[int, str], None]) -> None:
+        self.on_line = on_line
+        self.buf = ""
+        self.level = 0
+
+    def __call__(self, level: int, text: str) -> None:
+        if level != 5:  # GGML_LOG_LEVEL_CONT
+            self.level = level
+        self.buf += text
+        while "\n" in self.buf:
+            line, self.buf = self.buf.split("\n", 1)
+            self.on_line(self.level, line)
+
+    def flush(self) -> None:
+        if self.buf:
+            self.on_line(self.level, self.buf)
+            self.buf = ""
+
+
 @contextmanager
-def log_listener(listener: Callable[[int, str], None]) -> Iterator[None]:
-    """Call ``listener(level, text)`` with every fragment llama.cpp logs inside the ``with`` block
-    (fragments are not always whole lines: join them and split on newlines)."""
+def log_listener(on_line: Callable[[int, str], None]) -> Iterator[None]:
+    """Call ``on_line(level, line)`` with every whole line llama.cpp logs inside the ``with`` block
+    (GGML_LOG_LEVEL_*: 2 info, 3 warn, 4 error); an unterminated last line is delivered at the end."""
     llama()
-    _log_listeners.append(listener)
+    joiner = _LineJoiner(on_line)
+    _log_listeners.append(joiner)
     try:
         yield
     finally:
-        _log_listeners.remove(listener)
+        _log_listeners.remove(joiner)
+        joiner.flush()
 
 
 def recent_log() -> str:

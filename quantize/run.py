@@ -189,33 +189,19 @@ def _imatrix_kv(L: Any, imatrix: Imatrix) -> Any:
     return arr
 
 
-class _LineLog:
-    """Joins llama.cpp's log fragments into lines and hands each line to ``on_line``."""
-
-    def __init__(self, on_line: Callable[[str], None]) -> None:
-        self.on_line = on_line
-        self.buf = ""
-        self.errors: list[str] = []
-        self.level = 0
-
-    def __call__(self, level: int, text: str) -> None:
-        if level != 5:  # GGML_LOG_LEVEL_CONT continues the previous message
-            self.level = level
-        if self.level == 4 or "failed to quantize" in text:  # GGML_LOG_LEVEL_ERROR
-            self.errors.append(text.strip())
-        self.buf += text
-        while "\n" in self.buf:
-            line, self.buf = self.buf.split("\n", 1)
-            self.on_line(line)
-
-
 def _call_quantize(src: Path, dst: Path, params: _Params, on_line: Callable[[str], None]) -> None:
     L = native.llama()
-    log = _LineLog(on_line)
-    with native.log_listener(log):
+    errors: list[str] = []
+
+    def on_log(level: int, line: str) -> None:
+        if level == 4 or "failed to quantize" in line:  # GGML_LOG_LEVEL_ERROR
+            errors.append(line.strip())
+        on_line(line)
+
+    with native.log_listener(on_log):
         rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params.params))
     if rc != 0:
-        reasons = [e for e in log.errors if e] or ["unknown error (see llama.cpp's log)"]
+        reasons = [e for e in errors if e] or ["unknown error (see llama.cpp's log)"]
         raise QuantizeError(f"llama_model_quantize failed on {src}: " + " | ".join(dict.fromkeys(reasons)))
 
 

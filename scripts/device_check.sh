@@ -46,7 +46,7 @@ with native.log_listener(lambda lvl, txt: lines.append(txt)):
     from clover_cpp import Model
     with Model("/tmp/tiny.gguf", n_ctx=256) as m:
         r = m.run(m.tokenize("def f(x):"), mode="diffusion", max_tokens=16)
-print("".join(l for l in lines if re.search(r"offload|CUDA0|using device", l))[:1500])
+print("\n".join(l for l in lines if re.search(r"offload|CUDA0|using device", l))[:1500])
 print("diffusion on GPU:", r.tokens, r.stats.to_dict())
 PY
 timeout "${TEST_LIMIT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_native_clover.py tests/test_engine.py \
