@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader
+
+from .inspect import field_value
 
 SUMS_SUFFIX = ".in_sum2"
 COUNTS_SUFFIX = ".counts"
@@ -26,20 +28,6 @@ class Imatrix:
     chunk_size: int = 0
 
 
-def _strings(reader: GGUFReader, key: str) -> list[str]:
-    f = reader.get_field(key)
-    if f is None:
-        return []
-    if f.types and f.types[0] == GGUFValueType.ARRAY:
-        return [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
-    return [bytes(f.parts[f.data[0]]).decode("utf-8", "replace")]
-
-
-def _int(reader: GGUFReader, key: str) -> int:
-    f = reader.get_field(key)
-    return 0 if f is None else int(f.parts[f.data[0]][0])
-
-
 def load_imatrix(path: Path) -> Imatrix:
     """Read and normalise an imatrix GGUF. Raises ImatrixError naming the file and the field."""
     if not path.is_file():
@@ -49,9 +37,9 @@ def load_imatrix(path: Path) -> Imatrix:
     except (ValueError, OSError, IndexError, KeyError) as exc:
         raise ImatrixError(f"{path}: not a GGUF imatrix file ({' '.join(str(exc).split())}); "
                            "make one with `clover-cpp imatrix`") from None
-    kind = _strings(reader, "general.type")
-    if kind != ["imatrix"]:
-        raise ImatrixError(f"{path}: general.type is {kind[0] if kind else 'missing'!r}, not 'imatrix'")
+    kind = field_value(reader, "general.type")
+    if kind != "imatrix":
+        raise ImatrixError(f"{path}: general.type is {kind if kind is not None else 'missing'!r}, not 'imatrix'")
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
     for t in reader.tensors:
@@ -74,5 +62,6 @@ def load_imatrix(path: Path) -> Imatrix:
         if not np.isfinite(mean).all():
             raise ImatrixError(f"{path}: '{name}{SUMS_SUFFIX}' holds non-finite values")
         entries[name] = mean.reshape(-1)
-    return Imatrix(path, entries, _strings(reader, "imatrix.datasets"), _int(reader, "imatrix.chunk_count"),
-                   _int(reader, "imatrix.chunk_size"))
+    datasets = field_value(reader, "imatrix.datasets")
+    return Imatrix(path, entries, [datasets] if isinstance(datasets, str) else list(datasets or []),
+                   field_value(reader, "imatrix.chunk_count") or 0, field_value(reader, "imatrix.chunk_size") or 0)

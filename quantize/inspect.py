@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader
 
 from .types import is_quantized
 
@@ -43,20 +44,16 @@ class InputModel:
         return sum(t.nbytes for t in self.tensors)
 
 
-def _field_str(reader: GGUFReader, key: str) -> str | None:
+def field_value(reader: GGUFReader, key: str) -> Any:
+    """A key's value as gguf-py decodes it (str, int, float or list), or None when it is missing or is not
+    valid UTF-8 (callers then report the key as missing, by name)."""
     field = reader.get_field(key)
     if field is None:
         return None
-    if field.types[:1] != [GGUFValueType.STRING]:
+    try:
+        return field.contents()
+    except UnicodeDecodeError:
         return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-
-
-def _field_int(reader: GGUFReader, key: str) -> int | None:
-    field = reader.get_field(key)
-    if field is None or not field.types or field.types[0] == GGUFValueType.STRING:
-        return None
-    return int(field.parts[field.data[0]][0])
 
 
 def shard_paths(path: Path) -> tuple[Path, ...]:
@@ -87,15 +84,15 @@ def read_input(path: Path) -> InputModel:
         except (ValueError, OSError, IndexError, KeyError) as exc:
             raise InputError(f"{shard}: not a GGUF file ({' '.join(str(exc).split()) or type(exc).__name__})") from None
         if i == 0:
-            arch = _field_str(reader, "general.architecture")
-            if arch is None:
+            arch = field_value(reader, "general.architecture")
+            if not isinstance(arch, str):
                 raise InputError(f"{shard}: general.architecture is missing: not a llama.cpp model GGUF")
             if arch != ARCH:
                 raise InputError(f"{shard}: general.architecture is '{arch}', not '{ARCH}': "
                                  "clover-quantize only quantizes Clover GGUF files (clover-convert makes them)")
-            if _field_int(reader, "clover.block_size") is None:
+            if field_value(reader, "clover.block_size") is None:
                 raise InputError(f"{shard}: clover.block_size is missing: not a complete Clover GGUF")
-            file_type = _field_int(reader, "general.file_type")
+            file_type = field_value(reader, "general.file_type")
         for t in reader.tensors:
             tensors.append(InputTensor(t.name, tuple(int(d) for d in t.shape), GGMLQuantizationType(t.tensor_type),
                                        int(t.n_bytes)))
