@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # native_support: the logit walk and KL shared with tests/test_quantize.py
+from native_support import causal_and_block_logits, kl_top1  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 WINDOW = 16
 
@@ -32,40 +34,17 @@ def run(*args: str) -> None:
     subprocess.run([sys.executable, "-m", *args], check=True, stdout=subprocess.DEVNULL)
 
 
-def logits(path: Path, docs: list[list[int]], rng_seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Causal logits of every position, and block logits of the masked rows of a window every 32 tokens."""
-    from clover_cpp import native
-
-    model = native.load_model(path)
-    ctx = native.create_context(model, n_ctx=1024, n_ubatch=64, n_batch=512)
-    rng = np.random.default_rng(rng_seed)
-    mask = model.mask_token()
-    causal, block = [], []
-    try:
-        for tokens in docs:
-            ctx.clear()
-            done = 0
-            for p in range(16, len(tokens) - WINDOW, 32):
-                causal.append(ctx.causal(tokens[done:p]))
-                done = p
-                k = int(rng.integers(2, WINDOW + 1))
-                rows = sorted(rng.choice(WINDOW, size=k, replace=False).tolist())
-                window = [mask if j in rows else t for j, t in enumerate(tokens[p:p + WINDOW])]
-                block.append(ctx.block(window, rows=rows))
-            causal.append(ctx.causal(tokens[done:]))
-    finally:
-        ctx.close()
-        model.close()
-    return np.concatenate(causal), np.concatenate(block)
-
-
-def kl_top1(ref: np.ndarray, q: np.ndarray) -> tuple[float, float]:
-    def logsoftmax(x: np.ndarray) -> np.ndarray:
-        x = x.astype(np.float64) - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    lp, lq = logsoftmax(ref), logsoftmax(q)
-    return float((np.exp(lp) * (lp - lq)).sum(-1).mean()), float((ref.argmax(-1) == q.argmax(-1)).mean())
+def eval_windows(docs: list[list[int]], seed: int = 0) -> list[tuple[list[int], list[tuple[int, list[int]]]]]:
+    """A masked window every 32 tokens of each document (2..WINDOW of its rows masked, seeded)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for tokens in docs:
+        windows = []
+        for p in range(16, len(tokens) - WINDOW, 32):
+            k = int(rng.integers(2, WINDOW + 1))
+            windows.append((p, sorted(rng.choice(WINDOW, size=k, replace=False).tolist())))
+        out.append((tokens, windows))
+    return out
 
 
 def main() -> int:
@@ -94,7 +73,8 @@ def main() -> int:
     model = native.load_model(f16)
     docs = [model.tokenize(p.read_text(encoding="utf-8", errors="replace"))[:256] for p in held[:args.eval_docs]]
     model.close()
-    ref_c, ref_b = logits(f16, docs)
+    walks = eval_windows(docs)
+    ref_c, ref_b = causal_and_block_logits(f16, walks, WINDOW)
     rows: dict[str, dict[str, float]] = {}
     for qtype in ("Q4_K_M", "IQ4_XS"):
         for name, imatrix in imatrices.items():
@@ -105,7 +85,7 @@ def main() -> int:
             if imatrix is not None:
                 cmd += ["--imatrix", str(imatrix)]
             run(*cmd)
-            c, b = logits(out, docs)
+            c, b = causal_and_block_logits(out, walks, WINDOW)
             kc, tc = kl_top1(ref_c, c)
             kb, tb = kl_top1(ref_b, b)
             rows[f"{qtype} / {name}"] = {"kl_causal": kc, "top1_causal": tc, "kl_block": kb, "top1_block": tb}

@@ -30,6 +30,16 @@ def require_native() -> None:
         skip_or_fail(f"native runtime unavailable: {reason}")
 
 
+def require_engine() -> None:
+    """require_native, plus libclover (the decoding engine) with every clover.h prototype."""
+    require_native()
+    from clover_cpp import engine
+
+    ok, reason = engine.available()
+    if not ok:
+        skip_or_fail(f"native engine unavailable: {reason}")
+
+
 def skip_or_fail(reason: str) -> None:
     """Fail with CLOVER_REQUIRE_NATIVE=1 (CI), otherwise skip with the reason."""
     if os.environ.get("CLOVER_REQUIRE_NATIVE") == "1":
@@ -151,3 +161,43 @@ def load_in_subprocess(path: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, CLOVER_NATIVE_QUIET="1")
     return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
                           cwd=str(REPO_ROOT), timeout=300)
+
+
+Windows = list[tuple[int, list[int]]]  # (segment boundary p, masked rows of the window starting at p)
+
+
+def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], window: int
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """For each (tokens, windows) document, on a fresh history: the causal logits of every position (the
+    tokens appended segment by segment) and, at each boundary p, the block logits of the masked rows of
+    the window tokens[p:p+window] over the history tokens[:p]. Rows of all documents, concatenated."""
+    from clover_cpp import native
+
+    model = native.load_model(path)
+    ctx = native.create_context(model, n_ctx=1024, n_ubatch=64, n_batch=512)
+    mask = model.mask_token()
+    causal, block = [], []
+    try:
+        for tokens, windows in docs:
+            ctx.clear()
+            done = 0
+            for p, masked in windows:
+                causal.append(ctx.causal(tokens[done:p]))
+                done = p
+                canvas = [mask if j in masked else t for j, t in enumerate(tokens[p:p + window])]
+                block.append(ctx.block(canvas, rows=masked))
+            causal.append(ctx.causal(tokens[done:]))
+        return np.concatenate(causal), np.concatenate(block)
+    finally:
+        ctx.close()
+        model.close()
+
+
+def kl_top1(ref: np.ndarray, q: np.ndarray) -> tuple[float, float]:
+    """Mean KL(softmax(ref) || softmax(q)) over rows, and the share of rows with the same argmax."""
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64) - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(ref), log_softmax(q)
+    return float((np.exp(lp) * (lp - lq)).sum(-1).mean()), float((ref.argmax(-1) == q.argmax(-1)).mean())

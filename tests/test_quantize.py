@@ -16,7 +16,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 
-from native_support import REPO_ROOT, VENV_PYTHON, clover_convert, dump_results, record, require_native
+from native_support import (REPO_ROOT, VENV_PYTHON, causal_and_block_logits, clover_convert, dump_results, kl_top1,
+                            record, require_native)
 
 from clover_quantize.run import QuantizeOptions, default_output, plan_quantization, quantize
 from clover_quantize.inspect import read_input
@@ -217,45 +218,7 @@ def mid_f16(mid_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return clover_convert(mid_checkpoint, tmp_path_factory.mktemp("q-mid") / "mid-f16.gguf", "f16")
 
 
-def _logits(path: Path, tokens: list[int], windows: list[tuple[int, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
-    """Causal logits of every position of ``tokens`` (appended segment by segment), and the block logits
-    of the masked rows of a window at each segment boundary p (history = tokens[:p], window = the next
-    WINDOW tokens with the given rows masked), in one walk over the sequence."""
-    from clover_cpp import native
-
-    model = native.load_model(path)
-    ctx = native.create_context(model, n_ctx=512, n_ubatch=64, n_batch=512)
-    try:
-        mask = model.mask_token()
-        causal, block = [], []
-        done = 0
-        for p, masked in windows:
-            causal.append(ctx.causal(tokens[done:p]))
-            done = p
-            window = list(tokens[p:p + WINDOW])
-            for j in masked:
-                window[j] = mask
-            block.append(ctx.block(window, rows=masked))
-        causal.append(ctx.causal(tokens[done:]))
-        return np.concatenate(causal), np.concatenate(block)
-    finally:
-        ctx.close()
-        model.close()
-
-
 WINDOW = 16
-
-
-def _kl_top1(ref: np.ndarray, q: np.ndarray) -> tuple[float, float]:
-    ref = ref.astype(np.float64)
-    q = q.astype(np.float64)
-    lp = ref - ref.max(-1, keepdims=True)
-    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-    lq = q - q.max(-1, keepdims=True)
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    kl = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
-    top1 = float((ref.argmax(-1) == q.argmax(-1)).mean())
-    return kl, top1
 
 
 def _quality(f16: Path, tag: str, types: list[str], imatrix: Path | None) -> dict[str, dict[str, float]]:
@@ -270,16 +233,16 @@ def _quality(f16: Path, tag: str, types: list[str], imatrix: Path | None) -> dic
     for p in (16, 48, 80, 112):
         k = int(rng.integers(4, WINDOW + 1))
         windows.append((p, sorted(rng.choice(WINDOW, size=k, replace=False).tolist())))
-    ref_c, ref_b = _logits(f16, tokens, windows)
+    ref_c, ref_b = causal_and_block_logits(f16, [(tokens, windows)], WINDOW)
     results: dict[str, dict[str, float]] = {}
     for name in types:
         ft = file_type(name)
         out = f16.with_name(f"{tag}-{name}.gguf")
         quantize(QuantizeOptions(input=f16, file_type=ft, output=out, progress=False,
                                  imatrix=imatrix if ft.needs_imatrix else None))
-        c, b = _logits(out, tokens, windows)
-        kc, tc = _kl_top1(ref_c, c)
-        kb, tb = _kl_top1(ref_b, b)
+        c, b = causal_and_block_logits(out, [(tokens, windows)], WINDOW)
+        kc, tc = kl_top1(ref_c, c)
+        kb, tb = kl_top1(ref_b, b)
         results[name] = {"kl_causal": kc, "top1_causal": tc, "kl_block": kb, "top1_block": tb,
                          "rows_causal": len(ref_c), "rows_block": len(ref_b)}
         out.unlink()
