@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from native_support import require_native, skip_or_fail
-
 from clover_cpp.output_parser import ParsedOutput, opens_reasoning, parse_output
 from clover_ref.tokenizer import load_tokenizer, render_chat
 
@@ -91,12 +89,3 @@ def child_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
-
-def require_engine() -> None:
-    """Skip without the native engine (fail with CLOVER_REQUIRE_NATIVE=1), as tests/test_engine.py does."""
-    require_native()
-    from clover_cpp import engine
-
-    ok, reason = engine.available()
-    if not ok:
-        skip_or_fail(f"native engine unavailable: {reason}")

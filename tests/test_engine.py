@@ -18,19 +18,10 @@ import numpy as np
 import pytest
 
 from engine_support import REF_TOL, Ledger, reference_run
-from native_support import REPO_ROOT, clover_convert, dump_results, record, require_native, skip_or_fail
+from native_support import REPO_ROOT, clover_convert, dump_results, record, require_engine
 
 MODES = ("ar", "diffusion", "spec")
 LEDGER = Ledger()
-
-
-def require_engine() -> None:
-    require_native()
-    from clover_cpp import engine
-
-    ok, reason = engine.available()
-    if not ok:
-        skip_or_fail(f"native engine unavailable: {reason}")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from native_support import clover_convert, dump_results, record, require_native, skip_or_fail
+from native_support import clover_convert, dump_results, record, require_engine
 
 CHUNK = 100  # not a multiple of B = 8: every chunk ends with a 4-token window
 SEED = 3
@@ -60,12 +60,8 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    require_native()
-    from clover_cpp import engine, native
-
-    ok, reason = engine.available()
-    if not ok:
-        skip_or_fail(f"native engine unavailable: {reason}")
+    require_engine()
+    from clover_cpp import native
     d = tmp_path_factory.mktemp("imatrix")
     gguf = clover_convert(tiny_checkpoint, d / "tiny-f32.gguf", "f32")
     calib = d / "calib.txt"

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from chat_support import Reference, child_env, cli_command, require_engine
+from chat_support import Reference, child_env, cli_command
 from clover_cpp.output_parser import (OutputParser, TextEvent, ToolCallEvent, collect, opens_reasoning,
                                       parse_output, parse_tool_call)
 from clover_cpp.text_stream import Detokenizer, StopMatcher
-from native_support import clover_convert
+from native_support import clover_convert, require_engine
 
 MODEL_ID = "tiny"
 THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
