@@ -121,10 +121,22 @@ def _check(args: argparse.Namespace) -> None:
         raise BadInput(f"--draft-steps must be >= 0, got {args.draft_steps}")
     if args.temperature < 0:
         raise BadInput(f"--temperature must be >= 0, got {args.temperature}")
+    _check_top(args)
+
+
+def _check_top(args: argparse.Namespace) -> None:
+    """--top-p and --top-k (generate and chat)."""
     if not 0.0 < args.top_p <= 1.0:
         raise BadInput(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise BadInput(f"--top-k must be >= 0, got {args.top_k}")
+
+
+def _at_least(*checks: tuple[str, int | None, int]) -> None:
+    """(flag, value, lowest allowed) triples; a None value is an option left at its default."""
+    for flag, value, low in checks:
+        if value is not None and value < low:
+            raise BadInput(f"{flag} must be at least {low}, got {value}")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -173,11 +185,9 @@ def run_imatrix(args: argparse.Namespace) -> int:
     from . import engine, native
     from .imatrix import collect
 
-    for flag, value, low in (("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
-                             ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
-                             ("-ngl/--n-gpu-layers", args.n_gpu_layers, -1), ("--seed", args.seed, 0)):
-        if value is not None and value < low:
-            raise BadInput(f"{flag} must be at least {low}, got {value}")
+    _at_least(("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
+              ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
+              ("-ngl/--n-gpu-layers", args.n_gpu_layers, -1), ("--seed", args.seed, 0))
     for flag, path in (("-m/--model", args.model), ("-f/--file", args.file)):
         if not os.path.isfile(path):
             raise BadInput(f"{path}: no such file ({flag})")
@@ -220,10 +230,8 @@ def _check_engine_args(args: argparse.Namespace) -> None:
     """Checks for _add_engine_args (chat and serve)."""
     if not os.path.isfile(args.model):
         raise BadInput(f"{args.model}: no such file")
-    for flag, value, low in (("-c/--ctx-size", args.ctx_size, 0), ("--max-block-size", args.max_block_size, 0),
-                             ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0)):
-        if value is not None and value < low:
-            raise BadInput(f"{flag} must be at least {low}, got {value}")
+    _at_least(("-c/--ctx-size", args.ctx_size, 0), ("--max-block-size", args.max_block_size, 0),
+              ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0))
     if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
         raise BadInput(f"--threshold must be in [0, 1], got {args.threshold}")
     if args.temperature < 0:
@@ -235,12 +243,8 @@ def _check_engine_args(args: argparse.Namespace) -> None:
 def run_chat_command(args: argparse.Namespace) -> int:
     """The interactive chat (clover_cpp/chat.py)."""
     _check_engine_args(args)
-    if args.max_tokens < 1:
-        raise BadInput(f"-n/--max-tokens must be at least 1, got {args.max_tokens}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise BadInput(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise BadInput(f"--top-k must be >= 0, got {args.top_k}")
+    _at_least(("-n/--max-tokens", args.max_tokens, 1))
+    _check_top(args)
     from .chat import run_chat
 
     return run_chat(args)
