@@ -1,11 +1,17 @@
 """Train a small Clover on Python standard-library sources: the shipped demo model.
 
 Joint objective, as the spec's two modes: the causal next-token loss over every position, plus the
-block-diffusion loss of a window [p, p+B) on top of the AR-computed history [0, p), with its inputs
+block-diffusion loss of windows [p, p+B) on top of the AR-computed history [0, p), their inputs
 c_{p+1} .. c_{p+B-1} masked at a random ratio. The block loss counts the targets whose input was masked
-and the last target p+B (never an input).
+and the last target p+B (never an input). Windows start at every multiple of max(8, B) of every
+sequence, so the block loss sees about as many targets as the causal loss (``windowed.py`` computes
+them in one batch).
 
-    python -m clover_ref.train OUT_DIR [--steps N] [--minutes M] [--seed S]
+From 30 % of the steps on, the block loss also runs over the model's own greedy continuations of
+corpus prompts (self-distillation, ``SelfGeneratedPool``): block mode learns to emit in parallel what
+causal mode would emit one token at a time. The causal mode never trains on those continuations.
+
+    python -m clover_ref.train OUT_DIR [--steps N] [--minutes M] [--seed S] [--self-distill-from F]
 
 Corpus: the .py files of the running CPython's standard library (Python Software Foundation License),
 in sorted order; every 50th file is held out for evaluation.
@@ -27,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .batched import block_logits, causal_with_history
+from .windowed import CHUNK, block_logits_at, causal_with_window_states, greedy_continue
 from .checkpoint import save_model
 from .config import CloverConfig
 from .factory import random_model
@@ -37,12 +43,21 @@ DEMO_MODEL = dict(
     hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-    vocab_size=3072, max_position_embeddings=4096, block_size=8, confidence_threshold=0.9,
+    vocab_size=3072, max_position_embeddings=4096, block_size=16, confidence_threshold=0.9,
     calibrated_block_sizes=[8, 16, 32], calibrated_thresholds=[0.9, 0.9, 0.9],
     rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]},
     rms_norm_eps=1e-6,
 )
 TRAIN_BLOCK_SIZES = (4, 8, 16, 32)
+# Self-distillation (see SelfGeneratedPool): from this fraction of the steps on, every step adds the block
+# loss of DISTILL_BATCH pool sequences; the pool (POOL_SEQUENCES corpus prompts of POOL_PROMPT tokens, each
+# continued greedily by POOL_CONTINUATION tokens) is regenerated every POOL_REFRESH steps.
+SELF_DISTILL_FROM = 0.25
+DISTILL_BATCH = 12
+POOL_SEQUENCES = 128
+POOL_PROMPT = 64
+POOL_CONTINUATION = 64
+POOL_REFRESH = 50
 HELD_OUT_EVERY = 50
 
 
@@ -82,22 +97,70 @@ def sample_batch(stream: np.ndarray, batch: int, length: int, rng: np.random.Gen
     return torch.as_tensor(np.stack([stream[s: s + length] for s in starts]))
 
 
-def joint_loss(model, ids: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(causal loss, block-diffusion loss) for a batch of sequences [N, T]."""
+def window_starts(length: int, block: int, first: int = CHUNK) -> list[int]:
+    """Window starts p on the chunk grid from `first`, spaced by at least B, every target p+1 .. p+B in range."""
+    stride = CHUNK * math.ceil(block / CHUNK)
+    return list(range(first, length - block, stride))
+
+
+def pick_block_size(length: int, first: int, rng: np.random.Generator) -> int:
+    """A training block size B for this step, among those with at least one window in the sequence."""
+    sizes = [b for b in TRAIN_BLOCK_SIZES if window_starts(length, b, first)]
+    if not sizes:
+        raise ValueError(f"sequences of {length} tokens leave no room for a block window after position {first}")
+    return int(rng.choice(sizes))
+
+
+def block_loss(model, ids: torch.Tensor, histories, block: int, first: int, rng: np.random.Generator) -> torch.Tensor:
+    """Block-diffusion loss of a window of B at every start window_starts(T, B, first) of every sequence,
+    each over its own AR history, inputs c_{p+1} .. c_{p+B-1} masked at a random ratio per window. It
+    counts the targets whose input was masked and the last target p+B (never an input)."""
     n, t = ids.shape
-    b = int(rng.choice(TRAIN_BLOCK_SIZES))
-    p = int(rng.integers(1, t - b))  # seed position; targets p+1 .. p+b
-    logits, histories = causal_with_history(model, ids, split=p)
-    causal = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    ratio = torch.as_tensor(rng.uniform(0.05, 1.0, size=(n, 1)), dtype=torch.float32)
-    masked = torch.rand(n, b - 1, generator=torch.Generator().manual_seed(int(rng.integers(1 << 31)))) < ratio
-    window = ids[:, p: p + b].clone()
+    starts_per_row = window_starts(t, block, first)
+    rows = torch.arange(n, device=ids.device).repeat_interleave(len(starts_per_row))
+    starts = torch.as_tensor(starts_per_row, device=ids.device).repeat(n)
+    w = len(rows)
+    offsets = starts[:, None] + torch.arange(block, device=ids.device)[None, :]
+    window = ids[rows[:, None], offsets].clone()
+    targets = ids[rows[:, None], offsets + 1]
+    ratio = rng.uniform(0.05, 1.0, size=(w, 1))
+    masked = torch.as_tensor(rng.random((w, block - 1)) < ratio, device=ids.device)
     window[:, 1:][masked] = model.config.mask_token_id
-    targets = ids[:, p + 1: p + b + 1]
-    counted = torch.cat((masked, torch.ones(n, 1, dtype=torch.bool)), dim=1)  # the last target is never an input
-    block = block_logits(model, window, histories)
-    diffusion = F.cross_entropy(block[counted], targets[counted])
-    return causal, diffusion
+    counted = torch.cat((masked, torch.ones(w, 1, dtype=torch.bool, device=ids.device)), dim=1)
+    logits = block_logits_at(model, window, rows, starts, histories)
+    return F.cross_entropy(logits[counted], targets[counted])
+
+
+def joint_loss(model, ids: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(causal loss, block-diffusion loss) for a batch of corpus sequences [N, T]; the block loss covers
+    about as many targets as the causal one."""
+    logits, histories = causal_with_window_states(model, ids)
+    causal = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return causal, block_loss(model, ids, histories, pick_block_size(ids.shape[1], CHUNK, rng), CHUNK, rng)
+
+
+class SelfGeneratedPool:
+    """Corpus prompts continued by the model's own greedy causal decoding, refreshed as training goes.
+
+    Block windows over these continuations teach block mode to produce in parallel what ``ar`` would
+    produce one token at a time: the tokens LowConfidence decoding and spec drafts are judged against.
+    """
+
+    def __init__(self, sequences: int, prompt: int, continuation: int) -> None:
+        self.sequences, self.prompt, self.continuation = sequences, prompt, continuation
+        self.ids: torch.Tensor | None = None
+
+    def refresh(self, model, stream: np.ndarray, rng: np.random.Generator) -> None:
+        prompts = sample_batch(stream, self.sequences, self.prompt, rng)
+        banned = [model.config.mask_token_id]
+        self.ids = torch.cat((prompts, greedy_continue(model, prompts, self.continuation, banned)), dim=1)
+
+    def loss(self, model, batch: int, rng: np.random.Generator) -> torch.Tensor:
+        pick = torch.as_tensor(rng.choice(self.sequences, size=batch, replace=False))
+        ids = self.ids[pick]
+        with torch.no_grad():  # the causal mode keeps learning the corpus, not its own output
+            _, histories = causal_with_window_states(model, ids)
+        return block_loss(model, ids, histories, pick_block_size(ids.shape[1], self.prompt, rng), self.prompt, rng)
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> float:
@@ -107,7 +170,8 @@ def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> floa
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, length: int, lr: float) -> dict:
+def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, length: int, lr: float,
+          self_distill_from: float = SELF_DISTILL_FROM) -> dict:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     train_files, held_files = corpus_files()
@@ -123,6 +187,8 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, leng
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "train_log.jsonl"
+    pool = SelfGeneratedPool(POOL_SEQUENCES, POOL_PROMPT, POOL_CONTINUATION)
+    distill_start = int(self_distill_from * steps) if self_distill_from < 1 else steps
     start = time.perf_counter()
     history = []
     with log_path.open("w") as log, tqdm(total=steps, desc="train", file=sys.stderr) as bar:
@@ -132,6 +198,12 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, leng
             ids = sample_batch(stream, batch, length, rng)
             causal, diffusion = joint_loss(model, ids, rng)
             loss = causal + diffusion
+            self_block = None
+            if step >= distill_start:
+                if (step - distill_start) % POOL_REFRESH == 0:
+                    pool.refresh(model, stream, rng)
+                self_block = pool.loss(model, DISTILL_BATCH, rng)
+                loss = loss + self_block
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -139,6 +211,8 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, leng
             elapsed = time.perf_counter() - start
             record = {"step": step, "seconds": round(elapsed, 1), "causal_loss": round(causal.item(), 4),
                       "block_loss": round(diffusion.item(), 4), "lr": optimizer.param_groups[0]["lr"]}
+            if self_block is not None:
+                record["self_block_loss"] = round(self_block.item(), 4)
             history.append(record)
             if step % 25 == 0 or step == steps - 1:
                 log.write(json.dumps(record) + "\n")
@@ -152,6 +226,7 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, leng
     copy_tokenizer(out_dir)
     summary = {"steps": len(history), "seconds": round(time.perf_counter() - start, 1), "seed": seed,
                "batch": batch, "length": length, "peak_lr": lr, "train_tokens": int(len(stream)),
+               "self_distill_from_step": distill_start,
                "held_out_files": len(held_files), "final": history[-1]}
     (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -160,14 +235,18 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, leng
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=2300)
     parser.add_argument("--minutes", type=float, default=30.0, help="stop early once this much time has passed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=6e-3)
+    parser.add_argument("--self-distill-from", type=float, default=SELF_DISTILL_FROM,
+                        help="fraction of the steps after which block mode also trains on the model's own greedy "
+                             "continuations (1 turns it off)")
     args = parser.parse_args(argv)
-    summary = train(args.out_dir, args.steps, args.minutes, args.seed, args.batch, args.length, args.lr)
+    summary = train(args.out_dir, args.steps, args.minutes, args.seed, args.batch, args.length, args.lr,
+                    args.self_distill_from)
     print(json.dumps(summary, indent=2))
     return 0
 
