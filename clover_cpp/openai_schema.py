@@ -179,26 +179,29 @@ def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return out
 
 
+def _stream_chunk(obj: str, cid: str, created: int, model: str, content: dict[str, Any] | None,
+                  finish: str | None, extra_choice: dict[str, Any] | None,
+                  usage_block: dict[str, Any] | None) -> dict[str, Any]:
+    """One streamed chunk; ``content=None`` makes the usage-only chunk (empty choices)."""
+    choices = [] if content is None else [{"index": 0, **content, "logprobs": None, "finish_reason": finish,
+                                           **(extra_choice or {})}]
+    out: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage_block is not None:
+        out["usage"] = usage_block
+    return out
+
+
 def chat_chunk(cid: str, created: int, model: str, delta: dict[str, Any] | None,
                finish: str | None = None, extra_choice: dict[str, Any] | None = None,
                usage_block: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (empty choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
-                                         **(extra_choice or {})}]
-    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": choices}
-    if usage_block is not None:
-        out["usage"] = usage_block
-    return out
+    content = None if delta is None else {"delta": delta}
+    return _stream_chunk("chat.completion.chunk", cid, created, model, content, finish, extra_choice, usage_block)
 
 
 def completion_chunk(cid: str, created: int, model: str, text: str | None, finish: str | None = None,
                      extra_choice: dict[str, Any] | None = None,
                      usage_block: dict[str, Any] | None = None) -> dict[str, Any]:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                                        **(extra_choice or {})}]
-    out: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                           "choices": choices}
-    if usage_block is not None:
-        out["usage"] = usage_block
-    return out
+    """A ``text_completion`` chunk; ``text=None`` makes the usage-only chunk (empty choices)."""
+    content = None if text is None else {"text": text}
+    return _stream_chunk("text_completion", cid, created, model, content, finish, extra_choice, usage_block)

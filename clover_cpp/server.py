@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,19 @@ async def _watch_disconnect(job: Job, request: Request) -> bool:
     return False
 
 
+async def _event_batches(job: Job, pipeline: TextPipeline, tokens: list[int]) -> AsyncIterator[list[Event]]:
+    """The pipeline's events for each generated block, then its final flush. Appends every generated token
+    to ``tokens``; once the pipeline has stopped (a stop sequence), cancels the job and waits for it."""
+    while (block := await job.next_block()) is not None:
+        tokens += block
+        yield pipeline.feed(block)
+        if pipeline.stopped:
+            job.cancel()
+            await job.wait()
+            break
+    yield pipeline.finish()
+
+
 async def _collect(job: Job, pipeline: TextPipeline, request: Request) -> tuple[list[Event], list[int]]:
     """Run a job to its end for a non-streaming answer: all events and all generated tokens. Raises
     ClientGone when the client disconnected meanwhile (the job is cancelled then)."""
@@ -87,14 +100,9 @@ async def _collect(job: Job, pipeline: TextPipeline, request: Request) -> tuple[
     tokens: list[int] = []
     watcher = asyncio.ensure_future(_watch_disconnect(job, request))
     try:
-        while (block := await job.next_block()) is not None:
-            tokens += block
-            events += pipeline.feed(block)
-            if pipeline.stopped:
-                job.cancel()
-                await job.wait()
-                break
-        events += pipeline.finish()
+        async with aclosing(_event_batches(job, pipeline, tokens)) as batches:
+            async for batch in batches:
+                events += batch
     finally:
         job.cancel()
         if not watcher.done():
@@ -167,16 +175,10 @@ async def _chat_stream(svc: CloverService, req: ChatCompletionRequest, prep: Pre
     try:
         first = {"prompt_token_ids": prep.prompt_ids} if req.return_token_ids else None
         yield chunk({"role": "assistant", "content": ""}, extra=first)
-        while (block := await job.next_block()) is not None:
-            tokens += block
-            for c in deltas(pipeline.feed(block)):
-                yield c
-            if pipeline.stopped:
-                job.cancel()
-                await job.wait()
-                break
-        for c in deltas(pipeline.finish()):
-            yield c
+        async with aclosing(_event_batches(job, pipeline, tokens)) as batches:
+            async for batch in batches:
+                for c in deltas(batch):
+                    yield c
         if job.error is not None:
             yield _sse(_job_error_body(job))
             return
@@ -231,18 +233,11 @@ async def _completion_stream(svc: CloverService, req: CompletionRequest, prep: P
     try:
         if prep.echo_text:
             yield chunk(prep.echo_text)
-        while (block := await job.next_block()) is not None:
-            tokens += block
-            for ev in pipeline.feed(block):
-                assert isinstance(ev, TextEvent)
-                yield chunk(ev.text)
-            if pipeline.stopped:
-                job.cancel()
-                await job.wait()
-                break
-        for ev in pipeline.finish():
-            assert isinstance(ev, TextEvent)
-            yield chunk(ev.text)
+        async with aclosing(_event_batches(job, pipeline, tokens)) as batches:
+            async for batch in batches:
+                for ev in batch:
+                    assert isinstance(ev, TextEvent)
+                    yield chunk(ev.text)
         if job.error is not None:
             yield _sse(_job_error_body(job))
             return
