@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ def _lib() -> ctypes.CDLL:
     return handle
 
 
-class Collector:
+class Collector(native.NativeHandle):
     """The native importance-matrix collector; ``eval_callback`` goes to ``native.Context``."""
 
     def __init__(self) -> None:
@@ -95,16 +96,8 @@ class Collector:
         if rc != 0:
             raise NativeError(f"cannot write the importance matrix {path}: {err.value.decode('utf-8', 'replace')}")
 
-    def close(self) -> None:
-        if getattr(self, "ptr", None):
-            self._lib.clover_imatrix_free(self.ptr)
-            self.ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+    def _free(self, ptr: Any) -> None:
+        self._lib.clover_imatrix_free(ptr)
 
 
 def masked_window(segment: Sequence[int], mask_id: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:

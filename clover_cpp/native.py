@@ -164,7 +164,27 @@ def recent_log() -> str:
     return "".join(_log_lines)
 
 
-class Model:
+class NativeHandle:
+    """Owns one native pointer, ``ptr``: ``close()`` frees it once, and so does garbage collection."""
+
+    ptr: Any = None
+
+    def _free(self, ptr: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.ptr:
+            self._free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class Model(NativeHandle):
     """A loaded GGUF model (CPU unless n_gpu_layers / $CLOVER_N_GPU_LAYERS offloads layers)."""
 
     def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None) -> None:
@@ -196,19 +216,11 @@ class Model:
     def mask_token(self) -> int:
         return int(llama().llama_vocab_mask(self.vocab))
 
-    def close(self) -> None:
-        if getattr(self, "ptr", None):
-            llama().llama_model_free(self.ptr)
-            self.ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+    def _free(self, ptr: Any) -> None:
+        llama().llama_model_free(ptr)
 
 
-class Context:
+class Context(NativeHandle):
     """A context on ``Model`` with two sequences (0 = history, 1 = scratch) and a unified KV cache."""
 
     def __init__(self, model: Model, n_ctx: int = 1024, n_batch: int = 512, n_ubatch: int = 64,
@@ -305,16 +317,8 @@ class Context:
     def clear(self) -> None:
         llama().llama_memory_clear(self.mem, True)
 
-    def close(self) -> None:
-        if getattr(self, "ptr", None):
-            llama().llama_free(self.ptr)
-            self.ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
+    def _free(self, ptr: Any) -> None:
+        llama().llama_free(ptr)
 
 
 def load_model(path: str | os.PathLike[str]) -> Model:
