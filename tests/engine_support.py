@@ -13,6 +13,8 @@ of d moves ln(conf) by at most 2d, and since confidences are below 1 this is str
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,29 +39,72 @@ class StepTrace:
     scale: float                                # max(1, max|logit|) of the step's rows
 
 
+@dataclass
+class DraftTrace:
+    drafts: list[int]       # d_{p+1} .. d_{p+B} of one spec round
+    gaps: list[float]       # top-2 logit gap of each argmax draft (inf where draft_steps filled it)
+    scale: float            # max(1, max|logit|) of the draft pass
+
+
 class TracingSession(Session):
-    """The reference ``Session`` that also records every LowConfidence step (canvas and margins)."""
+    """The reference ``Session`` that also records every LowConfidence step (canvas and margins) and
+    every spec draft (drafts and their top-2 gaps)."""
 
     def __init__(self, model: Any, n_ctx: int | None = None) -> None:
         super().__init__(model, n_ctx)
         self.trace: list[StepTrace] = []
+        self.drafts: list[DraftTrace] = []
 
-    def _step(self, canvas: list[int | None], run: Any) -> None:
-        masked = [j for j, token in enumerate(canvas) if token is None]
-        captured: dict[str, torch.Tensor] = {}
+    @contextmanager
+    def _capturing(self) -> Iterator[list[torch.Tensor]]:
+        """Collect the logits of every block pass the model runs inside the body, in order."""
+        calls: list[torch.Tensor] = []
+        shadowed = vars(self.model).get("forward_block")  # an enclosing capture's wrapper, if any
         original = self.model.forward_block
 
         def forward_block(*args: Any, **kwargs: Any) -> torch.Tensor:
             out = original(*args, **kwargs)
-            captured["logits"] = out
+            calls.append(out)
             return out
 
-        self.model.forward_block = forward_block  # instance attribute, removed below
+        self.model.forward_block = forward_block  # an instance attribute over the method, undone below
         try:
-            super()._step(canvas, run)
+            yield calls
         finally:
-            del self.model.forward_block
-        logits = captured["logits"]
+            if shadowed is None:
+                del self.model.forward_block
+            else:
+                self.model.forward_block = shadowed
+
+    def _draft(self, width: int, run: Any) -> list[int]:
+        steps_before = len(self.trace)
+        with self._capturing() as calls:
+            drafts = super()._draft(width, run)
+        gaps: list[float] = []
+        scale = 1.0
+        if len(calls) > len(self.trace) - steps_before:  # the argmax pass over what draft_steps left masked
+            logits = calls[-1]
+            gaps = [float(v[0] - v[1]) for v in (torch.topk(run.sampler.masked_logits(row), 2).values
+                                                 for row in logits)]
+            scale = max(1.0, float(logits.abs().max()))
+        masked_rows = iter(gaps)
+        filled_by_steps = self._filled_by_steps(width, len(gaps))
+        self.drafts.append(DraftTrace(drafts, [math.inf if j in filled_by_steps else next(masked_rows)
+                                               for j in range(width)], scale))
+        return drafts
+
+    def _filled_by_steps(self, width: int, still_masked: int) -> set[int]:
+        """Targets of the last draft that its LowConfidence steps filled (none without draft_steps)."""
+        if still_masked == width or not self.trace:
+            return set()
+        canvas = self.trace[-1].canvas[:width]
+        return {j for j, t in enumerate(canvas) if t != self.config.mask_token_id}
+
+    def _step(self, canvas: list[int | None], run: Any) -> None:
+        masked = [j for j, token in enumerate(canvas) if token is None]
+        with self._capturing() as calls:
+            super()._step(canvas, run)
+        logits = calls[-1]
         targets = {}
         threshold = float(run.threshold)
         fallback = True
@@ -145,6 +190,20 @@ class Ledger:
         i = next((k for k, (a, b) in enumerate(zip(native, ref)) if a != b), min(len(native), len(ref)))
         gap, tol = causal_gap(model, context + ref[:i], banned)
         self._tie(name, f"token {i}", gap, tol, native, ref)
+
+    def check_rounds(self, name: str, native: list[int], ref: list[int], drafts: list[DraftTrace]) -> None:
+        """Spec rounds with equal output may still accept different lengths: a draft that is a near-tie of
+        the reference's draft pass can go either way without changing a token. At the first round whose
+        emitted length differs, some draft the acceptance compared must have been a near-tie."""
+        if native == ref:
+            return
+        k = next((k for k, (a, b) in enumerate(zip(native, ref)) if a != b), min(len(native), len(ref)))
+        if k >= len(drafts):
+            raise AssertionError(f"{name}: native rounds {native} and reference rounds {ref} differ after the "
+                                 f"reference's last round")
+        compared = max(native[k] if k < len(native) else 0, ref[k])  # drafts d_{p+1} .. d_{p+m} decided it
+        round_ = drafts[k]
+        self._tie(name, f"round {k}", min(round_.gaps[:compared]), REF_TOL * round_.scale, native, ref)
 
     def _tie(self, name: str, where: str, margin: float, tol: float, native: list[int], ref: list[int]) -> None:
         record = {"case": name, "at": where, "margin": margin, "tol": tol}

@@ -51,10 +51,12 @@ class Engine:
         return Model(self.gguf, n_ctx=1024, max_block_size=32)
 
     def run(self, prompt: list[int], mode: str, **opts: Any) -> tuple[list[int], Any, list[list[int]]]:
-        """Native run on a fresh history; (tokens, stats, canvases from on_step)."""
+        """Native run on a fresh history; (tokens, stats, canvases from on_step). The emitted blocks (one
+        per spec round) are kept in ``last_blocks``."""
         canvases: list[list[int]] = []
+        self.last_blocks: list[list[int]] = []
         self.model.reset()
-        r = self.model.run(prompt, mode=mode, on_step=canvases.append, **opts)
+        r = self.model.run(prompt, mode=mode, on_step=canvases.append, on_tokens=self.last_blocks.append, **opts)
         return r.tokens, r.stats, canvases
 
 
@@ -107,12 +109,16 @@ def _compare_case(e: Engine, name: str, prompt: list[int], mode: str, opts: dict
         found = _mid_block_stop(pre.tokens, block)
         assert found is not None, f"{name}: no token inside a block to stop on"
         opts["stop_ids"] = [found[0]]
-    (want,), session = reference_run(e.ref, [(prompt, _ref_opts(opts | {"mode": mode}))])
+    ref_blocks: list[list[int]] = []
+    (want,), session = reference_run(e.ref, [(prompt, _ref_opts(opts | {"mode": mode}) | {"on_block": ref_blocks.append})])
     got, stats, canvases = e.run(prompt, mode, **opts)
     diffusion = mode == "diffusion"
     before = len(LEDGER.near_ties)
     LEDGER.check(f"{e.name}/{name}/{mode}", got, want.tokens, e.ref, prompt, opts.get("banned_ids"),
                  canvases if diffusion else None, session.trace if diffusion else None)
+    if mode == "spec" and len(LEDGER.near_ties) == before:  # equal tokens; are the rounds equal too?
+        LEDGER.check_rounds(f"{e.name}/{name}/{mode}", [len(b) for b in e.last_blocks],
+                            [len(b) for b in ref_blocks], session.drafts)
     exact = len(LEDGER.near_ties) == before
     # invariants from the stats
     hist = stats.steps_per_block
