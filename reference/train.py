@@ -7,9 +7,11 @@ and the last target p+B (never an input). Windows start at every multiple of max
 sequence, so the block loss sees about as many targets as the causal loss (``windowed.py`` computes
 them in one batch).
 
-From 30 % of the steps on, the block loss also runs over the model's own greedy continuations of
+From 25 % of the steps on, the block loss also runs over the model's own greedy continuations of
 corpus prompts (self-distillation, ``SelfGeneratedPool``): block mode learns to emit in parallel what
-causal mode would emit one token at a time. The causal mode never trains on those continuations.
+causal mode would emit one token at a time. Half of those windows mask a suffix after a filled prefix,
+the state LowConfidence decoding is in for half of its passes. The causal mode never trains on those
+continuations.
 
     python -m clover_ref.train OUT_DIR [--steps N] [--minutes M] [--seed S] [--self-distill-from F]
 
@@ -43,7 +45,7 @@ DEMO_MODEL = dict(
     hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-    vocab_size=3072, max_position_embeddings=4096, block_size=16, confidence_threshold=0.9,
+    vocab_size=3072, max_position_embeddings=4096, block_size=32, confidence_threshold=0.9,
     calibrated_block_sizes=[8, 16, 32], calibrated_thresholds=[0.9, 0.9, 0.9],
     rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]},
     rms_norm_eps=1e-6,
@@ -53,11 +55,13 @@ TRAIN_BLOCK_SIZES = (4, 8, 16, 32)
 # loss of DISTILL_BATCH pool sequences; the pool (POOL_SEQUENCES corpus prompts of POOL_PROMPT tokens, each
 # continued greedily by POOL_CONTINUATION tokens) is regenerated every POOL_REFRESH steps.
 SELF_DISTILL_FROM = 0.25
-DISTILL_BATCH = 12
+DISTILL_BATCH = 16
 POOL_SEQUENCES = 128
-POOL_PROMPT = 64
-POOL_CONTINUATION = 64
+POOL_PROMPT = 48
+POOL_CONTINUATION = 80
 POOL_REFRESH = 50
+# Share of the pool's block windows masked as a filled prefix and a masked suffix (window_masks).
+DISTILL_SUFFIX_SHARE = 0.5
 HELD_OUT_EVERY = 50
 
 
@@ -111,10 +115,24 @@ def pick_block_size(length: int, first: int, rng: np.random.Generator) -> int:
     return int(rng.choice(sizes))
 
 
-def block_loss(model, ids: torch.Tensor, histories, block: int, first: int, rng: np.random.Generator) -> torch.Tensor:
+def window_masks(windows: int, block: int, suffix_share: float, rng: np.random.Generator) -> torch.Tensor:
+    """Which inputs c_{p+1} .. c_{p+B-1} of each window are masked [W, B-1], at a ratio drawn per window from
+    U(0.05, 1). A window masks a random subset, or, with probability `suffix_share`, the same number of
+    inputs as one run at the end: the filled-prefix, masked-suffix state LowConfidence decoding is in
+    about half of its passes."""
+    ratio = rng.uniform(0.05, 1.0, size=(windows, 1))
+    scattered = rng.random((windows, block - 1)) < ratio
+    kept = np.floor((1.0 - ratio) * (block - 1))
+    suffix = np.arange(block - 1)[None, :] >= kept
+    return torch.as_tensor(np.where(rng.random((windows, 1)) < suffix_share, suffix, scattered))
+
+
+def block_loss(model, ids: torch.Tensor, histories, block: int, first: int, rng: np.random.Generator,
+               suffix_share: float = 0.0) -> torch.Tensor:
     """Block-diffusion loss of a window of B at every start window_starts(T, B, first) of every sequence,
-    each over its own AR history, inputs c_{p+1} .. c_{p+B-1} masked at a random ratio per window. It
-    counts the targets whose input was masked and the last target p+B (never an input)."""
+    each over its own AR history, inputs c_{p+1} .. c_{p+B-1} masked at a random ratio per window
+    (``window_masks``). It counts the targets whose input was masked and the last target p+B (never an
+    input)."""
     n, t = ids.shape
     starts_per_row = window_starts(t, block, first)
     rows = torch.arange(n, device=ids.device).repeat_interleave(len(starts_per_row))
@@ -123,8 +141,7 @@ def block_loss(model, ids: torch.Tensor, histories, block: int, first: int, rng:
     offsets = starts[:, None] + torch.arange(block, device=ids.device)[None, :]
     window = ids[rows[:, None], offsets].clone()
     targets = ids[rows[:, None], offsets + 1]
-    ratio = rng.uniform(0.05, 1.0, size=(w, 1))
-    masked = torch.as_tensor(rng.random((w, block - 1)) < ratio, device=ids.device)
+    masked = window_masks(w, block, suffix_share, rng).to(ids.device)
     window[:, 1:][masked] = model.config.mask_token_id
     counted = torch.cat((masked, torch.ones(w, 1, dtype=torch.bool, device=ids.device)), dim=1)
     logits = block_logits_at(model, window, rows, starts, histories)
@@ -160,7 +177,8 @@ class SelfGeneratedPool:
         ids = self.ids[pick]
         with torch.no_grad():  # the causal mode keeps learning the corpus, not its own output
             _, histories = causal_with_window_states(model, ids)
-        return block_loss(model, ids, histories, pick_block_size(ids.shape[1], self.prompt, rng), self.prompt, rng)
+        block = pick_block_size(ids.shape[1], self.prompt, rng)
+        return block_loss(model, ids, histories, block, self.prompt, rng, suffix_share=DISTILL_SUFFIX_SHARE)
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> float:

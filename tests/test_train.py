@@ -29,6 +29,21 @@ def test_window_starts_cover_the_sequence_on_the_chunk_grid():
     assert train.window_starts(128, 8, first=64) == [64, 72, 80, 88, 96, 104, 112]
 
 
+def test_window_masks_scatter_or_mask_a_suffix():
+    rng = np.random.default_rng(0)
+    suffix = train.window_masks(2000, 16, 1.0, rng).numpy()
+    scattered = train.window_masks(2000, 16, 0.0, rng).numpy()
+    mixed = train.window_masks(2000, 16, 0.5, rng).numpy()
+    assert suffix.shape == scattered.shape == (2000, 15)
+    is_suffix = lambda masks: np.all(np.diff(masks.astype(int), axis=1) >= 0, axis=1)  # noqa: E731
+    assert is_suffix(suffix).all()
+    assert is_suffix(scattered).mean() < 0.3  # only the near-empty and near-full draws
+    assert 0.4 < is_suffix(mixed).mean() < 0.75
+    # Both at a ratio r drawn from U(0.05, 1), mean 0.525; a suffix masks ceil(15 r) inputs, half a token more.
+    assert abs(scattered.mean() - 0.525) < 0.02, scattered.mean()
+    assert abs(suffix.mean() - (0.525 + 0.5 / 15)) < 0.02, suffix.mean()
+
+
 def _run(steps: int, seed: int, stream: np.ndarray) -> list[tuple[float, float, float]]:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
