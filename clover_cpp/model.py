@@ -353,7 +353,7 @@ class Generation:
             pass
 
 
-class Model:
+class Model(native.NativeHandle):
     """One loaded GGUF and its engine context (history, scratch sequence, rollback room)."""
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
@@ -377,21 +377,21 @@ class Model:
             n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
         params.n_gpu_layers = int(n_gpu_layers)
         err = ctypes.create_string_buffer(2048)
-        self._ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))
-        if not self._ptr:
+        self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))
+        if not self.ptr:
             msg = err.value.decode("utf-8", "replace").strip() or "unknown error"
             raise EngineError(f"cannot load {self.path}: {msg}")
-        self.info = ModelInfo.from_c(L.clover_engine_info(self._ptr).contents)
-        self._llama_model = L.clover_engine_model(self._ptr)
+        self.info = ModelInfo.from_c(L.clover_engine_info(self.ptr).contents)
+        self._llama_model = L.clover_engine_model(self.ptr)
         self._vocab = native.llama().llama_model_get_vocab(self._llama_model)
         self._active: Generation | None = None
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------- plumbing
     def _handle(self) -> int:
-        if not self._ptr:
+        if not self.ptr:
             raise EngineError("the model is closed")
-        return self._ptr
+        return self.ptr
 
     def last_error(self) -> str:
         msg = engine.lib().clover_engine_last_error(self._handle())
@@ -486,7 +486,7 @@ class Model:
         return Result(tokens, call.result_stats(wall))
 
     def close_active(self) -> None:
-        if self._active is not None:
+        if getattr(self, "_active", None) is not None:
             active, self._active = self._active, None
             active.close()
 
@@ -495,20 +495,12 @@ class Model:
         self.close_active()
         engine.lib().clover_engine_reset(self._handle())
 
-    def close(self) -> None:
-        if getattr(self, "_ptr", None):
-            self.close_active()
-            engine.lib().clover_engine_free(self._ptr)
-            self._ptr = None
+    def _free(self, ptr: Any) -> None:
+        self.close_active()
+        engine.lib().clover_engine_free(ptr)
 
     def __enter__(self) -> "Model":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass

@@ -334,6 +334,11 @@ def test_errors_are_clear(tiny: Engine, tmp_path: Path) -> None:
         Model(bad)
     m.reset()
     assert m.run([1, 2, 3], mode="ar", max_tokens=3, stop_ids=[]).tokens  # still usable
+    other = Model(tiny.model.path, n_ctx=64)
+    other.close()
+    other.close()  # a second close is a no-op
+    with pytest.raises(EngineError, match="closed"):
+        other.run([1, 2, 3], mode="ar", max_tokens=3)
 
 
 # ------------------------------------------------------------------------------------------ multi-turn
