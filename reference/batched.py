@@ -14,41 +14,42 @@ import torch
 import torch.nn.functional as F
 
 from .history import AttentionCache, DeltaNetState, History
-from .model import CloverModel, GatedAttention, GatedDeltaNet, attend, gated_rms_norm
+from .model import CloverModel, GatedAttention, GatedDeltaNet, attend, delta_rule_step
 
 BatchHistory = list[History]  # one History per sequence, all at the same length
+
+
+def causal_qkv(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The causal conv of a batch x [N, T, d]: in_proj_qkv's output [N, T, C], the same transposed and left-
+    padded with K-1 zeros [N, C, K-1+T], and q, k [N, T, H, dk] (l2-normed, unscaled) and v [N, T, H, dv]."""
+    n, t, _ = x.shape
+    mixed = layer.in_proj_qkv(x)
+    padded = F.pad(mixed.transpose(1, 2), (layer.kernel - 1, 0))
+    u = F.silu(F.conv1d(padded, layer.conv1d.weight, groups=layer.conv_dim)).transpose(1, 2)
+    q, k, v = layer.split_heads(u.reshape(n * t, -1))
+    return mixed, padded, (q.view(n, t, layer.nv, layer.dk), k.view(n, t, layer.nv, layer.dk),
+                           v.view(n, t, layer.nv, layer.dv))
 
 
 def deltanet_causal(layer: GatedDeltaNet, x: torch.Tensor, split: int) -> tuple[torch.Tensor, list[DeltaNetState]]:
     """x: [N, T, d] -> output [N, T, d] and each sequence's state after position split-1."""
     n, t, _ = x.shape
-    mixed = layer.in_proj_qkv(x)  # [N, T, C]
-    k_conv = layer.kernel
-    padded = F.pad(mixed.transpose(1, 2), (k_conv - 1, 0))  # [N, C, K-1+T]
-    u = F.silu(F.conv1d(padded, layer.conv1d.weight, groups=layer.conv_dim)).transpose(1, 2)
-    q, k, v = layer.split_heads(u.reshape(n * t, -1))
-    q = q.view(n, t, layer.nv, layer.dk) / math.sqrt(layer.dk)
-    k = k.view(n, t, layer.nv, layer.dk)
-    v = v.view(n, t, layer.nv, layer.dv)
-    beta = torch.sigmoid(layer.in_proj_b(x))
-    decay = (-layer.A_log.exp() * F.softplus(layer.in_proj_a(x) + layer.dt_bias)).exp()
+    _, padded, (q, k, v) = causal_qkv(layer, x)
+    q = q / math.sqrt(layer.dk)
+    beta, log_decay = layer.gates(x)
+    decay = log_decay.exp()
     s = x.new_zeros(n, layer.nv, layer.dk, layer.dv)
     saved = s
     outputs = []
     for i in range(t):
         if i == split:
             saved = s
-        s = s * decay[:, i, :, None, None]
-        kv = (k[:, i, :, None, :] @ s)[:, :, 0]  # S^T k: [N, H, dv]
-        delta = (v[:, i] - kv) * beta[:, i, :, None]
-        s = s + k[:, i, :, :, None] * delta[:, :, None, :]
-        outputs.append((q[:, i, :, None, :] @ s)[:, :, 0])
+        o, s = delta_rule_step(s, q[:, i], k[:, i], v[:, i], decay[:, i], beta[:, i])
+        outputs.append(o)
     if split == t:
         saved = s
-    o = torch.stack(outputs, dim=1)  # [N, T, H, dv]
-    z = layer.in_proj_z(x).view(n, t, layer.nv, layer.dv)
-    out = layer.out_proj(gated_rms_norm(o, z, layer.norm.weight, layer.eps).reshape(n, t, -1))
-    conv_tail = padded[:, :, split: split + k_conv - 1]  # the K-1 inputs before position `split`
+    out = layer.finish(torch.stack(outputs, dim=1), x)  # outputs [N, T, H, dv]
+    conv_tail = padded[:, :, split: split + layer.kernel - 1]  # the K-1 inputs before position `split`
     states = [DeltaNetState(conv_tail[b], saved[b]) for b in range(n)]
     return out, states
 

@@ -124,6 +124,17 @@ class GatedAttention(nn.Module):
         return self.output(attend(q, keys, values, causal_offset=None), gate)
 
 
+def delta_rule_step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One position of the gated delta rule, per head (leading dims are batch): S <- g S, then
+    S <- S + k beta (v - S^T k)^T; returns (S^T q, S). s [.., H, dk, dv]; q, k [.., H, dk]; v [.., H, dv];
+    decay g and beta [.., H]; q already scaled."""
+    s = s * decay[..., None, None]
+    delta = (v - (k[..., None, :] @ s)[..., 0, :]) * beta[..., None]  # v - S^T k
+    s = s + k[..., :, None] * delta[..., None, :]
+    return (q[..., None, :] @ s)[..., 0, :], s
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's Gated DeltaNet layer plus Clover's block-mode tensors."""
 
@@ -165,55 +176,61 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.reshape(t, self.nk, self.dk)).repeat_interleave(repeat, dim=1)
         return q, k, v.reshape(t, self.nv, self.dv)
 
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position and value head: the write strength beta and the log of the state decay."""
+        return torch.sigmoid(self.in_proj_b(x)), -self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)
+
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        z = self.in_proj_z(x).view(x.shape[0], self.nv, self.dv)
+        """Gated norm and output projection: o [..., H, dv] of inputs x [..., d] -> [..., d]."""
+        z = self.in_proj_z(x).view(*x.shape[:-1], self.nv, self.dv)
         o = gated_rms_norm(o, z, self.norm.weight, self.eps)
-        return self.out_proj(o.reshape(x.shape[0], -1))
+        return self.out_proj(o.reshape(*x.shape[:-1], -1))
+
+    def block_taps(self, padded: torch.Tensor, b: int) -> torch.Tensor:
+        """Spec section 3, GDN step 2: both convolutions over [.., K-1 history inputs, B window inputs, R zeros, C], then SiLU."""
+        left = self.conv1d.weight[:, 0, :]  # tap j reads offset j - (K-1)
+        right = self.conv1d_right.weight[:, 0, :]  # tap t-1 reads offset +t
+        u = sum(left[:, j] * padded[..., j: j + b, :] for j in range(self.kernel))
+        start = self.kernel - 1
+        u = u + sum(right[:, t - 1] * padded[..., start + t: start + t + b, :] for t in range(1, self.right_kernel + 1))
+        return F.silu(u)
+
+    def block_mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+        """Spec section 3, GDN steps 4-6: each target mixes the history readout S^T q with the window's values.
+        q, k [..., B, H, dk], v [..., B, H, dv], ssm [..., H, dk, dv] -> o [..., B, H, dv]."""
+        readout = torch.einsum("...hkv,...bhk->...bhv", ssm, q / math.sqrt(self.dk))
+        window_scores = torch.einsum("...ihk,...jhk->...hij", q, k) * self.block_scale[:, None, None]
+        history_score = torch.einsum("...ihk,hk->...hi", q, self.hist_key) + self.hist_bias[:, None]
+        weights = torch.cat((history_score[..., None], window_scores), dim=-1).softmax(-1)  # [.., h, i, 1+B]
+        return weights[..., 0].transpose(-1, -2)[..., None] * readout + \
+            torch.einsum("...hij,...jhv->...ihv", weights[..., 1:], v)
 
     def causal(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """Causal pass over x [T, d], one position at a time; updates the conv and delta-rule state."""
         weight = self.conv1d.weight[:, 0, :]
         mixed = self.in_proj_qkv(x)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        decay = -self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)
+        beta, log_decay = self.gates(x)
         outputs = []
         for t in range(x.shape[0]):
             window = torch.cat((state.conv, mixed[t][:, None]), dim=1)  # [conv_dim, K]
             state.conv = window[:, 1:]
             q, k, v = self.split_heads(F.silu((window * weight).sum(-1))[None])
-            q, k, v = q[0] / math.sqrt(self.dk), k[0], v[0]
-            s = state.ssm * decay[t].exp()[:, None, None]
-            delta = (v - (k[:, None, :] @ s)[:, 0]) * beta[t][:, None]  # v - S^T k, per head
-            state.ssm = s + k[:, :, None] * delta[:, None, :]
-            outputs.append((q[:, None, :] @ state.ssm)[:, 0])  # S^T q
+            o, state.ssm = delta_rule_step(state.ssm, q[0] / math.sqrt(self.dk), k[0], v[0], log_decay[t].exp(), beta[t])
+            outputs.append(o)
         return self.finish(torch.stack(outputs), x)
 
     def block_conv(self, mixed: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        """Spec 3.2: the causal conv over history and window plus the right-context branch, then SiLU.
+        """Spec section 3, GDN step 2: the causal conv over history and window plus the right-context branch, then SiLU.
 
         mixed: [B, conv_dim]; inputs past the window end count as zero.
         """
-        b = mixed.shape[0]
         padded = torch.cat((state.conv.T, mixed, torch.zeros(self.right_kernel, self.conv_dim)), dim=0)
-        left = self.conv1d.weight[:, 0, :]  # tap j reads offset j - (K-1)
-        right = self.conv1d_right.weight[:, 0, :]  # tap t-1 reads offset +t
-        u = torch.zeros(b, self.conv_dim)
-        for j in range(self.kernel):
-            u = u + left[:, j] * padded[j: j + b]
-        start = self.kernel - 1
-        for t in range(1, self.right_kernel + 1):
-            u = u + right[:, t - 1] * padded[start + t: start + t + b]
-        return F.silu(u)
+        return self.block_taps(padded, mixed.shape[0])
 
     def block(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """Block pass over a window x [B, d] (spec section 3); reads the state, never writes it."""
         q, k, v = self.split_heads(self.block_conv(self.in_proj_qkv(x), state))
-        readout = torch.einsum("hkv,bhk->bhv", state.ssm, q / math.sqrt(self.dk))
-        window_scores = torch.einsum("ihk,jhk->hij", q, k) * self.block_scale[:, None, None]
-        history_score = torch.einsum("ihk,hk->hi", q, self.hist_key) + self.hist_bias[:, None]
-        weights = torch.cat((history_score[:, :, None], window_scores), dim=-1).softmax(-1)  # [h, i, 1+B]
-        o = weights[:, :, 0].T[:, :, None] * readout + torch.einsum("hij,jhv->ihv", weights[:, :, 1:], v)
-        return self.finish(o, x)
+        return self.finish(self.block_mix(q, k, v, state.ssm), x)
 
 
 class SparseMoe(nn.Module):

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .model import CloverModel, GatedAttention, GatedDeltaNet, gated_rms_norm
+from .batched import causal_qkv
+from .model import CloverModel, GatedAttention, GatedDeltaNet, delta_rule_step
 
 CHUNK = 8  # window starts must be multiples of this
 
@@ -73,21 +74,11 @@ class LayerHistory:
 
 
 def _deltanet_causal(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, LayerHistory]:
-    n, t, _ = x.shape
-    mixed = layer.in_proj_qkv(x)
-    padded = F.pad(mixed.transpose(1, 2), (layer.kernel - 1, 0))
-    u = F.silu(F.conv1d(padded, layer.conv1d.weight, groups=layer.conv_dim)).transpose(1, 2)
-    q, k, v = layer.split_heads(u.reshape(n * t, -1))
-    q = (q / math.sqrt(layer.dk)).view(n, t, layer.nv, layer.dk).transpose(1, 2)
-    k = k.view(n, t, layer.nv, layer.dk).transpose(1, 2)
-    v = v.view(n, t, layer.nv, layer.dv).transpose(1, 2)
-    beta = torch.sigmoid(layer.in_proj_b(x)).transpose(1, 2)
-    log_decay = (-layer.A_log.exp() * F.softplus(layer.in_proj_a(x) + layer.dt_bias)).transpose(1, 2)
-    o, states = chunked_delta_rule(q, k, v, log_decay, beta, CHUNK)
-    o = o.transpose(1, 2)  # [N, T, H, dv]
-    z = layer.in_proj_z(x).view(n, t, layer.nv, layer.dv)
-    out = layer.out_proj(gated_rms_norm(o, z, layer.norm.weight, layer.eps).reshape(n, t, -1))
-    return out, LayerHistory(conv_inputs=mixed, states=states)
+    mixed, _, (q, k, v) = causal_qkv(layer, x)
+    beta, log_decay = layer.gates(x)
+    heads_first = [a.transpose(1, 2) for a in (q / math.sqrt(layer.dk), k, v, log_decay, beta)]
+    o, states = chunked_delta_rule(*heads_first, CHUNK)
+    return layer.finish(o.transpose(1, 2), x), LayerHistory(conv_inputs=mixed, states=states)
 
 
 def _attention_causal(layer: GatedAttention, x: torch.Tensor, rotary) -> tuple[torch.Tensor, LayerHistory]:
@@ -128,23 +119,12 @@ def _deltanet_block(layer: GatedDeltaNet, x: torch.Tensor, history: LayerHistory
     taps = starts[:, None] + torch.arange(layer.kernel - 1)[None, :]  # positions p-K+1 .. p-1, padded
     tail = left_inputs[rows[:, None], taps]  # [W, K-1, C]
     padded = torch.cat((tail, mixed, mixed.new_zeros(w, layer.right_kernel, layer.conv_dim)), dim=1)
-    left = layer.conv1d.weight[:, 0, :]
-    right = layer.conv1d_right.weight[:, 0, :]
-    u = sum(left[:, j] * padded[:, j: j + b] for j in range(layer.kernel))
-    start = layer.kernel - 1
-    u = u + sum(right[:, i - 1] * padded[:, start + i: start + i + b] for i in range(1, layer.right_kernel + 1))
-    q, k, v = layer.split_heads(F.silu(u).reshape(w * b, -1))
+    q, k, v = layer.split_heads(layer.block_taps(padded, b).reshape(w * b, -1))
     q = q.view(w, b, layer.nv, layer.dk)
     k = k.view(w, b, layer.nv, layer.dk)
     v = v.view(w, b, layer.nv, layer.dv)
     state = history.states[rows, starts // CHUNK]  # [W, H, dk, dv]
-    readout = torch.einsum("whkv,wbhk->wbhv", state, q / math.sqrt(layer.dk))
-    window_scores = torch.einsum("wihk,wjhk->whij", q, k) * layer.block_scale[:, None, None]
-    history_score = torch.einsum("wihk,hk->whi", q, layer.hist_key) + layer.hist_bias[:, None]
-    weights = torch.cat((history_score[..., None], window_scores), dim=-1).softmax(-1)  # [W, H, B, 1+B]
-    o = weights[..., 0].transpose(1, 2)[..., None] * readout + torch.einsum("whij,wjhv->wihv", weights[..., 1:], v)
-    z = layer.in_proj_z(x).view(w, b, layer.nv, layer.dv)
-    return layer.out_proj(gated_rms_norm(o, z, layer.norm.weight, layer.eps).reshape(w, b, -1))
+    return layer.finish(layer.block_mix(q, k, v, state), x)
 
 
 def _attention_block(layer: GatedAttention, x: torch.Tensor, history: LayerHistory, rows: torch.Tensor,
@@ -185,19 +165,11 @@ def block_logits_at(model: CloverModel, windows: torch.Tensor, rows: torch.Tenso
 
 def _deltanet_step(layer: GatedDeltaNet, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One causal position for a batch: x [N, d]; conv [N, K-1, C] (the previous inputs); state [N, H, dk, dv]."""
-    n = x.shape[0]
     window = torch.cat((conv, layer.in_proj_qkv(x)[:, None]), dim=1)  # [N, K, C]
-    u = F.silu((window * layer.conv1d.weight[:, 0, :].T[None]).sum(1))
-    q, k, v = layer.split_heads(u)
-    beta = torch.sigmoid(layer.in_proj_b(x))
-    decay = (-layer.A_log.exp() * F.softplus(layer.in_proj_a(x) + layer.dt_bias)).exp()
-    state = state * decay[..., None, None]
-    delta = (v - (k[:, :, None, :] @ state)[:, :, 0]) * beta[..., None]
-    state = state + k[..., None] * delta[:, :, None, :]
-    o = (q[:, :, None, :] / math.sqrt(layer.dk) @ state)[:, :, 0]
-    z = layer.in_proj_z(x).view(n, layer.nv, layer.dv)
-    out = layer.out_proj(gated_rms_norm(o, z, layer.norm.weight, layer.eps).reshape(n, -1))
-    return out, window[:, 1:], state
+    q, k, v = layer.split_heads(F.silu((window * layer.conv1d.weight[:, 0, :].T[None]).sum(1)))
+    beta, log_decay = layer.gates(x)
+    o, state = delta_rule_step(state, q / math.sqrt(layer.dk), k, v, log_decay.exp(), beta)
+    return layer.finish(o, x), window[:, 1:], state
 
 
 @torch.no_grad()
