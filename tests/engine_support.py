@@ -39,6 +39,12 @@ class StepTrace:
     scale: float                                # max(1, max|logit|) of the step's rows
 
 
+def top2_gap(sampler: Sampler, row: torch.Tensor) -> float:
+    """The gap between the two largest logits of a row, over the tokens the sampler may choose."""
+    top2 = torch.topk(sampler.masked_logits(row), 2).values
+    return float(top2[0] - top2[1])
+
+
 @dataclass
 class DraftTrace:
     drafts: list[int]       # d_{p+1} .. d_{p+B} of one spec round
@@ -56,15 +62,15 @@ class TracingSession(Session):
         self.drafts: list[DraftTrace] = []
 
     @contextmanager
-    def _capturing(self) -> Iterator[list[torch.Tensor]]:
-        """Collect the logits of every block pass the model runs inside the body, in order."""
-        calls: list[torch.Tensor] = []
+    def _capturing(self) -> Iterator[list[tuple[list[int], torch.Tensor]]]:
+        """Collect (rows, logits) of every block pass the model runs inside the body, in order."""
+        calls: list[tuple[list[int], torch.Tensor]] = []
         shadowed = vars(self.model).get("forward_block")  # an enclosing capture's wrapper, if any
         original = self.model.forward_block
 
-        def forward_block(*args: Any, **kwargs: Any) -> torch.Tensor:
-            out = original(*args, **kwargs)
-            calls.append(out)
+        def forward_block(window: Any, history: Any, rows: list[int] | None = None) -> torch.Tensor:
+            out = original(window, history, rows=rows)
+            calls.append((list(range(len(window))) if rows is None else list(rows), out))
             return out
 
         self.model.forward_block = forward_block  # an instance attribute over the method, undone below
@@ -80,43 +86,30 @@ class TracingSession(Session):
         steps_before = len(self.trace)
         with self._capturing() as calls:
             drafts = super()._draft(width, run)
-        gaps: list[float] = []
-        scale = 1.0
-        if len(calls) > len(self.trace) - steps_before:  # the argmax pass over what draft_steps left masked
-            logits = calls[-1]
-            gaps = [float(v[0] - v[1]) for v in (torch.topk(run.sampler.masked_logits(row), 2).values
-                                                 for row in logits)]
+        gaps, scale = [math.inf] * width, 1.0
+        # past the draft_steps' passes: the argmax pass over the targets they left masked, if any
+        for rows, logits in calls[len(self.trace) - steps_before:]:
+            for j, row in zip(rows, logits):
+                gaps[j] = top2_gap(run.sampler, row)
             scale = max(1.0, float(logits.abs().max()))
-        masked_rows = iter(gaps)
-        filled_by_steps = self._filled_by_steps(width, len(gaps))
-        self.drafts.append(DraftTrace(drafts, [math.inf if j in filled_by_steps else next(masked_rows)
-                                               for j in range(width)], scale))
+        self.drafts.append(DraftTrace(drafts, gaps, scale))
         return drafts
-
-    def _filled_by_steps(self, width: int, still_masked: int) -> set[int]:
-        """Targets of the last draft that its LowConfidence steps filled (none without draft_steps)."""
-        if still_masked == width or not self.trace:
-            return set()
-        canvas = self.trace[-1].canvas[:width]
-        return {j for j, t in enumerate(canvas) if t != self.config.mask_token_id}
 
     def _step(self, canvas: list[int | None], run: Any) -> None:
         masked = [j for j, token in enumerate(canvas) if token is None]
         with self._capturing() as calls:
             super()._step(canvas, run)
-        logits = calls[-1]
+        _, logits = calls[-1]
         targets = {}
         threshold = float(run.threshold)
         fallback = True
         for j, row in zip(masked, logits):
-            masked_row = run.sampler.masked_logits(row)
-            top2 = torch.topk(masked_row, 2).values
             p = run.sampler.probabilities(row)
             token = int(torch.argmax(p))
             conf = float(p[token])
             if torch.tensor(conf, dtype=torch.float32) > torch.tensor(threshold, dtype=torch.float32):
                 fallback = False
-            targets[j] = (token, conf, float(top2[0] - top2[1]))
+            targets[j] = (token, conf, top2_gap(run.sampler, row))
         mask = self.config.mask_token_id
         scale = max(1.0, float(logits.abs().max()))
         self.trace.append(StepTrace([mask if t is None else int(t) for t in canvas], targets, threshold,
@@ -139,9 +132,7 @@ def causal_gap(model: Any, context: list[int], banned: list[int] | None) -> tupl
     h = model.new_history()
     with torch.no_grad():
         row = model.forward_causal(context, h)[-1]
-    masked = _excluded(model, banned).masked_logits(row)
-    top2 = torch.topk(masked, 2).values
-    return float(top2[0] - top2[1]), REF_TOL * max(1.0, float(row.abs().max()))
+    return top2_gap(_excluded(model, banned), row), REF_TOL * max(1.0, float(row.abs().max()))
 
 
 def step_margin(step: StepTrace, native_canvas: list[int] | None) -> float:
