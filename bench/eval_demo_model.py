@@ -61,15 +61,14 @@ def decode_figures(gguf: Path, prompts: list[list[int]], tokens: int) -> dict:
             ar_outputs.append(run(mode="ar").tokens)
         for tau in (0.9, 0.95):
             for b in (8, 16, 32):
-                generated = passes = block_passes = equal = 0
-                per_prompt = []
+                block_passes = equal = 0
+                per_prompt = []  # (generated tokens, passes)
                 for prompt, ar in zip(prompts, ar_outputs):
                     r = run(mode="diffusion", block_size=b, threshold=tau)
                     per_prompt.append((r.stats.generated_tokens, r.stats.passes))
-                    generated += r.stats.generated_tokens
-                    passes += r.stats.passes
                     block_passes += r.stats.block_passes
                     equal += int(r.tokens == ar)
+                generated, passes = (sum(column) for column in zip(*per_prompt))
                 out[f"diffusion tau={tau} B={b}"] = {
                     "tpf": generated / passes, "tpf_interval_90": tpf_interval(per_prompt),
                     "tpf_median_prompt": float(np.median([g / p for g, p in per_prompt])),
