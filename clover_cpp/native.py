@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from . import cpu
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LIB_DIR = ROOT / "build" / "native" / "lib"
 HISTORY_SEQ = 0
@@ -98,6 +100,10 @@ def llama() -> ModuleType:
     prev = os.environ.get("LLAMA_CPP_LIB_PATH")
     if prev is not None and Path(prev).resolve() != d.resolve():
         raise NativeError(f"LLAMA_CPP_LIB_PATH={prev} points elsewhere than {d}")
+    try:
+        cpu.check_build(d.parent)
+    except RuntimeError as exc:
+        raise NativeError(str(exc)) from None
     os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
     _preload_libstdcxx()
     try:
@@ -187,12 +193,14 @@ class NativeHandle:
 class Model(NativeHandle):
     """A loaded GGUF model (CPU unless n_gpu_layers / $CLOVER_N_GPU_LAYERS offloads layers)."""
 
-    def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None,
+                 use_extra_bufts: bool = True) -> None:
         L = llama()
         params = L.llama_model_default_params()
         if n_gpu_layers is None:
             n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = use_extra_bufts
         params.use_mmap = True
         _log_lines.clear()
         self.path = str(path)

@@ -3,6 +3,7 @@
 #
 #   scripts/build_native.sh                 # CPU build of $TARGETS
 #   GPU=cuda scripts/build_native.sh        # adds -DGGML_CUDA=ON
+#   scripts/build_native.sh --key           # print the build key, CPU target and features; build nothing
 #
 # Inputs (all optional):
 #   cpp_patch/clover.patch   a `patch -p1` diff against vendor/llama.cpp (paths like a/src/llama-arch.cpp),
@@ -15,10 +16,12 @@
 #   GPU=cpu|cuda, TARGETS ("llama llama-quantize clover llama-clover"), JOBS (nproc), EXTRA_CMAKE_FLAGS (word-split),
 #   KEEP_BUILDS (4; older build folders are deleted, 0 keeps all)
 #
-# Each build lives in $CLOVER_CACHE/build/<key>/{src,build}; key = sha256 of every cpp_patch file and the
-# CMake flags, so an unchanged patch reuses its build (a no-op rebuild is a Ninja no-op). ccache is used when
-# installed (this script never installs it: `apt-get install -y ccache`); CCACHE_BASEDIR makes hits work across keys.
-# Results are linked into build/native/{lib,bin}; build/native/BUILD_INFO records key, flags and timing.
+# Each build lives in $CLOVER_CACHE/build/<key>/{src,build}; key = sha256 of every cpp_patch file, the
+# CMake flags and what -march=native resolves to on this CPU, so an unchanged patch on the same CPU reuses its
+# build (a no-op rebuild is a Ninja no-op). ccache is used when installed (this script never installs it:
+# `apt-get install -y ccache`); CCACHE_BASEDIR makes hits work across keys, and CCACHE_EXTRAFILES keeps them
+# within one CPU target. Results are linked into build/native/{lib,bin}; build/native/BUILD_INFO records the
+# key, flags, CPU target and features, and timing.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,10 +50,48 @@ esac
 # shellcheck disable=SC2206  # word splitting is intended
 CMAKE_FLAGS+=(${EXTRA_CMAKE_FLAGS:-})
 
+# -DGGML_NATIVE=ON compiles for the build machine's CPU (-march=native), but neither the CMake flags nor
+# ccache's hash say which CPU that was (ccache issue 824), so a build folder or a ccache reused on another CPU
+# could crash with SIGILL there. The build key, ccache's hash (CCACHE_EXTRAFILES) and BUILD_INFO therefore
+# carry what the compiler resolves -march=native to on this machine.
+native_build() {  # the last GGML_NATIVE setting wins, as in CMake; ggml's default is ON
+    local f native=ON
+    for f in "${CMAKE_FLAGS[@]}"; do
+        [[ $f == -DGGML_NATIVE=* ]] && native=${f#-DGGML_NATIVE=}
+    done
+    [[ ${native^^} == ON || ${native^^} == 1 || ${native^^} == TRUE ]]
+}
+
+cpu_target() {  # the compiler's expansion of -march=native (ISA flags and tuning), or "portable"
+    if ! native_build; then
+        echo "portable (GGML_NATIVE off: the ISA comes from the CMake flags)"
+        return
+    fi
+    local out
+    out=$("${CC:-cc}" -march=native -E -v - </dev/null 2>&1)
+    sed -n '/ -march=/{s/.* -march=/-march=/;s/ -dumpbase.*//;p;q}' <<<"$out"
+}
+
+# The ggml-relevant ISA extensions the native build compiles for, named as /proc/cpuinfo names them.
+CPU_FEATURE_MACROS=(SSE4_2:sse4_2 AVX:avx AVX2:avx2 FMA:fma F16C:f16c BMI2:bmi2 AVXVNNI:avx_vnni
+    AVX512F:avx512f AVX512BW:avx512bw AVX512VL:avx512vl AVX512DQ:avx512dq AVX512VBMI:avx512vbmi
+    AVX512VNNI:avx512_vnni AVX512BF16:avx512_bf16 AMX_TILE:amx_tile AMX_INT8:amx_int8 AMX_BF16:amx_bf16)
+
+cpu_features() {
+    native_build || { echo "(set by the CMake flags)"; return; }
+    local macros pair out=()
+    macros=$(echo | "${CC:-cc}" -march=native -dM -E - 2>/dev/null)
+    for pair in "${CPU_FEATURE_MACROS[@]}"; do
+        grep -q "#define __${pair%%:*}__ " <<<"$macros" && out+=("${pair#*:}")
+    done
+    echo "${out[*]}"
+}
+
 build_key() {
     {
         (cd "$PATCH_DIR" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum)
         printf '%s\n' "${CMAKE_FLAGS[@]}"
+        cpu_target
     } | sha256sum | cut -c1-16
 }
 
@@ -102,20 +143,33 @@ prune() {  # keep the $KEEP_BUILDS most recently used build folders
         tail -n +$((KEEP_BUILDS + 1)) | cut -d' ' -f2- | xargs -r rm -rf
 }
 
+print_key() {
+    printf 'key=%s\ncpu_target=%s\ncpu_features=%s\n' "$(build_key)" "$(cpu_target)" "$(cpu_features)"
+}
+
 main() {
-    local sdist key keydir bld launcher=()
+    local sdist key keydir bld target features launcher=()
+    if [[ ${1:-} == --key ]]; then
+        print_key
+        return
+    fi
     sdist=$(python3 "$ROOT/scripts/llama_sdist.py" unpack)
     key=$(build_key)
     keydir=$CACHE/build/$key
     bld=$keydir/build
+    target=$(cpu_target)
+    features=$(cpu_features)
     echo "build_native: key $key ($GPU), $keydir" >&2
+    echo "build_native: CPU features the build uses: ${features:-none beyond x86-64}" >&2
 
     prepare_source "$sdist/vendor/llama.cpp" "$keydir"
     touch "$keydir"
+    echo "$target" >"$keydir/cpu-target"
     if command -v ccache >/dev/null; then
         launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
         [[ $GPU == cuda ]] && launcher+=(-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
         export CCACHE_BASEDIR=$CACHE/build
+        export CCACHE_EXTRAFILES=$keydir/cpu-target  # -march=native's meaning, which ccache does not hash
     fi
     [[ -f $bld/build.ninja ]] || cmake -S "$keydir/src" -B "$bld" -G Ninja "${CMAKE_FLAGS[@]}" "${launcher[@]}"
     # shellcheck disable=SC2086  # TARGETS is a space-separated list
@@ -128,6 +182,8 @@ gpu=$GPU
 flags=${CMAKE_FLAGS[*]}
 launcher=${launcher[*]}
 targets=$TARGETS
+cpu_target=$target
+cpu_features=$features
 build_dir=$bld
 sdist=$sdist
 seconds=$SECONDS

@@ -37,3 +37,34 @@ def mid_model(mid_checkpoint: Path):
     from clover_ref.checkpoint import load_model
 
     return load_model(mid_checkpoint)
+
+
+# ------------------------------------------------------------------------------------ run-wide reporting
+_NOTES: list[str] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The CPU and the native build first (even under -q), so every failure report carries them."""
+    from clover_cpp import cpu, native
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or hasattr(session.config, "workerinput"):  # xdist workers have no terminal
+        return
+    info = cpu.read_build_info(native.lib_dir().parent)
+    build = "not built (make native)"
+    if info:
+        build = (f"{info.get('gpu', '?')} build {info.get('key', '?')}, compiled for CPU features: "
+                 f"{info.get('cpu_features') or 'unknown (an older build script)'}")
+    reporter.write_line(f"CPU: {cpu.read_cpuinfo().summary()}")
+    reporter.write_line(f"native: {build}")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect the one-line notes tests attach with ``record_property("note", ...)`` (also from workers)."""
+    if report.when == "call":
+        _NOTES.extend(str(v) for k, v in report.user_properties if k == "note")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    for note in dict.fromkeys(_NOTES):
+        terminalreporter.write_line(f"note: {note}")
