@@ -59,6 +59,7 @@ class clover_engine_params(ctypes.Structure):
         ("max_block_size", ctypes.c_int32),
         ("n_threads", ctypes.c_int32),
         ("n_gpu_layers", ctypes.c_int32),
+        ("use_extra_bufts", ctypes.c_bool),
     ]
 
 

@@ -357,7 +357,9 @@ class Model(native.NativeHandle):
     """One loaded GGUF and its engine context (history, scratch sequence, rollback room)."""
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
-                 n_gpu_layers: int | None = None, n_batch: int = 0) -> None:
+                 n_gpu_layers: int | None = None, n_batch: int = 0, use_extra_bufts: bool = True) -> None:
+        """``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
+        (llama.cpp's ``--no-repack``)."""
         L = engine.lib()
         self.path = str(path)
         if not os.path.exists(self.path):
@@ -376,6 +378,7 @@ class Model(native.NativeHandle):
         if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.native.Model
             n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
         params.n_gpu_layers = int(n_gpu_layers)
+        params.use_extra_bufts = bool(use_extra_bufts)
         err = ctypes.create_string_buffer(2048)
         self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))
         if not self.ptr:

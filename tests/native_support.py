@@ -166,14 +166,15 @@ def load_in_subprocess(path: Path) -> subprocess.CompletedProcess[str]:
 Windows = list[tuple[int, list[int]]]  # (segment boundary p, masked rows of the window starting at p)
 
 
-def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], window: int
-                            ) -> tuple[np.ndarray, np.ndarray]:
+def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], window: int,
+                            use_extra_bufts: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """For each (tokens, windows) document, on a fresh history: the causal logits of every position (the
     tokens appended segment by segment) and, at each boundary p, the block logits of the masked rows of
-    the window tokens[p:p+window] over the history tokens[:p]. Rows of all documents, concatenated."""
+    the window tokens[p:p+window] over the history tokens[:p]. Rows of all documents, concatenated.
+    ``use_extra_bufts=False`` loads the weights without AMX or repacked layouts."""
     from clover_cpp import native
 
-    model = native.load_model(path)
+    model = native.Model(path, use_extra_bufts=use_extra_bufts)
     ctx = native.create_context(model, n_ctx=1024, n_ubatch=64, n_batch=512)
     mask = model.mask_token()
     causal, block = [], []

@@ -828,11 +828,12 @@ extern "C" {
 
 struct clover_engine_params clover_engine_default_params(void) {
     clover_engine_params p = {};
-    p.n_ctx          = 0;
-    p.n_batch        = 512;
-    p.max_block_size = 0;
-    p.n_threads      = 0;
-    p.n_gpu_layers   = 0;
+    p.n_ctx           = 0;
+    p.n_batch         = 512;
+    p.max_block_size  = 0;
+    p.n_threads       = 0;
+    p.n_gpu_layers    = 0;
+    p.use_extra_bufts = true;
     return p;
 }
 
@@ -892,7 +893,8 @@ struct clover_engine * clover_engine_load(const char * path, struct clover_engin
     clover_backend_init_once();
 
     llama_model_params mparams = llama_model_default_params();
-    mparams.n_gpu_layers = params.n_gpu_layers;
+    mparams.n_gpu_layers    = params.n_gpu_layers;
+    mparams.use_extra_bufts = params.use_extra_bufts;
     llama_model * model = llama_model_load_from_file(path, mparams);
     if (!model) {
         clover_set_err(err, err_size, clover_format("failed to load model '%s' (see llama.cpp's log)", path));

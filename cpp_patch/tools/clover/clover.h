@@ -52,6 +52,7 @@ struct clover_engine_params {
     int32_t max_block_size;   // largest B this engine accepts; 0 = max(block_size, calibrated sizes)
     int32_t n_threads;        // 0 = llama.cpp's default
     int32_t n_gpu_layers;     // offloaded layers (0 = CPU)
+    bool    use_extra_bufts;  // CPU extra buffer types (AMX, repacked weights); false = llama.cpp's --no-repack
 };
 
 struct clover_gen_params {

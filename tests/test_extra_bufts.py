@@ -1,0 +1,106 @@
+"""Quantized models on the CPU's extra buffer types agree with plain CPU buffers (docs/native.md, "AMX").
+
+At load, llama.cpp moves quantized weights into extra buffer types when the CPU can use them: AMX tiles
+(Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS on CPUs with AMX-INT8) or repacked interleaved layouts
+(CPU_REPACK with AVX2: Q4_0, Q4_K, IQ4_NL). Each file below runs causal and block passes and all three
+decoding modes twice, with and without them (``use_extra_bufts``, llama.cpp's --no-repack), in a
+subprocess: a crash is this test's failure with its signal, and the rest of the run goes on.
+
+The two settings are not bit-identical: the repacked kernels quantize the activations in their own layout,
+so an int8 activation can round one step apart. What must hold:
+- **logits:** KL(plain || extra) is at most KL_SHARE of KL(f16 || plain), the error quantization itself
+  makes (measured on CPU_REPACK: 0.2-0.8 %), and top-1 agrees on every row whose top-2 gap exceeds twice the
+  largest logit difference;
+- **decoding:** greedy ar, diffusion and spec give the same tokens, or first differ at a decision of the
+  plain model whose margin (top-2 gap, or distance of ln(confidence) to ln(threshold)) is below
+  TIE_FACTOR times the largest logit difference measured between the settings.
+What this CPU exercised (AMX, or only the repacked layouts) is printed as a note.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from native_support import (REPO_ROOT, VENV_PYTHON, clover_convert, dump_results, kl_top1, quantize, record,
+                            require_engine)
+
+from clover_cpp import cpu
+
+KL_SHARE = 0.05
+TIE_FACTOR = 4.0  # a decision flips only when its margin is below 2x the logit change; 2x more for safety
+PROBE = Path(__file__).resolve().parent / "extra_bufts_probe.py"
+TYPES = ["Q8_0", "Q4_0", "Q4_K_M", "IQ4_XS"]
+
+
+@pytest.fixture(scope="module")
+def f16_models(tmp_path_factory: pytest.TempPathFactory, mid_checkpoint: Path) -> dict[str, Path]:
+    require_engine()
+    d = tmp_path_factory.mktemp("bufts")
+    return {"demo": clover_convert(REPO_ROOT / "models" / "clover-demo", d / "demo-f16.gguf", "f16"),
+            "mid": clover_convert(mid_checkpoint, d / "mid-f16.gguf", "f16")}
+
+
+def run_probe(gguf: Path, f16: Path, out_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    env = dict(os.environ, CLOVER_NATIVE_QUIET="1", CLOVER_THREADS=os.environ.get("CLOVER_THREADS", "2"))
+    done = subprocess.run([str(VENV_PYTHON), str(PROBE), str(gguf), str(f16), str(out_dir)], capture_output=True,
+                          text=True, env=env, cwd=REPO_ROOT, timeout=900)
+    if done.returncode < 0:
+        pytest.fail(f"{gguf.name}: the probe crashed with {signal.Signals(-done.returncode).name} "
+                    f"(CPU: {cpu.read_cpuinfo().summary()}):\n{done.stderr[-3000:]}", pytrace=False)
+    assert done.returncode == 0, f"{gguf.name}: probe failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    result = json.loads((out_dir / "result.json").read_text())
+    with np.load(out_dir / "logits.npz") as z:
+        return result, {k: z[k].astype(np.float64) for k in z.files}
+
+
+@pytest.mark.parametrize("model", ["demo", "mid"])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_extra_buffer_types_agree_with_plain_buffers(model: str, qtype: str, f16_models: dict[str, Path],
+                                                     tmp_path: Path, record_property) -> None:
+    gguf = quantize(f16_models[model], tmp_path / f"{model}-{qtype}.gguf", qtype)
+    result, logits = run_probe(gguf, f16_models[model], tmp_path)
+    extra, plain = result["extra"], result["plain"]
+    assert not {"AMX", "CPU_REPACK"} & set(plain["buffer_types"]), plain["buffer_types"]
+    measured: dict = {"buffer_types": extra["buffer_types"]}
+    max_diff = 0.0
+    for kind in ("causal", "block"):
+        a, b, f = logits[f"extra_{kind}"], logits[f"plain_{kind}"], logits[f"f16_{kind}"]
+        assert a.shape == b.shape and np.isfinite(a).all(), f"{kind}: non-finite or misshapen logits"
+        diff = float(np.abs(a - b).max())
+        max_diff = max(max_diff, diff)
+        kl_settings, _ = kl_top1(b, a)
+        kl_quant, _ = kl_top1(f, b)
+        top2 = np.sort(b, axis=-1)[:, -2:]
+        decisive = (top2[:, 1] - top2[:, 0]) > 2 * diff
+        flips = int((a.argmax(-1) != b.argmax(-1))[decisive].sum())
+        measured[kind] = {"max_abs_diff": diff, "rel": diff / max(1.0, float(np.abs(b).max())),
+                          "kl_settings": kl_settings, "kl_quantization": kl_quant, "decisive_flips": flips}
+        assert kl_settings <= KL_SHARE * kl_quant, \
+            f"{model} {qtype} {kind}: extra buffer types {extra['buffer_types']} move the logits by KL " \
+            f"{kl_settings:.3g}, more than {KL_SHARE} of quantization's own {kl_quant:.3g}"
+        assert flips == 0, f"{model} {qtype} {kind}: top-1 differs on {flips} decisive rows"
+    measured["differences"] = result["differences"]
+    record(f"extra_bufts_{model}_{qtype}", measured)
+    dump_results()
+    for mode, where in result["differences"].items():
+        if where is not None:
+            assert where["margin"] < TIE_FACTOR * max_diff, \
+                f"{model} {qtype} {mode}: the settings diverge at {where['at']}, where the plain model's margin " \
+                f"{where['margin']:.4g} is not a near-tie (tolerance {TIE_FACTOR * max_diff:.3g})"
+    for setting in (extra, plain):
+        for mode, run in setting["modes"].items():
+            assert len(run["tokens"]) == 32, (mode, len(run["tokens"]))
+    used = [b for b in extra["buffer_types"] if b in ("AMX", "CPU_REPACK")]
+    if cpu.read_cpuinfo().has_amx:
+        record_property("note", f"extra buffer types {model} {qtype}: {', '.join(used) or 'none used'}; "
+                                f"max logit diff {max_diff:.2g}")
+    else:
+        record_property("note", "extra buffer types: this CPU has no AMX, so the agreement test compared the "
+                                "repacked layouts (CPU_REPACK) with plain buffers only")
