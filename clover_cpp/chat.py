@@ -29,7 +29,7 @@ from .worker import default_max_block_size
 
 HELP = """commands:
   /think on|off           reasoning (enable_thinking) for the next answers
-  /mode ar|diffusion|spec decoding mode
+  /mode auto|ar|diffusion|spec decoding mode
   /block N | default      block size B (1..{max_block})
   /threshold X | default  confidence threshold in [0, 1] (default: calibrated for B)
   /reset                  forget the conversation
@@ -38,13 +38,13 @@ HELP = """commands:
   /exit, /quit, Ctrl-D    leave
 Ctrl-C stops the answer being generated; the chat goes on."""
 
-MODES = ("ar", "diffusion", "spec")
+MODES = ("ar", "diffusion", "spec", "auto")
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 
 
 @dataclass(frozen=True)
 class Settings:
-    mode: str = "diffusion"
+    mode: str = "auto"
     block_size: int | None = None
     threshold: float | None = None
     enable_thinking: bool = True
@@ -316,7 +316,7 @@ class ChatApp:
         head = "[ar]" if st.mode == "ar" else f"[{st.mode} B={st.block_size} threshold={st.threshold:.3g}]"
         stop = "interrupted" if interrupted else st.stop_reason
         return (f"{head} {st.generated_tokens} tokens, {st.decode_tok_s:.1f} tok/s, TPF {st.tokens_per_pass:.2f}, "
-                f"prefill {st.prompt_tokens} tokens, stop: {stop}")
+                f"prefill {st.prompt_tokens} tokens, {st.threads} thread{'s' * (st.threads != 1)}, stop: {stop}")
 
     def _generate(self, user_text: str, ids: list[int], max_tokens: int, in_reasoning: bool) -> Turn:
         visual = self.visual and self.settings.mode != "ar"

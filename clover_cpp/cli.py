@@ -1,6 +1,6 @@
 """`clover-cpp`: the native Clover engine from the command line.
 
-    clover-cpp generate -m MODEL.gguf -p TEXT [--mode ar|diffusion|spec] [--block-size B] [--threshold T]
+    clover-cpp generate -m MODEL.gguf -p TEXT [--mode auto|ar|diffusion|spec] [--block-size B] [--threshold T]
                         [-n N] [--draft-steps S] [--temperature T --top-k K --top-p P --seed S] [--json]
     clover-cpp imatrix -m F16.gguf -f CALIB.txt [-o imatrix.gguf] [--chunk-size 512] [--chunks N]
                        [--block-size B] [--no-masked] [--seed S] [-t N] [-ngl N]       (clover_cpp/imatrix.py)
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="continue a prompt with the native engine")
     gen.add_argument("-m", "--model", required=True, help="Clover GGUF file")
     gen.add_argument("-p", "--prompt", required=True)
-    gen.add_argument("--mode", choices=["ar", "diffusion", "spec"], default="diffusion")
+    gen.add_argument("--mode", choices=["ar", "diffusion", "spec", "auto"], default="auto",
+                     help="auto (default): lossless, faster than ar where drafts are accepted; diffusion changes the output")
     gen.add_argument("--block-size", type=int, default=None)
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--draft-steps", type=int, default=0)
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
-    gen.add_argument("-t", "--threads", type=int, default=0)
+    gen.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
 
@@ -74,11 +75,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Loading and decoding options shared by chat and serve."""
     p.add_argument("-m", "--model", required=True, help="Clover GGUF file")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
-    p.add_argument("-t", "--threads", type=int, default=0)
+    p.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn/request may use "
                    "(0 = the largest of the model's block size and calibrated sizes)")
-    p.add_argument("--mode", choices=["ar", "diffusion", "spec"], default="diffusion")
+    p.add_argument("--mode", choices=["ar", "diffusion", "spec", "auto"], default="auto",
+                   help="auto (default): lossless, faster than ar where drafts are accepted; diffusion changes the output")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -174,7 +176,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"[{stats.mode}] {stats.generated_tokens} tokens, {stats.block_passes} block + "
               f"{stats.causal_passes} causal passes, {stats.tokens_per_pass:.2f} tokens/pass, "
               f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
-              f"stop: {stats.stop_reason}", file=sys.stderr)
+              f"{stats.threads} thread{'s' * (stats.threads != 1)}, stop: {stats.stop_reason}", file=sys.stderr)
     return 0
 
 

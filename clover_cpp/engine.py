@@ -22,7 +22,11 @@ CLOVER_HIST_SIZE = 65
 CLOVER_MODE_AR = 0
 CLOVER_MODE_DIFFUSION = 1
 CLOVER_MODE_SPEC = 2
-MODES = {"ar": CLOVER_MODE_AR, "diffusion": CLOVER_MODE_DIFFUSION, "spec": CLOVER_MODE_SPEC}
+CLOVER_MODE_AUTO = 3
+MODES = {"ar": CLOVER_MODE_AR, "diffusion": CLOVER_MODE_DIFFUSION, "spec": CLOVER_MODE_SPEC, "auto": CLOVER_MODE_AUTO}
+
+# enum clover_draft_kind (clover_stats.auto_rounds)
+DRAFT_KINDS = ("none", "ngram", "block")
 
 # enum clover_stop_reason
 CLOVER_STOP_NONE = 0
@@ -81,6 +85,17 @@ class clover_gen_params(ctypes.Structure):
     ]
 
 
+class clover_pass_costs(ctypes.Structure):
+    _fields_ = [
+        ("ar_ms", ctypes.c_float),
+        ("causal_fixed_ms", ctypes.c_float),
+        ("causal_row_ms", ctypes.c_float),
+        ("rebuild_ms", ctypes.c_float),
+        ("block_fixed_ms", ctypes.c_float),
+        ("block_row_ms", ctypes.c_float),
+    ]
+
+
 class clover_stats(ctypes.Structure):
     _fields_ = [
         ("n_prompt_tokens", ctypes.c_int32),
@@ -93,6 +108,10 @@ class clover_stats(ctypes.Structure):
         ("steps_per_block", ctypes.c_int32 * CLOVER_HIST_SIZE),
         ("accepted_lengths", ctypes.c_int32 * CLOVER_HIST_SIZE),
         ("stop_reason", ctypes.c_int32),
+        ("auto_rounds", ctypes.c_int32 * len(DRAFT_KINDS)),
+        ("auto_drafted", ctypes.c_int32),
+        ("auto_accepted", ctypes.c_int32),
+        ("costs", clover_pass_costs),
     ]
 
 
@@ -116,10 +135,15 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_engine_context": (ctypes.c_void_p, [clover_engine_p]),
     "clover_engine_reset": (None, [clover_engine_p]),
     "clover_engine_n_past": (ctypes.c_int32, [clover_engine_p]),
+    "clover_engine_n_threads": (ctypes.c_int32, [clover_engine_p]),
+    "clover_default_n_threads": (ctypes.c_int32, []),
     "clover_generate": (ctypes.c_int32, [clover_engine_p, llama_token_p, ctypes.c_int32,
                                          ctypes.POINTER(clover_gen_params), clover_tokens_cb, clover_step_cb,
                                          ctypes.c_void_p, ctypes.POINTER(clover_stats)]),
     "clover_engine_last_error": (ctypes.c_char_p, [clover_engine_p]),
+    "clover_engine_measure_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
+    "clover_engine_set_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
+    "clover_engine_get_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
 }
 
 _lib: ctypes.CDLL | None = None

@@ -69,6 +69,27 @@ def _hist(values: Sequence[int]) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class PassCosts:
+    """Auto mode's cost table, in ms (clover.h): an ar step in a run of them costs ar_ms, a causal pass of w rows in
+    a run of same-width passes causal_fixed_ms + w * causal_row_ms, a pass whose shape changed rebuild_ms more,
+    and a block pass of w rows block_fixed_ms + w * block_row_ms."""
+
+    ar_ms: float
+    causal_fixed_ms: float
+    causal_row_ms: float
+    rebuild_ms: float
+    block_fixed_ms: float
+    block_row_ms: float
+
+    @classmethod
+    def from_c(cls, c: engine.clover_pass_costs) -> "PassCosts":
+        return cls(*(float(getattr(c, name)) for name, _ in engine.clover_pass_costs._fields_))
+
+    def to_c(self) -> engine.clover_pass_costs:
+        return engine.clover_pass_costs(*(float(v) for v in vars(self).values()))
+
+
 @dataclass
 class Stats:
     """What one generate call did. Histograms are lists indexed by value (``steps_per_block[s]`` = number
@@ -88,14 +109,22 @@ class Stats:
     accepted_lengths: list[int] = field(default_factory=list)
     stop_reason: str = ""
     wall_s: float = 0.0
+    threads: int = 0
+    auto_rounds: dict[str, int] = field(default_factory=dict)  # auto: rounds by draft kind (none, ngram, block)
+    auto_drafted: int = 0          # auto: draft tokens verified
+    auto_accepted: int = 0         # auto: draft tokens accepted
+    costs: PassCosts | None = None  # auto: the cost table its decisions used
 
     @classmethod
     def from_c(cls, s: engine.clover_stats, mode: str, block_size: int, threshold: float,
-               wall_s: float) -> "Stats":
+               wall_s: float, threads: int) -> "Stats":
+        auto = mode == "auto"
         return cls(mode, block_size, threshold, int(s.n_prompt_tokens), int(s.n_generated),
                    int(s.n_block_passes), int(s.n_causal_passes), float(s.t_prefill_ms), float(s.t_block_ms),
                    float(s.t_causal_ms), _hist(s.steps_per_block), _hist(s.accepted_lengths),
-                   engine.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s)
+                   engine.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s,
+                   threads, dict(zip(engine.DRAFT_KINDS, (int(n) for n in s.auto_rounds))) if auto else {},
+                   int(s.auto_drafted), int(s.auto_accepted), PassCosts.from_c(s.costs) if auto else None)
 
     @property
     def passes(self) -> int:
@@ -149,8 +178,10 @@ class Stats:
             "ms_per_block_pass": self.ms_per_block_pass, "ms_per_causal_pass": self.ms_per_causal_pass,
             "steps_per_block_hist": list(self.steps_per_block),
             "accepted_lengths_hist": list(self.accepted_lengths),
-            "stop_reason": self.stop_reason, "wall_s": self.wall_s,
-        }
+            "stop_reason": self.stop_reason, "wall_s": self.wall_s, "threads": self.threads,
+        } | ({"auto_rounds": dict(self.auto_rounds), "auto_drafted": self.auto_drafted,
+              "auto_accepted": self.auto_accepted, "costs": vars(self.costs) if self.costs else None}
+             if self.mode == "auto" else {})
 
 
 @dataclass
@@ -240,7 +271,7 @@ class _Call:
         return int(rc), time.perf_counter() - start
 
     def result_stats(self, wall_s: float) -> Stats:
-        return Stats.from_c(self.stats, self.mode, self.block_size, self.threshold, wall_s)
+        return Stats.from_c(self.stats, self.mode, self.block_size, self.threshold, wall_s, self.model.n_threads)
 
     def raise_for(self, rc: int) -> None:
         if self.error is not None:
@@ -413,6 +444,32 @@ class Model(native.NativeHandle):
     @property
     def n_ctx(self) -> int:
         return int(native.llama().llama_n_ctx(self.llama_context))
+
+    # ---------------------------------------------------------------------------------- auto's cost table
+    @property
+    def pass_costs(self) -> PassCosts | None:
+        """The cost table auto mode decides with: measured by the first auto call, or set; None before."""
+        c = engine.clover_pass_costs()
+        return PassCosts.from_c(c) if engine.lib().clover_engine_get_costs(self._handle(), ctypes.byref(c)) == 0 else None
+
+    @pass_costs.setter
+    def pass_costs(self, costs: PassCosts) -> None:
+        """Fix the table (reproducible auto decisions; tests inject one)."""
+        c = costs.to_c()
+        if engine.lib().clover_engine_set_costs(self._handle(), ctypes.byref(c)) != 0:
+            raise ValueError(self.last_error() or "invalid pass costs")
+
+    def measure_pass_costs(self) -> PassCosts:
+        """Measure the table now, on the scratch sequence (the history is not touched)."""
+        c = engine.clover_pass_costs()
+        if engine.lib().clover_engine_measure_costs(self._handle(), ctypes.byref(c)) != 0:
+            raise EngineError(self.last_error() or "measuring pass costs failed")
+        return PassCosts.from_c(c)
+
+    @property
+    def n_threads(self) -> int:
+        """Threads the engine decodes with (``n_threads=0`` resolves to the usable physical cores)."""
+        return int(engine.lib().clover_engine_n_threads(self._handle()))
 
     @property
     def n_past(self) -> int:

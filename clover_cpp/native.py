@@ -249,7 +249,7 @@ class Context(NativeHandle):
         p.n_seq_max = 2
         p.kv_unified = True
         p.n_rs_seq = n_rs_seq
-        threads = n_threads or int(os.environ.get("CLOVER_THREADS", str(os.cpu_count() or 1)))
+        threads = n_threads or int(os.environ.get("CLOVER_THREADS") or 0) or default_threads()
         p.n_threads = threads
         p.n_threads_batch = threads
         self.model = model
@@ -327,6 +327,13 @@ class Context(NativeHandle):
 
     def _free(self, ptr: Any) -> None:
         llama().llama_free(ptr)
+
+
+def default_threads() -> int:
+    """The engine's default thread count: the physical cores this process may use (libclover)."""
+    from . import engine  # noqa: PLC0415 - engine imports this module
+
+    return int(engine.lib().clover_default_n_threads())
 
 
 def load_model(path: str | os.PathLike[str]) -> Model:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .model import Stats
 from .output_parser import ToolCall
 
-MODES = ("ar", "diffusion", "spec")
+MODES = ("ar", "diffusion", "spec", "auto")
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -113,7 +113,7 @@ class CloverFields(_Lenient):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # clover extras
-    mode: Literal["ar", "diffusion", "spec"] | None = None
+    mode: Literal["ar", "diffusion", "spec", "auto"] | None = None
     block_size: int | None = Field(default=None, ge=1)
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     ignore_eos: bool = False

@@ -12,7 +12,7 @@ from pathlib import Path
 import clover_cpp
 
 DEFAULT_PROMPT = "def fibonacci(n):\n"
-MODES = ("ar", "diffusion", "spec")
+MODES = ("ar", "auto", "diffusion", "spec")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--max-tokens", type=int, default=96)
     args = parser.parse_args(argv)
     rows = []
-    with clover_cpp.Model(str(args.model), n_threads=2) as model:
+    with clover_cpp.Model(str(args.model)) as model:  # the engine's default threads, as a user gets them
+        model_threads = model.n_threads
         for mode in MODES:
             model.reset()
             result = model.run(args.prompt, mode=mode, max_tokens=args.max_tokens)
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- {mode} (B={s.block_size}, threshold={s.threshold:.2f}) ---")
             print(args.prompt + model.detokenize(result.tokens))
             rows.append((mode, s.generated_tokens, s.decode_tok_s, s.tokens_per_pass, s.block_passes, s.causal_passes))
+    print(f"({model_threads} threads: the physical cores this process may use)")
     print("| mode | tokens | decode tok/s | TPF | block passes | causal passes |")
     print("|---|---:|---:|---:|---:|---:|")
     for mode, tokens, tok_s, tpf, blocks, causal in rows:

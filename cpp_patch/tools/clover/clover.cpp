@@ -3,6 +3,7 @@
 // that the PyTorch reference (reference/decode.py) implements; in greedy mode this engine is token-identical to it.
 
 #include "clover.h"
+#include "clover-impl.h"
 
 #include "ggml.h"
 #include "gguf.h"
@@ -21,37 +22,6 @@
 #include <string>
 #include <vector>
 
-static const llama_seq_id CLOVER_SEQ_HISTORY = 0;
-static const llama_seq_id CLOVER_SEQ_SCRATCH = 1;
-
-struct clover_engine {
-    llama_model       * model = nullptr;
-    llama_context     * ctx   = nullptr;
-    const llama_vocab * vocab = nullptr;
-    llama_memory_t      mem   = nullptr;
-
-    clover_model_info info = {};
-
-    int32_t n_ctx          = 0;  // logical context size (llama.cpp may pad its own)
-    int32_t n_batch        = 0;
-    int32_t max_block_size = 0;
-    int32_t n_vocab        = 0;
-
-    std::vector<llama_token> eog_ids;  // the vocab's end-of-generation set
-
-    // committed history: positions [0, n_past) on seq 0; the seed sits at n_past
-    int32_t     n_past   = 0;
-    bool        has_seed = false;
-    llama_token seed     = 0;
-
-    llama_batch batch = {};
-    int32_t     batch_cap = 0;
-
-    std::vector<double>  probs;  // sampling scratch: Q over the vocabulary
-    std::vector<int32_t> order;  // sampling scratch: top-p order
-
-    std::string last_error;
-};
 
 //
 // helpers
@@ -63,7 +33,7 @@ static void clover_set_err(char * err, size_t err_size, const std::string & msg)
     }
 }
 
-static std::string clover_format(const char * fmt, ...) {
+std::string clover_format(const char * fmt, ...) {
     char buf[1024];
     va_list args;
     va_start(args, fmt);
@@ -72,12 +42,29 @@ static std::string clover_format(const char * fmt, ...) {
     return buf;
 }
 
-static double clover_now_ms() {
+// a message through llama.cpp's log callback (what llama_log_set installed), as llama.cpp's own messages
+void clover_log(ggml_log_level level, const char * fmt, ...) {
+    char buf[1024];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    ggml_log_callback cb = nullptr;
+    void * user_data = nullptr;
+    llama_log_get(&cb, &user_data);
+    if (cb) {
+        cb(level, buf, user_data);
+    } else {
+        fputs(buf, stderr);
+    }
+}
+
+double clover_now_ms() {
     using clock = std::chrono::steady_clock;
     return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
 }
 
-static void clover_hist_add(int32_t * hist, int32_t value) {
+void clover_hist_add(int32_t * hist, int32_t value) {
     hist[std::min(std::max(value, 0), CLOVER_HIST_SIZE - 1)]++;
 }
 
@@ -262,7 +249,7 @@ static bool clover_decode(clover_engine * eng, const char * what) {
 }
 
 // causal pass appending tokens to the history (seq 0) at positions n_past ..; logits for rows
-static bool clover_causal(clover_engine * eng, const llama_token * tokens, int32_t n,
+bool clover_causal(clover_engine * eng, const llama_token * tokens, int32_t n,
                           const std::vector<int32_t> & rows, const char * what) {
     if (n > eng->batch_cap) {
         eng->last_error = clover_format("internal error: a causal pass of %d tokens exceeds the batch (%d)", n, eng->batch_cap);
@@ -273,12 +260,25 @@ static bool clover_causal(clover_engine * eng, const llama_token * tokens, int32
         return false;
     }
     eng->n_past += n;
+    eng->history.insert(eng->history.end(), tokens, tokens + n);
+    return true;
+}
+
+// forget history positions [keep, n_past): the recurrent state rolls back within n_rs_seq positions
+bool clover_rollback(clover_engine * eng, int32_t keep) {
+    if (keep < eng->n_past && !llama_memory_seq_rm(eng->mem, CLOVER_SEQ_HISTORY, keep, -1)) {
+        eng->last_error = clover_format("rollback of positions %d .. %d refused (n_rs_seq = %u)",
+                keep, eng->n_past - 1, llama_n_rs_seq(eng->ctx));
+        return false;
+    }
+    eng->n_past = std::min(eng->n_past, keep);
+    eng->history.resize(eng->n_past);
     return true;
 }
 
 // block pass over the window at positions n_past .. on a scratch copy of the history; logits for rows.
 // The history (seq 0) is never written.
-static bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
+bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
     const int32_t n = (int32_t) window.size();
     if (n > eng->max_block_size || n > eng->batch_cap) {
         eng->last_error = clover_format("internal error: a block window of %d exceeds max_block_size %d", n, eng->max_block_size);
@@ -298,26 +298,9 @@ static bool clover_block(clover_engine * eng, const std::vector<llama_token> & w
 // distributions (spec 4, "Distributions and confidence")
 //
 
-struct clover_sampler {
-    std::vector<uint8_t> excluded;  // mask token and banned ids
-    std::vector<uint8_t> stop;      // end-of-generation ids
-    float        temperature = 0.0f;
-    int32_t      top_k       = 0;
-    float        top_p       = 1.0f;
-    std::mt19937 rng;
-
-    bool greedy() const { return !(temperature > 0.0f); }
-
-    double uniform() {
-        // 53-bit uniform in [0, 1) from two 32-bit draws (portable across standard libraries)
-        const uint64_t a = rng() >> 5;
-        const uint64_t b = rng() >> 6;
-        return (double) (a * 67108864ull + b) / 9007199254740992.0;
-    }
-};
 
 // float32 logits of batch row i (NULL with last_error set when llama.cpp has none)
-static const float * clover_get_row(clover_engine * eng, int32_t i) {
+const float * clover_get_row(clover_engine * eng, int32_t i) {
     const float * logits = llama_get_logits_ith(eng->ctx, i);
     if (!logits) {
         eng->last_error = clover_format("llama_get_logits_ith(%d) returned no logits", i);
@@ -325,13 +308,8 @@ static const float * clover_get_row(clover_engine * eng, int32_t i) {
     return logits;
 }
 
-// argmax P (ties to the lowest id) and its confidence P(token) at temperature 1
-struct clover_choice {
-    llama_token token;
-    float       conf;
-};
 
-static llama_token clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab) {
+llama_token clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab) {
     llama_token best = -1;
     float       best_v = -std::numeric_limits<float>::infinity();
     for (int32_t i = 0; i < n_vocab; ++i) {
@@ -347,7 +325,7 @@ static llama_token clover_argmax(const clover_sampler & smp, const float * logit
 }
 
 // P(token) with excluded ids at -inf, softmax at temperature 1 (float32 result)
-static float clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v) {
+float clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v) {
     double sum = 0.0;
     for (int32_t i = 0; i < n_vocab; ++i) {
         if (!smp.excluded[i]) {
@@ -357,9 +335,9 @@ static float clover_prob(const clover_sampler & smp, const float * logits, int32
     return (float) (std::exp((double) logits[token] - (double) max_v) / sum);
 }
 
-// Q: P after temperature, top-k, top-p; written to q (n_vocab doubles, zero outside the support)
-static void clover_sampling_dist(clover_engine * eng, const clover_sampler & smp, const float * logits, std::vector<double> & q) {
-    const int32_t n_vocab = eng->n_vocab;
+// Q: P after temperature, top-k, top-p; written to smp.probs (n_vocab doubles, zero outside the support)
+void clover_sampling_dist(clover_sampler & smp, const float * logits, int32_t n_vocab) {
+    std::vector<double> & q = smp.probs;
     q.assign(n_vocab, 0.0);
     if (smp.greedy()) {
         q[clover_argmax(smp, logits, n_vocab)] = 1.0;
@@ -397,7 +375,7 @@ static void clover_sampling_dist(clover_engine * eng, const clover_sampler & smp
         }
     }
     if (smp.top_p < 1.0f) {
-        auto & order = eng->order;
+        auto & order = smp.order;
         order.clear();
         for (int32_t i = 0; i < n_vocab; ++i) {
             if (q[i] > 0.0) {
@@ -428,7 +406,7 @@ static void clover_sampling_dist(clover_engine * eng, const clover_sampler & smp
     }
 }
 
-static llama_token clover_draw(clover_sampler & smp, const std::vector<double> & q) {
+llama_token clover_draw(clover_sampler & smp, const std::vector<double> & q) {
     double total = 0.0;
     for (double v : q) {
         total += v;
@@ -450,14 +428,14 @@ static llama_token clover_draw(clover_sampler & smp, const std::vector<double> &
 }
 
 // the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
-static clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, const float * logits) {
+clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, const float * logits) {
     const int32_t n_vocab = eng->n_vocab;
     const llama_token best = clover_argmax(smp, logits, n_vocab);
     const float max_v = logits[best];
     llama_token token = best;
     if (!smp.greedy()) {
-        clover_sampling_dist(eng, smp, logits, eng->probs);
-        token = clover_draw(smp, eng->probs);
+        clover_sampling_dist(smp, logits, n_vocab);
+        token = clover_draw(smp, smp.probs);
     }
     return { token, clover_prob(smp, logits, n_vocab, token, max_v) };
 }
@@ -466,25 +444,8 @@ static clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, co
 // one generate call
 //
 
-struct clover_run {
-    clover_engine         * eng;
-    const clover_gen_params * params;
-    clover_sampler          smp;
-    int32_t                 block_size;
-    float                   threshold;
-    int32_t                 budget;
-    int32_t                 n_out = 0;
-    clover_tokens_cb        on_tokens;
-    clover_step_cb          on_step;
-    void                  * user_data;
-    clover_stats          * stats;
-    bool                    cancelled = false;
 
-    int32_t remaining() const { return budget - n_out; }
-    bool is_stop(llama_token t) const { return t >= 0 && t < (llama_token) smp.stop.size() && smp.stop[t]; }
-};
-
-static bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n) {
+bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n) {
     if (n <= 0) {
         return true;
     }
@@ -498,7 +459,7 @@ static bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n)
 }
 
 // window width for the next block: B, or what is left of the context (spec 4.1); 0 ends generation
-static int32_t clover_block_width(clover_run & run) {
+int32_t clover_block_width(clover_run & run) {
     const int32_t width = std::min(run.block_size, run.eng->n_ctx - run.eng->n_past);
     if (width < 1) {
         run.stats->stop_reason = CLOVER_STOP_CONTEXT;
@@ -507,7 +468,7 @@ static int32_t clover_block_width(clover_run & run) {
     return width;
 }
 
-static bool clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
+bool clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
     const double t0 = clover_now_ms();
     const bool ok = clover_block(run.eng, window, rows);
     run.stats->t_block_ms += clover_now_ms() - t0;
@@ -515,7 +476,7 @@ static bool clover_timed_block(clover_run & run, const std::vector<llama_token> 
     return ok;
 }
 
-static bool clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows, const char * what) {
+bool clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows, const char * what) {
     const double t0 = clover_now_ms();
     const bool ok = clover_causal(run.eng, tokens, n, rows, what);
     run.stats->t_causal_ms += clover_now_ms() - t0;
@@ -523,9 +484,8 @@ static bool clover_timed_causal(clover_run & run, const llama_token * tokens, in
     return ok;
 }
 
-static const llama_token CLOVER_EMPTY = -1;
 
-static void clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window) {
+void clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window) {
     const int32_t w = (int32_t) canvas.size();
     window.resize(w);
     window[0] = run.eng->seed;
@@ -723,11 +683,80 @@ static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_toke
     return true;
 }
 
-static bool clover_run_spec(clover_run & run) {
+// Verification and acceptance (spec 4.2, steps 2-4): one causal pass over [seed, drafts[0 .. width-2]] with all
+// width rows; output a_j is compared with draft d_j (j < n_drafts; a missing draft is never accepted, so all
+// drafts accepted gives a_{n_drafts+1} as a free token). m = min(c+1, width, R, first end-of-generation); emits
+// a_1 .. a_m but an end-of-generation token, keeps history through p+m-1, and a_m becomes the seed. With
+// width 1 and no draft this is exactly an ar step. Greedy: accepted when argmax P equals the draft; sampling:
+// with probability Q(d), else a draw from Q without d.
+bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round) {
     clover_engine * eng = run.eng;
-    std::vector<llama_token> drafts;
+    const int32_t p = eng->n_past;
+    std::vector<llama_token> inputs(width);
+    inputs[0] = eng->seed;
+    for (int32_t j = 0; j + 1 < width; ++j) {
+        inputs[j + 1] = drafts[j];
+    }
+    std::vector<int32_t> rows(width);
+    for (int32_t j = 0; j < width; ++j) {
+        rows[j] = j;
+    }
+    if (!clover_timed_causal(run, inputs.data(), width, rows, width == 1 ? "ar step" : "verification pass")) {
+        return false;
+    }
+    round = {};
     std::vector<llama_token> out;
-    std::vector<double>      residual;
+    llama_token next_seed = eng->seed;
+    for (int32_t j = 1; j <= width; ++j) {
+        const float * logits = clover_get_row(eng, j - 1);
+        if (!logits) {
+            return false;
+        }
+        const bool        has_draft = j <= n_drafts;
+        const llama_token draft     = has_draft ? drafts[j - 1] : -1;
+        bool        accepted = false;
+        llama_token token;
+        if (run.smp.greedy()) {
+            token    = clover_argmax(run.smp, logits, eng->n_vocab);
+            accepted = has_draft && token == draft;
+        } else {
+            clover_sampling_dist(run.smp, logits, eng->n_vocab);
+            if (has_draft) {
+                accepted = run.smp.uniform() < run.smp.probs[draft];
+            }
+            if (accepted) {
+                token = draft;
+            } else {
+                if (has_draft) {
+                    run.smp.probs[draft] = 0.0;
+                }
+                token = clover_draw(run.smp, run.smp.probs);
+            }
+        }
+        round.m      = j;
+        round.n_accepted += accepted ? 1 : 0;
+        next_seed    = token;
+        if (run.is_stop(token)) {
+            round.hit_eog = true;
+            break;
+        }
+        out.push_back(token);
+        if (!accepted || j == width || (int32_t) out.size() == run.remaining()) {
+            break;
+        }
+    }
+    round.n_compared = std::min(round.m, n_drafts);
+
+    // keep history through p+m-1, roll back p+m .. p+width-1; a_{p+m} is the next seed
+    if (!clover_rollback(eng, p + round.m)) {
+        return false;
+    }
+    eng->seed = next_seed;
+    return clover_emit(run, out.data(), (int32_t) out.size());
+}
+
+static bool clover_run_spec(clover_run & run) {
+    std::vector<llama_token> drafts;
     while (run.remaining() > 0) {
         const int32_t width = clover_block_width(run);
         if (width == 0) {
@@ -736,83 +765,182 @@ static bool clover_run_spec(clover_run & run) {
         if (!clover_draft(run, width, drafts)) {
             return false;
         }
-
-        // verify: one causal pass over [seed, d_1 .. d_{B-1}] with logits for all B rows
-        const int32_t p = eng->n_past;
-        std::vector<llama_token> inputs(width);
-        inputs[0] = eng->seed;
-        for (int32_t j = 0; j + 1 < width; ++j) {
-            inputs[j + 1] = drafts[j];
-        }
-        std::vector<int32_t> rows(width);
-        for (int32_t j = 0; j < width; ++j) {
-            rows[j] = j;
-        }
-        if (!clover_timed_causal(run, inputs.data(), width, rows, "verification pass")) {
+        clover_round round;
+        if (!clover_verify(run, drafts.data(), width, width, round)) {
             return false;
         }
-
-        // accept: m = min(c+1, B, R, first end-of-generation offset)
-        out.clear();
-        bool    hit_eog = false;
-        int32_t m       = 0;
-        llama_token next_seed = eng->seed;
-        for (int32_t j = 1; j <= width; ++j) {
-            const float * logits = clover_get_row(eng, j - 1);
-            if (!logits) {
-                return false;
-            }
-            const llama_token draft = drafts[j - 1];
-            bool        accepted;
-            llama_token token;
-            if (run.smp.greedy()) {
-                token    = clover_argmax(run.smp, logits, eng->n_vocab);
-                accepted = token == draft;
-            } else {
-                clover_sampling_dist(eng, run.smp, logits, eng->probs);
-                const double qd = eng->probs[draft];
-                accepted = run.smp.uniform() < qd;
-                if (accepted) {
-                    token = draft;
-                } else {
-                    residual = eng->probs;
-                    residual[draft] = 0.0;
-                    token = clover_draw(run.smp, residual);
-                }
-            }
-            m         = j;
-            next_seed = token;
-            if (run.is_stop(token)) {
-                hit_eog = true;
-                break;
-            }
-            out.push_back(token);
-            if (!accepted || j == width || (int32_t) out.size() == run.remaining()) {
-                break;
-            }
-        }
-
-        // keep history through p+m-1, roll back p+m .. p+B-1; a_{p+m} is the next seed
-        if (m < width) {
-            if (!llama_memory_seq_rm(eng->mem, CLOVER_SEQ_HISTORY, p + m, -1)) {
-                eng->last_error = clover_format("rollback of positions %d .. %d refused (n_rs_seq = %u)",
-                        p + m, p + width - 1, llama_n_rs_seq(eng->ctx));
-                return false;
-            }
-        }
-        eng->n_past = p + m;
-        eng->seed   = next_seed;
-        clover_hist_add(run.stats->accepted_lengths, m);
-        if (!clover_emit(run, out.data(), (int32_t) out.size())) {
-            return false;
-        }
-        if (hit_eog) {
+        clover_hist_add(run.stats->accepted_lengths, round.m);
+        if (round.hit_eog) {
             run.stats->stop_reason = CLOVER_STOP_EOG;
             return true;
         }
     }
     run.stats->stop_reason = CLOVER_STOP_LENGTH;
     return true;
+}
+
+//
+// clover_generate: validation, sampler set-up, prefill, dispatch
+//
+
+// the block size and threshold a call uses (spec 4.3), or an error message
+static bool clover_resolve_params(const clover_engine * eng, const clover_gen_params * params, int32_t & block_size,
+                                  float & threshold, std::string & err) {
+    if (params->mode < CLOVER_MODE_AR || params->mode > CLOVER_MODE_AUTO) {
+        err = clover_format("unknown mode %d (0 = ar, 1 = diffusion, 2 = spec, 3 = auto)", params->mode);
+        return false;
+    }
+    if (params->block_size < 0) {
+        err = clover_format("block size must be at least 1, got %d", params->block_size);
+        return false;
+    }
+    block_size = params->block_size > 0 ? params->block_size : eng->info.block_size;
+    if (block_size > eng->max_block_size) {
+        err = clover_format("block size %d exceeds this engine's max_block_size %d (set max_block_size when loading)",
+                block_size, eng->max_block_size);
+        return false;
+    }
+    threshold = params->threshold;
+    if (std::isnan(threshold) || threshold > 1.0f) {
+        err = clover_format("threshold must be in [0, 1] (or negative for the calibrated default), got %g", (double) threshold);
+        return false;
+    }
+    if (threshold < 0.0f) {
+        threshold = eng->info.threshold;
+        bool found = false;
+        for (int32_t i = 0; i < eng->info.n_calibrated && !found; ++i) {
+            if (eng->info.calibrated_block_sizes[i] == block_size) {
+                threshold = eng->info.calibrated_thresholds[i];
+                found = true;
+            }
+        }
+        if (!found && params->mode != CLOVER_MODE_AR && params->mode != CLOVER_MODE_AUTO) {
+            clover_log(GGML_LOG_LEVEL_WARN, "clover: block size %d is not among the calibrated sizes; using the default threshold %g\n",
+                    block_size, (double) eng->info.threshold);
+        }
+    }
+    return true;
+}
+
+// everything about a call's parameters that does not depend on the model, and the prompt's ids
+static bool clover_check_params(const clover_engine * eng, const clover_gen_params * params, const llama_token * prompt,
+                                int32_t n_prompt, std::string & err) {
+    if (!prompt || n_prompt <= 0) {
+        err = "the prompt is empty; at least one token is needed as the seed";
+        return false;
+    }
+    for (int32_t i = 0; i < n_prompt; ++i) {
+        if (prompt[i] < 0 || prompt[i] >= eng->n_vocab) {
+            err = clover_format("prompt token %d at index %d is outside the vocabulary (%d)", prompt[i], i, eng->n_vocab);
+            return false;
+        }
+    }
+    if (params->max_tokens < 0) {
+        err = clover_format("max_tokens must not be negative, got %d", params->max_tokens);
+    } else if (!(params->temperature >= 0.0f) || std::isinf(params->temperature)) {
+        err = clover_format("temperature must be a finite number >= 0, got %g", (double) params->temperature);
+    } else if (params->top_k < 0) {
+        err = clover_format("top_k must be >= 0 (0 = off), got %d", params->top_k);
+    } else if (!(params->top_p > 0.0f && params->top_p <= 1.0f)) {
+        err = clover_format("top_p must be in (0, 1], got %g", (double) params->top_p);
+    } else if (params->draft_steps < 0) {
+        err = clover_format("draft_steps must be >= 0, got %d", params->draft_steps);
+    } else if (params->draft_steps > 0 && params->temperature > 0.0f) {
+        err = "draft_steps applies to greedy decoding only (temperature 0)";
+    } else if (params->n_stop_ids > 0 && !params->stop_ids) {
+        err = "stop_ids is NULL while n_stop_ids > 0";
+    } else if (params->n_banned_ids > 0 && !params->banned_ids) {
+        err = "banned_ids is NULL while n_banned_ids > 0";
+    }
+    return err.empty();
+}
+
+// banned and stop ids, temperature, top-k/p and the seeded RNG
+static bool clover_init_sampler(const clover_engine * eng, const clover_gen_params * params, clover_sampler & smp,
+                                std::string & err) {
+    smp.excluded.assign(eng->n_vocab, 0);
+    smp.excluded[eng->info.mask_token_id] = 1;
+    for (int32_t i = 0; i < params->n_banned_ids; ++i) {
+        const llama_token t = params->banned_ids[i];
+        if (t < 0 || t >= eng->n_vocab) {
+            err = clover_format("banned id %d is outside the vocabulary (%d)", t, eng->n_vocab);
+            return false;
+        }
+        smp.excluded[t] = 1;
+    }
+    if (std::find(smp.excluded.begin(), smp.excluded.end(), 0) == smp.excluded.end()) {
+        err = "every token is banned";
+        return false;
+    }
+    smp.stop.assign(eng->n_vocab, 0);
+    if (params->n_stop_ids < 0) {
+        for (llama_token t : eng->eog_ids) {
+            smp.stop[t] = 1;
+        }
+    } else {
+        for (int32_t i = 0; i < params->n_stop_ids; ++i) {
+            const llama_token t = params->stop_ids[i];
+            if (t < 0 || t >= eng->n_vocab) {
+                err = clover_format("stop id %d is outside the vocabulary (%d)", t, eng->n_vocab);
+                return false;
+            }
+            smp.stop[t] = 1;
+        }
+    }
+    smp.temperature = params->temperature;
+    smp.top_k       = params->top_k;
+    smp.top_p       = params->top_p;
+    smp.rng.seed(params->seed);
+    return true;
+}
+
+// causal pass over [old seed, prompt[0 .. n-2]] in n_batch chunks; prompt[n-1] becomes the seed
+static bool clover_prefill(clover_engine * eng, const llama_token * prompt, int32_t n_prompt, clover_stats * stats) {
+    std::vector<llama_token> pending;
+    pending.reserve(n_prompt);
+    if (eng->has_seed) {
+        pending.push_back(eng->seed);
+    }
+    pending.insert(pending.end(), prompt, prompt + n_prompt - 1);
+    if ((int64_t) eng->n_past + (int64_t) pending.size() + 1 > eng->n_ctx) {
+        eng->last_error = clover_format("the prompt needs %lld positions, more than the context size %d",
+                (long long) eng->n_past + (long long) pending.size() + 1, eng->n_ctx);
+        return false;
+    }
+    const double t0 = clover_now_ms();
+    for (size_t i = 0; i < pending.size(); i += eng->n_batch) {
+        const int32_t n = (int32_t) std::min<size_t>(eng->n_batch, pending.size() - i);
+        if (!clover_causal(eng, pending.data() + i, n, {}, "prefill")) {
+            eng->last_error += "; the engine was reset";
+            clover_engine_reset(eng);
+            return false;
+        }
+    }
+    stats->t_prefill_ms = clover_now_ms() - t0;
+    eng->seed     = prompt[n_prompt - 1];
+    eng->has_seed = true;
+    return true;
+}
+
+static bool clover_dispatch(clover_run & run) {
+    if (run.budget == 0) {
+        run.stats->stop_reason = CLOVER_STOP_LENGTH;
+        return true;
+    }
+    switch (run.params->mode) {
+        case CLOVER_MODE_AR:        return clover_run_ar(run);
+        case CLOVER_MODE_DIFFUSION: return clover_run_diffusion(run);
+        case CLOVER_MODE_SPEC:      return clover_run_spec(run);
+        default:
+            if (!run.eng->has_costs) {
+                if (!clover_measure_costs(run.eng, run.eng->costs)) {
+                    return false;
+                }
+                run.eng->has_costs = true;
+            }
+            run.stats->costs = run.eng->costs;
+            return clover_run_auto(run);
+    }
 }
 
 //
@@ -933,10 +1061,9 @@ struct clover_engine * clover_engine_load(const char * path, struct clover_engin
     cparams.kv_unified = true;
     cparams.n_rs_seq   = max_block - 1;
     cparams.no_perf    = true;
-    if (params.n_threads > 0) {
-        cparams.n_threads       = params.n_threads;
-        cparams.n_threads_batch = params.n_threads;
-    }
+    const int32_t n_threads = params.n_threads > 0 ? params.n_threads : clover_default_n_threads();
+    cparams.n_threads       = n_threads;
+    cparams.n_threads_batch = n_threads;
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) {
         llama_model_free(model);
@@ -1013,10 +1140,15 @@ void clover_engine_reset(struct clover_engine * engine) {
     engine->n_past   = 0;
     engine->has_seed = false;
     engine->seed     = 0;
+    engine->history.clear();
 }
 
 int32_t clover_engine_n_past(const struct clover_engine * engine) {
     return engine ? engine->n_past : 0;
+}
+
+int32_t clover_engine_n_threads(const struct clover_engine * engine) {
+    return engine ? (int32_t) llama_n_threads(engine->ctx) : 0;
 }
 
 const char * clover_engine_last_error(const struct clover_engine * engine) {
@@ -1032,178 +1164,93 @@ int32_t clover_generate(struct clover_engine * engine, const llama_token * promp
     }
     clover_engine * eng = engine;
     eng->last_error.clear();
-
     clover_stats local_stats;
     if (!stats) {
         stats = &local_stats;
     }
     *stats = {};
     stats->n_prompt_tokens = n_prompt;
-
     const clover_gen_params defaults = clover_gen_default_params();
     if (!params) {
         params = &defaults;
     }
-    const auto fail = [&](const std::string & msg) {
-        eng->last_error = msg;
-        return -1;
-    };
-
-    // validation (nothing is touched before it passes)
-    if (params->mode < CLOVER_MODE_AR || params->mode > CLOVER_MODE_SPEC) {
-        return fail(clover_format("unknown mode %d (0 = ar, 1 = diffusion, 2 = spec)", params->mode));
-    }
-    if (!prompt || n_prompt <= 0) {
-        return fail("the prompt is empty; at least one token is needed as the seed");
-    }
-    for (int32_t i = 0; i < n_prompt; ++i) {
-        if (prompt[i] < 0 || prompt[i] >= eng->n_vocab) {
-            return fail(clover_format("prompt token %d at index %d is outside the vocabulary (%d)", prompt[i], i, eng->n_vocab));
-        }
-    }
-    const int32_t block_size = params->block_size > 0 ? params->block_size : eng->info.block_size;
-    if (params->block_size < 0) {
-        return fail(clover_format("block size must be at least 1, got %d", params->block_size));
-    }
-    if (block_size > eng->max_block_size) {
-        return fail(clover_format("block size %d exceeds this engine's max_block_size %d (set max_block_size when loading)",
-                    block_size, eng->max_block_size));
-    }
-    float threshold = params->threshold;
-    if (std::isnan(threshold) || threshold > 1.0f) {
-        return fail(clover_format("threshold must be in [0, 1] (or negative for the calibrated default), got %g", (double) threshold));
-    }
-    if (threshold < 0.0f) {
-        bool found = false;
-        for (int32_t i = 0; i < eng->info.n_calibrated; ++i) {
-            if (eng->info.calibrated_block_sizes[i] == block_size) {
-                threshold = eng->info.calibrated_thresholds[i];
-                found = true;
-                break;
-            }
-        }
-        if (!found) {
-            fprintf(stderr, "clover: warning: block size %d is not among the calibrated sizes; using the default threshold %g\n",
-                    block_size, (double) eng->info.threshold);
-            threshold = eng->info.threshold;
-        }
-    }
-    if (params->max_tokens < 0) {
-        return fail(clover_format("max_tokens must not be negative, got %d", params->max_tokens));
-    }
-    if (!(params->temperature >= 0.0f) || std::isinf(params->temperature)) {
-        return fail(clover_format("temperature must be a finite number >= 0, got %g", (double) params->temperature));
-    }
-    if (params->top_k < 0) {
-        return fail(clover_format("top_k must be >= 0 (0 = off), got %d", params->top_k));
-    }
-    if (!(params->top_p > 0.0f && params->top_p <= 1.0f)) {
-        return fail(clover_format("top_p must be in (0, 1], got %g", (double) params->top_p));
-    }
-    if (params->draft_steps < 0) {
-        return fail(clover_format("draft_steps must be >= 0, got %d", params->draft_steps));
-    }
-    if (params->draft_steps > 0 && params->temperature > 0.0f) {
-        return fail("draft_steps applies to greedy decoding only (temperature 0)");
-    }
-    if (params->n_stop_ids > 0 && !params->stop_ids) {
-        return fail("stop_ids is NULL while n_stop_ids > 0");
-    }
-    if (params->n_banned_ids > 0 && !params->banned_ids) {
-        return fail("banned_ids is NULL while n_banned_ids > 0");
-    }
 
     clover_run run;
-    run.eng        = eng;
-    run.params     = params;
-    run.block_size = block_size;
-    run.threshold  = threshold;
-    run.budget     = params->max_tokens;
-    run.on_tokens  = on_tokens;
-    run.on_step    = on_step;
-    run.user_data  = user_data;
-    run.stats      = stats;
+    std::string err;
+    if (!clover_resolve_params(eng, params, run.block_size, run.threshold, err) ||
+        !clover_check_params(eng, params, prompt, n_prompt, err) || !clover_init_sampler(eng, params, run.smp, err)) {
+        eng->last_error = err;  // nothing was touched
+        return -1;
+    }
+    run.eng       = eng;
+    run.params    = params;
+    run.budget    = params->max_tokens;
+    run.on_tokens = on_tokens;
+    run.on_step   = on_step;
+    run.user_data = user_data;
+    run.stats     = stats;
 
-    run.smp.excluded.assign(eng->n_vocab, 0);
-    run.smp.excluded[eng->info.mask_token_id] = 1;
-    for (int32_t i = 0; i < params->n_banned_ids; ++i) {
-        const llama_token t = params->banned_ids[i];
-        if (t < 0 || t >= eng->n_vocab) {
-            return fail(clover_format("banned id %d is outside the vocabulary (%d)", t, eng->n_vocab));
-        }
-        run.smp.excluded[t] = 1;
+    if (!clover_prefill(eng, prompt, n_prompt, stats)) {
+        return -1;
     }
-    if (std::find(run.smp.excluded.begin(), run.smp.excluded.end(), 0) == run.smp.excluded.end()) {
-        return fail("every token is banned");
-    }
-    run.smp.stop.assign(eng->n_vocab, 0);
-    if (params->n_stop_ids < 0) {
-        for (llama_token t : eng->eog_ids) {
-            run.smp.stop[t] = 1;
-        }
-    } else {
-        for (int32_t i = 0; i < params->n_stop_ids; ++i) {
-            const llama_token t = params->stop_ids[i];
-            if (t < 0 || t >= eng->n_vocab) {
-                return fail(clover_format("stop id %d is outside the vocabulary (%d)", t, eng->n_vocab));
-            }
-            run.smp.stop[t] = 1;
-        }
-    }
-    run.smp.temperature = params->temperature;
-    run.smp.top_k       = params->top_k;
-    run.smp.top_p       = params->top_p;
-    run.smp.rng.seed(params->seed);
-
-    // prefill: causal pass over [old seed, prompt[0 .. n-2]]
-    std::vector<llama_token> pending;
-    pending.reserve(n_prompt);
-    if (eng->has_seed) {
-        pending.push_back(eng->seed);
-    }
-    pending.insert(pending.end(), prompt, prompt + n_prompt - 1);
-    if ((int64_t) eng->n_past + (int64_t) pending.size() + 1 > eng->n_ctx) {
-        return fail(clover_format("the prompt needs %lld positions, more than the context size %d",
-                    (long long) eng->n_past + (long long) pending.size() + 1, eng->n_ctx));
-    }
-    {
-        const double t0 = clover_now_ms();
-        for (size_t i = 0; i < pending.size(); i += eng->n_batch) {
-            const int32_t n = (int32_t) std::min<size_t>(eng->n_batch, pending.size() - i);
-            if (!clover_causal(eng, pending.data() + i, n, {}, "prefill")) {
-                const std::string msg = eng->last_error;
-                clover_engine_reset(eng);
-                return fail(msg + "; the engine was reset");
-            }
-        }
-        stats->t_prefill_ms = clover_now_ms() - t0;
-    }
-    eng->seed     = prompt[n_prompt - 1];
-    eng->has_seed = true;
-
-    bool ok = true;
-    if (run.budget == 0) {
-        stats->stop_reason = CLOVER_STOP_LENGTH;
-    } else if (params->mode == CLOVER_MODE_AR) {
-        ok = clover_run_ar(run);
-    } else if (params->mode == CLOVER_MODE_DIFFUSION) {
-        ok = clover_run_diffusion(run);
-    } else {
-        ok = clover_run_spec(run);
-    }
+    const bool ok = clover_dispatch(run);
     stats->n_generated = run.n_out;
-
     if (run.cancelled) {
         clover_engine_reset(eng);
         stats->stop_reason = CLOVER_STOP_CANCELLED;
         return run.n_out;
     }
     if (!ok) {
-        const std::string msg = eng->last_error.empty() ? std::string("generation failed") : eng->last_error;
+        eng->last_error = (eng->last_error.empty() ? std::string("generation failed") : eng->last_error) + "; the engine was reset";
         clover_engine_reset(eng);
-        return fail(msg + "; the engine was reset");
+        return -1;
     }
     return run.n_out;
+}
+
+int32_t clover_engine_measure_costs(struct clover_engine * engine, struct clover_pass_costs * out) {
+    if (!engine) {
+        return -1;
+    }
+    clover_pass_costs costs;
+    if (!clover_measure_costs(engine, costs)) {
+        return -1;
+    }
+    engine->costs     = costs;
+    engine->has_costs = true;
+    if (out) {
+        *out = costs;
+    }
+    return 0;
+}
+
+int32_t clover_engine_set_costs(struct clover_engine * engine, const struct clover_pass_costs * costs) {
+    if (!engine || !costs) {
+        return -1;
+    }
+    const float v[] = { costs->ar_ms, costs->causal_fixed_ms, costs->causal_row_ms, costs->rebuild_ms,
+                        costs->block_fixed_ms, costs->block_row_ms };
+    for (float x : v) {
+        if (!std::isfinite(x) || x < 0.0f) {
+            engine->last_error = "pass costs must be finite and >= 0";
+            return -1;
+        }
+    }
+    if (!(costs->ar_ms > 0.0f) || !(costs->causal_fixed_ms + costs->causal_row_ms > 0.0f)) {
+        engine->last_error = "the ar step and a 1-row causal pass must cost more than 0 ms";
+        return -1;
+    }
+    engine->costs     = *costs;
+    engine->has_costs = true;
+    return 0;
+}
+
+int32_t clover_engine_get_costs(const struct clover_engine * engine, struct clover_pass_costs * out) {
+    if (!engine || !out || !engine->has_costs) {
+        return -1;
+    }
+    *out = engine->costs;
+    return 0;
 }
 
 } // extern "C"

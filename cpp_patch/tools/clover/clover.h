@@ -23,6 +23,26 @@ enum clover_mode {
     CLOVER_MODE_AR        = 0,
     CLOVER_MODE_DIFFUSION = 1,
     CLOVER_MODE_SPEC      = 2,
+    CLOVER_MODE_AUTO      = 3,  // lossless: each round verifies an n-gram draft, a block draft or nothing (docs/decoding.md)
+};
+
+// How an auto round was drafted (clover_stats.auto_rounds).
+enum clover_draft_kind {
+    CLOVER_DRAFT_NONE  = 0,  // an ar step
+    CLOVER_DRAFT_NGRAM = 1,  // tokens that followed the latest match of the last n-gram in the history
+    CLOVER_DRAFT_BLOCK = 2,  // argmax of one block pass, cut at the best expected tokens per ms
+    CLOVER_DRAFT_COUNT = 3,
+};
+
+// What a pass costs, in ms: auto mode's table. llama.cpp reuses a pass's graph when the previous pass had the
+// same shape, so costs are given for runs of same-shape passes, plus what a pass whose shape changed pays on top.
+struct clover_pass_costs {
+    float ar_ms;            // a 1-token causal step in a run of ar steps
+    float causal_fixed_ms;  // a causal pass of w rows in a run of same-width passes: fixed + w * row
+    float causal_row_ms;
+    float rebuild_ms;       // added to a pass whose graph is not reused (its shape differs from the previous one)
+    float block_fixed_ms;   // a block pass of w rows, right after a causal pass: fixed + w * row
+    float block_row_ms;
 };
 
 enum clover_stop_reason {
@@ -50,7 +70,7 @@ struct clover_engine_params {
     int32_t n_ctx;            // context size; 0 = min(n_ctx_train, 4096)
     int32_t n_batch;          // prefill chunk size (logical batch)
     int32_t max_block_size;   // largest B this engine accepts; 0 = max(block_size, calibrated sizes)
-    int32_t n_threads;        // 0 = llama.cpp's default
+    int32_t n_threads;        // 0 = clover_default_n_threads()
     int32_t n_gpu_layers;     // offloaded layers (0 = CPU)
     bool    use_extra_bufts;  // CPU extra buffer types (AMX, repacked weights); false = llama.cpp's --no-repack
 };
@@ -60,6 +80,7 @@ struct clover_gen_params {
     int32_t             block_size;    // 0 = clover.block_size
     float               threshold;     // < 0 = the calibrated threshold for block_size (spec 4.3)
     int32_t             draft_steps;   // spec mode: LowConfidence steps before the argmax draft (greedy only)
+                                       // (auto mode: block_size bounds the draft length)
     float               temperature;   // 0 = greedy
     int32_t             top_k;         // 0 = off
     float               top_p;         // 1 = off
@@ -82,6 +103,10 @@ struct clover_stats {
     int32_t steps_per_block[CLOVER_HIST_SIZE];   // histogram (diffusion)
     int32_t accepted_lengths[CLOVER_HIST_SIZE];  // histogram of m per round (spec)
     int32_t stop_reason;              // enum clover_stop_reason
+    int32_t auto_rounds[CLOVER_DRAFT_COUNT];  // auto: rounds by enum clover_draft_kind
+    int32_t auto_drafted;             // auto: draft tokens verified
+    int32_t auto_accepted;            // auto: draft tokens accepted
+    struct clover_pass_costs costs;   // auto: the cost table the decisions used (zeros otherwise)
 };
 
 // Committed tokens, once per committed block (ar: per token). Return false to cancel.
@@ -91,6 +116,10 @@ typedef bool (*clover_tokens_cb)(const llama_token * tokens, int32_t n_tokens, v
 typedef bool (*clover_step_cb)(const llama_token * canvas, int32_t n_canvas, void * user_data);
 
 struct clover_engine;
+
+// Physical cores this process may run on: its CPU affinity mask with SMT siblings counted once, capped by
+// the cgroup CPU quota; at least 1. The engine's default for decode and batch threads alike.
+int32_t clover_default_n_threads(void);
 
 struct clover_engine_params clover_engine_default_params(void);
 struct clover_gen_params    clover_gen_default_params(void);
@@ -111,6 +140,8 @@ struct llama_context * clover_engine_context(struct clover_engine * engine);
 void clover_engine_reset(struct clover_engine * engine);
 // Positions committed to the history so far (the seed's position), or 0 after a reset.
 int32_t clover_engine_n_past(const struct clover_engine * engine);
+// The threads the engine's context decodes with (the resolved n_threads).
+int32_t clover_engine_n_threads(const struct clover_engine * engine);
 
 // Generate a continuation of the prompt on the engine's history. Returns the number of generated tokens
 // (also written to stats), or -1 on error (clover_engine_last_error). After a cancellation the engine is
@@ -121,6 +152,14 @@ int32_t clover_generate(struct clover_engine * engine, const llama_token * promp
                         struct clover_stats * stats);
 
 const char * clover_engine_last_error(const struct clover_engine * engine);
+
+// Auto mode's cost table. The first auto generate measures it (about a dozen passes on the scratch sequence;
+// the history is not touched) unless one was set; set_costs makes decisions reproducible (tests, a table
+// measured once and saved). measure_costs measures now. Each returns 0, or -1 on error (last_error).
+int32_t clover_engine_measure_costs(struct clover_engine * engine, struct clover_pass_costs * out);
+int32_t clover_engine_set_costs    (struct clover_engine * engine, const struct clover_pass_costs * costs);
+// 0 and the table, or -1 when none was measured or set yet.
+int32_t clover_engine_get_costs    (const struct clover_engine * engine, struct clover_pass_costs * out);
 
 #ifdef __cplusplus
 }

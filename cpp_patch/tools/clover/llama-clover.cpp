@@ -1,6 +1,6 @@
 // llama-clover: generate with the Clover engine (clover.h) from the command line.
 //
-//   llama-clover -m M.gguf -p TEXT --mode ar|diffusion|spec [-b B] [--threshold T] [-n N] [--draft-steps S]
+//   llama-clover -m M.gguf -p TEXT --mode ar|diffusion|spec|auto [-b B] [--threshold T] [-n N] [--draft-steps S]
 //                [--temp T --top-k K --top-p P --seed S] [-c N_CTX] [-t THREADS] [--json] [-v]
 
 #include "clover.h"
@@ -12,13 +12,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 static void clover_cli_usage(const char * argv0) {
     fprintf(stderr,
         "usage: %s -m MODEL.gguf -p PROMPT [options]\n"
-        "  --mode ar|diffusion|spec   decoding mode (default diffusion)\n"
+        "  --mode ar|diffusion|spec|auto  decoding mode (default diffusion)\n"
         "  -b, --block-size B         block size (default: clover.block_size)\n"
         "  --threshold T              fill threshold (default: the calibrated one for B)\n"
         "  -n, --max-tokens N         tokens to generate (default 64)\n"
@@ -26,7 +25,7 @@ static void clover_cli_usage(const char * argv0) {
         "  --temp T, --top-k K, --top-p P, --seed S   sampling (temperature 0 = greedy)\n"
         "  -c, --ctx-size N           context size (default min(n_ctx_train, 4096))\n"
         "  --batch-size N             prefill chunk (default 512)\n"
-        "  -t, --threads N            threads (default: the number of cores)\n"
+        "  -t, --threads N            threads (default: the physical cores this process may use)\n"
         "  -ngl, --n-gpu-layers N     layers to offload\n"
         "  --stop ID[,ID..]           end-of-generation ids (default: the vocab's EOG set; 'none' = no stop ids)\n"
         "  --ban ID[,ID..]            ids never produced (the mask token is always banned)\n"
@@ -176,7 +175,6 @@ int main(int argc, char ** argv) {
     std::vector<llama_token> stop_ids;
     std::vector<llama_token> banned_ids;
     clover_engine_params eparams = clover_engine_default_params();
-    eparams.n_threads = (int32_t) std::max(1u, std::thread::hardware_concurrency());
     clover_gen_params    gparams = clover_gen_default_params();
 
     for (int i = 1; i < argc; ++i) {
@@ -201,8 +199,10 @@ int main(int argc, char ** argv) {
                 gparams.mode = CLOVER_MODE_DIFFUSION;
             } else if (m == "spec") {
                 gparams.mode = CLOVER_MODE_SPEC;
+            } else if (m == "auto") {
+                gparams.mode = CLOVER_MODE_AUTO;
             } else {
-                fprintf(stderr, "error: unknown mode '%s'; choose ar, diffusion or spec\n", m.c_str());
+                fprintf(stderr, "error: unknown mode '%s'; choose ar, diffusion, spec or auto\n", m.c_str());
                 return 2;
             }
         } else if (arg == "-b" || arg == "--block-size") {
@@ -312,7 +312,8 @@ int main(int argc, char ** argv) {
 
     static const char * stop_names[] = { "", "length", "eos", "context", "cancelled" };
     const char * stop = stats.stop_reason >= 0 && stats.stop_reason <= 4 ? stop_names[stats.stop_reason] : "";
-    static const char * mode_names[] = { "ar", "diffusion", "spec" };
+    static const char * mode_names[] = { "ar", "diffusion", "spec", "auto" };
+    const int32_t n_threads = clover_engine_n_threads(eng);
     const int32_t passes = stats.n_block_passes + stats.n_causal_passes;
     const double  tpf    = passes ? (double) stats.n_generated / passes : 0.0;
     const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
@@ -328,19 +329,19 @@ int main(int argc, char ** argv) {
                "\"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.6f, "
                "\"steps_per_block\": %s, \"accepted_lengths\": %s, \"stop_reason\": \"%s\", "
                "\"t_prefill_ms\": %.3f, \"t_block_ms\": %.3f, \"t_causal_ms\": %.3f, "
-               "\"prefill_tok_per_s\": %.3f, \"decode_tok_per_s\": %.3f}}\n",
+               "\"prefill_tok_per_s\": %.3f, \"decode_tok_per_s\": %.3f, \"threads\": %d}}\n",
                clover_cli_json_str(text).c_str(), clover_cli_json_ids(prompt_ids).c_str(),
                clover_cli_json_ids(st.tokens).c_str(), mode_names[gparams.mode], block_size,
                stats.n_prompt_tokens, stats.n_generated, stats.n_block_passes, stats.n_causal_passes, tpf,
                clover_cli_json_hist(stats.steps_per_block).c_str(), clover_cli_json_hist(stats.accepted_lengths).c_str(),
                stop, stats.t_prefill_ms, stats.t_block_ms, stats.t_causal_ms,
                stats.t_prefill_ms > 0 ? (n - 1) / (stats.t_prefill_ms / 1000.0) : 0.0,
-               t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0);
+               t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0, n_threads);
     } else {
         printf("\n");
-        fprintf(stderr, "[%s] %d tokens, %d block + %d causal passes, %.2f tokens/pass, %.1f tok/s, stop: %s\n",
+        fprintf(stderr, "[%s] %d tokens, %d block + %d causal passes, %.2f tokens/pass, %.1f tok/s, %d threads, stop: %s\n",
                 mode_names[gparams.mode], stats.n_generated, stats.n_block_passes, stats.n_causal_passes, tpf,
-                t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0, stop);
+                t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0, n_threads, stop);
     }
     clover_engine_free(eng);
     return 0;

@@ -1,0 +1,407 @@
+// Auto mode: lossless decoding that picks, round by round, what to verify next (docs/decoding.md, "auto").
+//
+// Every emitted token comes out of a causal verification (clover_verify), so greedy auto equals greedy ar and
+// sampled auto keeps ar's distribution (drafts are point masses, accepted with probability Q(d)).
+//
+// Where the time goes decides the design. llama.cpp reuses a pass's graph only when the previous pass had the
+// same shape; a pass whose shape changed pays for building and allocating its graph, which on a small model
+// costs more than the pass itself. So auto runs *chains* of same-width causal passes: width 1 is an ar step,
+// width w > 1 verifies w - 1 draft tokens and yields 1 to w tokens. The drafts come from the history: the tokens
+// that followed the latest earlier occurrence of the last n tokens (llama.cpp's common_ngram_simple_draft,
+// n = 3, 2, 1), extended by further lookups and padded with the seed, so no pass is spent on drafting. The width
+// is the one with the best expected tokens per ms in a steady chain,
+//     E(w) / cost(w),  E(w) = sum_{k<w} q(1) .. q(k),
+// with q(k) the running rate at which draft token k is accepted after k - 1 accepted ones, and cost from the
+// table (clover.h); it changes
+// only when another width is at least 5 % better, because a change costs a rebuild. During ar steps the n-gram
+// draft is still looked up and scored against the tokens the steps produce, so q stays current. A block draft (one block
+// pass, argmax of every target, verified up to the width that maximises the expected tokens per ms given the
+// draft's own confidences) is taken instead when its expected rate beats the chain's.
+//
+// q is a function of the tokens only and the table is measured once per engine (or set), so a run is
+// reproducible.
+
+#include "clover-impl.h"
+
+#include "ngram-map.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+constexpr double  CLOVER_SWITCH_GAIN = 1.05;  // a new chain width must beat the current one by this factor
+constexpr int32_t CLOVER_SHADOW_LEN  = 8;     // drafts scored during ar steps are at most this long, like a
+                                              // chain round's, so that the first draft token is scored often
+
+// Acceptance of draft tokens by depth: q(k) = P(draft k accepted | drafts 1 .. k-1 accepted), counted over
+// past rounds (recent ones weigh more) and shrunk towards 0.9 q(k-1) where depth k was rarely verified. One rate
+// would miss how drafts behave: an n-gram draft is often wrong at its first token and then right for many.
+struct clover_accept_rate {
+    static constexpr int32_t K = 64;
+    double accepted[K + 1] = {};
+    double rejected[K + 1] = {};
+
+    double q(int32_t k) const {
+        k = std::min(k, K);
+        // before any evidence a first draft token is assumed accepted 1 time in 4 (an ar step is the safe start);
+        // a depth seldom verified is trusted less than the one before it
+        const double prior = k == 1 ? 0.25 : 0.9 * q(k - 1);
+        return (accepted[k] + 2.0 * prior) / (accepted[k] + rejected[k] + 2.0);
+    }
+
+    // draft token k was (not) accepted after k - 1 accepted ones
+    void observe(int32_t k, bool ok) {
+        k = std::min(k, K);
+        const double decay = 0.9;
+        accepted[k] *= decay;
+        rejected[k] *= decay;
+        (ok ? accepted[k] : rejected[k]) += 1.0;
+    }
+
+    void add(const clover_round & r) {
+        for (int32_t k = 1; k <= std::min(r.n_compared, r.n_accepted + 1); ++k) {
+            observe(k, k <= r.n_accepted);
+        }
+    }
+};
+
+// expected tokens of a width-w verification when draft k is accepted with probability q(k) (1-based)
+template <typename Q>
+double clover_expected_tokens(Q q, int32_t w) {
+    double e = 1.0;
+    double all = 1.0;
+    for (int32_t k = 1; k < w; ++k) {
+        all *= q(k);
+        e   += all;
+    }
+    return e;
+}
+
+// a causal pass of w rows in a run of same-width passes (w = 1: an ar step)
+double clover_chain_ms(const clover_pass_costs & c, int32_t w) {
+    return w == 1 ? c.ar_ms : c.causal_fixed_ms + w * c.causal_row_ms;
+}
+
+double clover_block_ms(const clover_pass_costs & c, int32_t w) {
+    return c.block_fixed_ms + w * c.block_row_ms;
+}
+
+// drafts continuing history + seed: n-gram lookups (n = 3, 2, 1), repeated on the extended sequence
+std::vector<llama_token> clover_ngram_draft(const clover_engine * eng, int32_t max_len) {
+    auto lookup = [](const std::vector<llama_token> & seq, llama_token last, int32_t len) {
+        llama_tokens more;
+        for (uint16_t n = 3; n >= 1 && more.empty(); --n) {
+            more = common_ngram_simple_draft({ n, (uint16_t) len }, seq, last);
+        }
+        return more;
+    };
+    std::vector<llama_token> draft = lookup(eng->history, eng->seed, max_len);
+    if (draft.empty() || (int32_t) draft.size() >= max_len) {
+        return draft;
+    }
+    std::vector<llama_token> seq = eng->history;  // extend: look up again after the drafted tokens
+    seq.push_back(eng->seed);
+    seq.insert(seq.end(), draft.begin(), draft.end() - 1);
+    while ((int32_t) draft.size() < max_len) {
+        const llama_tokens more = lookup(seq, draft.back(), max_len - (int32_t) draft.size());
+        if (more.empty()) {
+            break;
+        }
+        for (llama_token t : more) {
+            seq.push_back(draft.back());
+            draft.push_back(t);
+        }
+    }
+    return draft;
+}
+
+// During ar steps, the n-gram draft that would have been verified is scored against the tokens the steps
+// produce, token by token, at no cost: the acceptance rates stay current while no draft is verified.
+struct clover_shadow_draft {
+    std::vector<llama_token> draft;
+    int32_t                  matched = 0;
+
+    void observe(llama_token token, clover_accept_rate & rate) {
+        if (draft.empty()) {
+            return;
+        }
+        const bool ok = token == draft[matched];
+        rate.observe(++matched, ok);
+        if (!ok || matched == (int32_t) draft.size()) {
+            draft.clear();
+            matched = 0;
+        }
+    }
+};
+
+// argmax drafts and their confidences from one block pass over [seed, MASK ..] of the given width
+bool clover_block_draft(clover_run & run, int32_t width, std::vector<llama_token> & drafts, std::vector<double> & conf) {
+    clover_engine * eng = run.eng;
+    std::vector<llama_token> window;
+    clover_window(run, std::vector<llama_token>(width, CLOVER_EMPTY), window);
+    std::vector<int32_t> rows(width);
+    for (int32_t j = 0; j < width; ++j) {
+        rows[j] = j;
+    }
+    if (!clover_timed_block(run, window, rows)) {
+        return false;
+    }
+    drafts.resize(width);
+    conf.resize(width);
+    for (int32_t j = 0; j < width; ++j) {
+        const float * logits = clover_get_row(eng, j);
+        if (!logits) {
+            return false;
+        }
+        drafts[j] = clover_argmax(run.smp, logits, eng->n_vocab);
+        conf[j]   = clover_prob(run.smp, logits, eng->n_vocab, drafts[j], logits[drafts[j]]);
+    }
+    return true;
+}
+
+struct clover_auto_state {
+    clover_accept_rate  chain_rate;  // draft tokens of chain rounds (n-gram, padded), verified or shadowed
+    clover_accept_rate  block_rate;  // draft tokens of block rounds
+    clover_shadow_draft shadow;      // the n-gram draft being scored during ar steps
+    int32_t             width = 1;   // width of the previous causal pass (0: a block pass came between)
+};
+
+// the chain width for the next round: best steady expected tokens per ms, sticky within CLOVER_SWITCH_GAIN
+int32_t clover_chain_width(const clover_pass_costs & c, const clover_auto_state & st, int32_t w_max, int32_t remaining) {
+    auto rate = [&](int32_t w) {
+        return clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(w, remaining)) /
+               clover_chain_ms(c, w);
+    };
+    int32_t best = 1;
+    for (int32_t w = 2; w <= w_max; ++w) {
+        if (rate(w) > rate(best)) {
+            best = w;
+        }
+    }
+    if (st.width >= 1 && st.width <= w_max && best != st.width && rate(best) < CLOVER_SWITCH_GAIN * rate(st.width)) {
+        best = st.width;
+    }
+    return best;
+}
+
+// a block round's width and expected rate (0 when no width beats the chain's rate)
+int32_t clover_block_width_for(const clover_pass_costs & c, const clover_auto_state & st, int32_t w_max,
+                               int32_t remaining, double chain_rate) {
+    int32_t best = 0;
+    double best_rate = chain_rate;
+    for (int32_t w = 2; w <= w_max; ++w) {
+        const double tokens = clover_expected_tokens([&](int32_t k) { return st.block_rate.q(k); }, std::min(w, remaining));
+        const double rate = tokens / (clover_block_ms(c, w) + clover_chain_ms(c, w) + c.rebuild_ms);
+        if (rate > best_rate) {
+            best = w;
+            best_rate = rate;
+        }
+    }
+    return best;
+}
+
+} // namespace
+
+bool clover_run_auto(clover_run & run) {
+    clover_engine * eng = run.eng;
+    const clover_pass_costs & c = eng->costs;
+    clover_auto_state st;
+
+    while (run.remaining() > 0) {
+        const int32_t w_max = std::min({ run.block_size, eng->max_block_size, eng->n_ctx - eng->n_past });
+        if (w_max < 1) {
+            run.stats->stop_reason = CLOVER_STOP_CONTEXT;
+            return true;
+        }
+        const int32_t remaining = run.remaining();
+        int32_t width = clover_chain_width(c, st, w_max, remaining);
+        const double chain_rate = clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(width, remaining)) /
+                                  (clover_chain_ms(c, width) + (width == st.width ? 0.0 : c.rebuild_ms));
+        const int32_t block_w = clover_block_width_for(c, st, w_max, remaining, chain_rate);
+
+        std::vector<llama_token> drafts;
+        clover_draft_kind kind = width > 1 ? CLOVER_DRAFT_NGRAM : CLOVER_DRAFT_NONE;
+        if (block_w > 0) {
+            std::vector<double> conf;
+            if (!clover_block_draft(run, block_w, drafts, conf)) {
+                return false;
+            }
+            // the verification width with the best expected tokens per ms given the draft's confidences
+            width = 1;
+            double best = 0.0;
+            for (int32_t w = 1; w <= block_w; ++w) {
+                const double rate = clover_expected_tokens([&](int32_t k) { return conf[k - 1]; }, std::min(w, remaining)) /
+                                    (clover_chain_ms(c, w) + c.rebuild_ms);
+                if (rate > best) {
+                    best  = rate;
+                    width = w;
+                }
+            }
+            kind = CLOVER_DRAFT_BLOCK;
+        } else if (width > 1) {
+            drafts = clover_ngram_draft(eng, width - 1);
+            drafts.resize(width - 1, eng->seed);  // a short draft is padded: the chain keeps its shape
+        } else if (st.shadow.draft.empty() && w_max > 1) {
+            st.shadow.draft = clover_ngram_draft(eng, std::min(w_max - 1, CLOVER_SHADOW_LEN));
+        }
+
+        clover_round round;
+        if (!clover_verify(run, drafts.data(), std::min((int32_t) drafts.size(), width), width, round)) {
+            return false;
+        }
+        run.stats->auto_rounds[kind]++;
+        run.stats->auto_drafted  += round.n_compared;
+        run.stats->auto_accepted += round.n_accepted;
+        clover_hist_add(run.stats->accepted_lengths, round.m);
+        if (kind == CLOVER_DRAFT_BLOCK) {
+            st.block_rate.add(round);
+            st.width = 0;
+        } else if (kind == CLOVER_DRAFT_NGRAM) {
+            st.chain_rate.add(round);
+            st.shadow = {};
+            st.width  = width;
+        } else {
+            st.shadow.observe(eng->seed, st.chain_rate);  // the ar step's token is the new seed
+            st.width = 1;
+        }
+        if (round.hit_eog) {
+            run.stats->stop_reason = CLOVER_STOP_EOG;
+            return true;
+        }
+    }
+    run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    return true;
+}
+
+//
+// the cost table
+//
+
+namespace {
+
+// passes on the scratch sequence (a copy of the history, removed afterwards): the history is never written
+struct clover_scratch {
+    clover_engine * eng;
+    llama_batch     batch;
+    int32_t         pos;
+
+    explicit clover_scratch(clover_engine * e) : eng(e), batch(llama_batch_init(e->max_block_size + 8, 0, 1)), pos(e->n_past) {
+        llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, -1, -1);
+        llama_memory_seq_cp(eng->mem, CLOVER_SEQ_HISTORY, CLOVER_SEQ_SCRATCH, -1, -1);
+    }
+
+    ~clover_scratch() {
+        llama_batch_free(batch);
+        llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, -1, -1);
+    }
+
+    // a causal pass of w tokens with all rows, then a rollback keeping its first position (as a verification
+    // that accepts nothing); the time of the decode in ms, or < 0 on error
+    double causal(llama_token tok, int32_t w) {
+        batch.n_tokens = w;
+        for (int32_t j = 0; j < w; ++j) {
+            batch.token[j]     = tok;
+            batch.pos[j]       = pos + j;
+            batch.n_seq_id[j]  = 1;
+            batch.seq_id[j][0] = CLOVER_SEQ_SCRATCH;
+            batch.logits[j]    = 1;
+        }
+        const double t0 = clover_now_ms();
+        const int32_t rc = llama_decode(eng->ctx, batch);
+        const double ms = clover_now_ms() - t0;
+        if (rc != 0 || (w > 1 && !llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, pos + 1, -1))) {
+            eng->last_error = clover_format("a pass failed while measuring pass costs (code %d)", rc);
+            return -1.0;
+        }
+        pos += 1;
+        return ms;
+    }
+};
+
+double clover_median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// a run of n same-width causal passes: (first pass, median of the rest), both in ms
+bool clover_measure_chain(clover_engine * eng, llama_token tok, int32_t w, int32_t n, double & first, double & steady) {
+    clover_scratch scratch(eng);
+    std::vector<double> rest;
+    for (int32_t i = 0; i < n; ++i) {
+        const double ms = scratch.causal(tok, w);
+        if (ms < 0) {
+            return false;
+        }
+        if (i == 0) {
+            first = ms;
+        } else {
+            rest.push_back(ms);
+        }
+    }
+    steady = clover_median(rest);
+    return true;
+}
+
+// a block pass of w rows right after a 1-token causal pass (as in auto's loop), in ms
+bool clover_measure_block(clover_engine * eng, llama_token tok, int32_t w, double & ms) {
+    {
+        clover_scratch scratch(eng);
+        if (scratch.causal(tok, 1) < 0) {
+            return false;
+        }
+    }
+    std::vector<llama_token> window(w, eng->info.mask_token_id);
+    window[0] = tok;
+    std::vector<int32_t> rows(w);
+    for (int32_t j = 0; j < w; ++j) {
+        rows[j] = j;
+    }
+    const double t0 = clover_now_ms();
+    const bool ok = clover_block(eng, window, rows);
+    ms = clover_now_ms() - t0;
+    return ok;
+}
+
+} // namespace
+
+// Runs of 6 ar steps and of 5 causal passes of 2 and w_hi rows (fixed and per-row cost from their steady
+// passes; the rebuild cost from their first passes), and block passes of 2 and w_hi rows: 18 passes on the
+// scratch sequence, repeated while the whole takes less than 200 ms (at most 4 times; noise only adds time, so
+// the minimum of the repetitions is kept). A model whose passes take 10 ms or more is measured once.
+bool clover_measure_costs(clover_engine * eng, clover_pass_costs & out) {
+    const int32_t room = eng->n_ctx - eng->n_past;
+    const int32_t w_hi = std::min({ 8, eng->max_block_size, room - 8 });
+    if (w_hi < 3) {
+        eng->last_error = clover_format("measuring pass costs needs 11 free positions and max_block_size >= 3 "
+                                        "(free %d, max_block_size %d)", room, eng->max_block_size);
+        return false;
+    }
+    const llama_token tok = eng->has_seed ? eng->seed : 0;
+    double ar = 1e30, c2 = 1e30, cw = 1e30, rebuild = 1e30, b2 = 1e30, bw = 1e30;
+    const double t_start = clover_now_ms();
+    for (int rep = 0; rep < 4 && (rep < 1 || clover_now_ms() - t_start < 200.0); ++rep) {
+        double first = 0.0, steady = 0.0, t = 0.0;
+        if (!clover_measure_chain(eng, tok, 1, 6, first, steady)) { return false; }
+        ar = std::min(ar, steady);
+        double rb = first - steady;
+        if (!clover_measure_chain(eng, tok, 2, 5, first, steady)) { return false; }
+        c2 = std::min(c2, steady);
+        rb = std::min(rb, first - steady);
+        if (!clover_measure_chain(eng, tok, w_hi, 5, first, steady)) { return false; }
+        cw = std::min(cw, steady);
+        rebuild = std::min(rebuild, std::min(rb, first - steady));
+        if (!clover_measure_block(eng, tok, 2, t)) { return false; }
+        b2 = std::min(b2, t);
+        if (!clover_measure_block(eng, tok, w_hi, t)) { return false; }
+        bw = std::min(bw, t);
+    }
+    out = {};
+    out.ar_ms           = (float) ar;
+    out.causal_row_ms   = (float) std::max(0.0, (cw - c2) / (w_hi - 2));
+    out.causal_fixed_ms = (float) std::max(0.0, c2 - 2 * out.causal_row_ms);
+    out.rebuild_ms      = (float) std::max(0.0, rebuild);
+    out.block_row_ms    = (float) std::max(0.0, (bw - b2) / (w_hi - 2));
+    out.block_fixed_ms  = (float) std::max(0.0, b2 - 2 * out.block_row_ms);
+    return true;
+}

@@ -1,0 +1,132 @@
+// Internals of the Clover decoding engine shared by its translation units (clover.cpp: loading, passes,
+// sampling, ar / diffusion / spec; clover-auto.cpp: auto mode and its cost table). Not part of the C API.
+
+#pragma once
+
+#include "clover.h"
+#include "llama.h"
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+inline constexpr llama_seq_id CLOVER_SEQ_HISTORY = 0;
+inline constexpr llama_seq_id CLOVER_SEQ_SCRATCH = 1;
+
+struct clover_engine {
+    llama_model       * model = nullptr;
+    llama_context     * ctx   = nullptr;
+    const llama_vocab * vocab = nullptr;
+    llama_memory_t      mem   = nullptr;
+
+    clover_model_info info = {};
+
+    int32_t n_ctx          = 0;  // logical context size (llama.cpp may pad its own)
+    int32_t n_batch        = 0;
+    int32_t max_block_size = 0;
+    int32_t n_vocab        = 0;
+
+    std::vector<llama_token> eog_ids;  // the vocab's end-of-generation set
+
+    // committed history: positions [0, n_past) on seq 0, whose tokens are history; the seed sits at n_past
+    int32_t                  n_past   = 0;
+    std::vector<llama_token> history;
+    bool                     has_seed = false;
+    llama_token              seed     = 0;
+
+    llama_batch batch = {};
+    int32_t     batch_cap = 0;
+
+    bool              has_costs = false;  // auto mode's cost table (clover_engine_set_costs / measured)
+    clover_pass_costs costs     = {};
+
+    std::string last_error;
+};
+
+struct clover_sampler {
+    std::vector<uint8_t> excluded;  // mask token and banned ids
+    std::vector<uint8_t> stop;      // end-of-generation ids
+    float        temperature = 0.0f;
+    int32_t      top_k       = 0;
+    float        top_p       = 1.0f;
+    std::mt19937 rng;
+
+    std::vector<double>  probs;  // scratch: Q over the vocabulary
+    std::vector<int32_t> order;  // scratch: top-p order
+
+    bool greedy() const { return !(temperature > 0.0f); }
+
+    double uniform() {
+        // 53-bit uniform in [0, 1) from two 32-bit draws (portable across standard libraries)
+        const uint64_t a = rng() >> 5;
+        const uint64_t b = rng() >> 6;
+        return (double) (a * 67108864ull + b) / 9007199254740992.0;
+    }
+};
+
+// argmax P (ties to the lowest id) and its confidence P(token) at temperature 1
+struct clover_choice {
+    llama_token token;
+    float       conf;
+};
+
+struct clover_run {
+    clover_engine         * eng;
+    const clover_gen_params * params;
+    clover_sampler          smp;
+    int32_t                 block_size;
+    float                   threshold;
+    int32_t                 budget;
+    int32_t                 n_out = 0;
+    clover_tokens_cb        on_tokens;
+    clover_step_cb          on_step;
+    void                  * user_data;
+    clover_stats          * stats;
+    bool                    cancelled = false;
+
+    int32_t remaining() const { return budget - n_out; }
+    bool is_stop(llama_token t) const { return t >= 0 && t < (llama_token) smp.stop.size() && smp.stop[t]; }
+};
+
+inline constexpr llama_token CLOVER_EMPTY = -1;  // an unfilled canvas target
+
+// what one verification round did (clover_verify)
+struct clover_round {
+    int32_t m          = 0;      // positions kept (tokens emitted, an end-of-generation token included)
+    int32_t n_compared = 0;      // drafts compared with the causal outputs
+    int32_t n_accepted = 0;      // drafts accepted
+    bool    hit_eog    = false;  // a_m is an end-of-generation token
+};
+
+std::string clover_format(const char * fmt, ...);
+void        clover_log(ggml_log_level level, const char * fmt, ...);
+double      clover_now_ms();
+void        clover_hist_add(int32_t * hist, int32_t value);
+
+// passes: causal appends to the history (seq 0); block reads a scratch copy of it (seq 1)
+bool clover_causal(clover_engine * eng, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows,
+                   const char * what);
+bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
+bool clover_rollback(clover_engine * eng, int32_t keep);
+const float * clover_get_row(clover_engine * eng, int32_t i);
+
+// distributions (spec 4)
+llama_token   clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab);
+float         clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v);
+void          clover_sampling_dist(clover_sampler & smp, const float * logits, int32_t n_vocab);
+llama_token   clover_draw(clover_sampler & smp, const std::vector<double> & q);
+clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, const float * logits);
+
+// one generate call
+bool    clover_emit(clover_run & run, const llama_token * tokens, int32_t n);
+int32_t clover_block_width(clover_run & run);
+bool    clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
+bool    clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows,
+                            const char * what);
+void    clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window);
+bool    clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round);
+
+// auto mode (clover-auto.cpp)
+bool clover_run_auto(clover_run & run);
+bool clover_measure_costs(clover_engine * eng, clover_pass_costs & out);
