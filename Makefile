@@ -47,10 +47,14 @@ $(DEMO_GGUF): $(DEMO_F16) | setup
 demo: setup $(DEMO_GGUF)
 	$(BIN)/python scripts/demo.py $(DEMO_GGUF)
 
-# The native engine benchmark (bench/bench_engine.py): tiny and mid at f32 and q8_0, side-by-side table in
-# bench/results/bench_engine.md (+ .json). bench/bench_convert.py is separate (it streams a 5 GB checkpoint).
+# Benchmarks, results in bench/results/: the native engine (bench_engine.py: tiny and mid at f32 and q8_0),
+# decode speed of every mode with a user's defaults (bench_speed.py), and what the CPU's extra buffer types
+# (AMX, repacked weights) bring (bench_cpu_bufts.py). bench/bench_convert.py is separate (it streams a 5 GB
+# checkpoint).
 bench: setup
 	$(BIN)/python bench/bench_engine.py
+	$(BIN)/python bench/bench_speed.py
+	$(BIN)/python bench/bench_cpu_bufts.py
 
 clean:
 	rm -rf build

@@ -225,7 +225,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-engine")
     parser.add_argument("--models", default="tiny,mid")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=0, help="0 = the engine's default (usable physical cores)")
     parser.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded (a GPU build: GPU=cuda)")
     parser.add_argument("--skip-stock", action="store_true", help="leave out the stock qwen35moe comparison "
                         "(it needs the vendored converter and transformers)")
@@ -234,13 +234,15 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["CLOVER_N_GPU_LAYERS"] = str(args.n_gpu_layers)
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
-    os.environ["CLOVER_THREADS"] = str(args.threads)
     from clover_cpp import engine
 
     ok, reason = engine.available()
     if not ok:
         print(f"bench_engine: native engine unavailable: {reason}", file=sys.stderr)
         return 1
+    if args.threads == 0:
+        args.threads = int(engine.lib().clover_default_n_threads())
+    os.environ["CLOVER_THREADS"] = str(args.threads)
     start = time.time()
     models = [m for m in args.models.split(",") if m]
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
