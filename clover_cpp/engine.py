@@ -141,6 +141,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
                                          ctypes.POINTER(clover_gen_params), clover_tokens_cb, clover_step_cb,
                                          ctypes.c_void_p, ctypes.POINTER(clover_stats)]),
     "clover_engine_last_error": (ctypes.c_char_p, [clover_engine_p]),
+    "clover_block_decode": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_void_p]),
     "clover_engine_measure_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
     "clover_engine_set_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
     "clover_engine_get_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),

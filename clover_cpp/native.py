@@ -4,9 +4,9 @@ The native libraries are found in ``build/native/lib`` (``make native``) or in `
 ``LLAMA_CPP_LIB_PATH`` is set to that folder before ``llama_cpp`` is imported, so the bindings resolve
 against our build, never a bundled one.
 
-Block passes run on a scratch sequence: ``seq_cp(0 -> 1)``, ``causal_attn = false``, decode the window on
-seq 1 with logits only for the requested rows, ``seq_rm(1)``, ``causal_attn = true``. The committed
-history (seq 0: KV cells, conv and delta-rule state) is never written.
+Block passes use libclover's ``clover_block_decode`` (the protocol lives once, in C): ``seq_cp(0 -> 1)``,
+``causal_attn = false``, decode the window on seq 1 with logits only for the requested rows, ``seq_rm(1)``,
+``causal_attn = true``. The committed history (seq 0: KV cells, conv and delta-rule state) is never written.
 """
 
 from __future__ import annotations
@@ -261,7 +261,10 @@ class Context(NativeHandle):
         self.n_rs_seq = int(L.llama_n_rs_seq(self.ptr))
 
     # -- low level ------------------------------------------------------------------------------
-    def _decode(self, tokens: Sequence[int], pos0: int, seq: int, rows: Sequence[int]) -> np.ndarray:
+    def _decode(self, tokens: Sequence[int], pos0: int, seq: int, rows: Sequence[int],
+                decode: Callable[[Any, Any], int] | None = None) -> np.ndarray:
+        """One batch at positions pos0 .. on ``seq``; float32 logits of ``rows``. ``decode(ctx, batch_ptr)``
+        replaces llama_decode (the block-pass protocol)."""
         L = llama()
         n = len(tokens)
         if n == 0:
@@ -276,7 +279,7 @@ class Context(NativeHandle):
                 batch.seq_id[i][0] = seq
                 batch.logits[i] = 1 if i in want else 0
             batch.n_tokens = n
-            rc = L.llama_decode(self.ptr, batch)
+            rc = L.llama_decode(self.ptr, batch) if decode is None else decode(self.ptr, ctypes.addressof(batch))
             if rc != 0:
                 raise NativeError(f"llama_decode returned {rc}")
             out = np.empty((len(rows), self.model.n_vocab), dtype=np.float32)
@@ -301,20 +304,14 @@ class Context(NativeHandle):
     def block(self, window: Sequence[int], rows: Sequence[int] | None = None) -> np.ndarray:
         """Block pass on a scratch copy of the history: window at positions [p, p+B), p = history
         length; logits for ``rows`` (window indices; all by default). History is left untouched."""
-        L = llama()
         b = len(window)
         if b > self.n_ubatch:
             raise ValueError(f"block window of {b} does not fit n_ubatch={self.n_ubatch}")
+        from . import engine  # noqa: PLC0415 - engine imports this module
+
         rows = list(range(b)) if rows is None else list(rows)
         pos0 = self.pos_max(HISTORY_SEQ) + 1
-        L.llama_memory_seq_rm(self.mem, SCRATCH_SEQ, -1, -1)
-        L.llama_memory_seq_cp(self.mem, HISTORY_SEQ, SCRATCH_SEQ, -1, -1)
-        L.llama_set_causal_attn(self.ptr, False)
-        try:
-            return self._decode(window, pos0, SCRATCH_SEQ, rows)
-        finally:
-            L.llama_set_causal_attn(self.ptr, True)
-            L.llama_memory_seq_rm(self.mem, SCRATCH_SEQ, -1, -1)
+        return self._decode(window, pos0, SCRATCH_SEQ, rows, decode=engine.lib().clover_block_decode)
 
     def rollback(self, keep: int) -> None:
         """Keep history positions [0, keep); needs n_rs_seq >= the number of removed positions."""

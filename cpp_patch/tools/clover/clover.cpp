@@ -284,14 +284,13 @@ bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, 
         eng->last_error = clover_format("internal error: a block window of %d exceeds max_block_size %d", n, eng->max_block_size);
         return false;
     }
-    llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, -1, -1);
-    llama_memory_seq_cp(eng->mem, CLOVER_SEQ_HISTORY, CLOVER_SEQ_SCRATCH, -1, -1);
-    llama_set_causal_attn(eng->ctx, false);
     clover_batch_fill(eng->batch, window.data(), n, eng->n_past, CLOVER_SEQ_SCRATCH, rows);
-    const bool ok = clover_decode(eng, "block pass");
-    llama_set_causal_attn(eng->ctx, true);
-    llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, -1, -1);
-    return ok;
+    const int32_t rc = clover_block_decode(eng->ctx, &eng->batch);
+    if (rc != 0) {
+        eng->last_error = clover_format("llama_decode failed in the block pass (code %d)", rc);
+        return false;
+    }
+    return true;
 }
 
 //
@@ -953,6 +952,20 @@ static void clover_backend_init_once() {
 }
 
 extern "C" {
+
+int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch * batch) {
+    if (!ctx || !batch) {
+        return -1;
+    }
+    llama_memory_t mem = llama_get_memory(ctx);
+    llama_memory_seq_rm(mem, CLOVER_SEQ_SCRATCH, -1, -1);
+    llama_memory_seq_cp(mem, CLOVER_SEQ_HISTORY, CLOVER_SEQ_SCRATCH, -1, -1);
+    llama_set_causal_attn(ctx, false);
+    const int32_t rc = llama_decode(ctx, *batch);
+    llama_set_causal_attn(ctx, true);
+    llama_memory_seq_rm(mem, CLOVER_SEQ_SCRATCH, -1, -1);
+    return rc;
+}
 
 struct clover_engine_params clover_engine_default_params(void) {
     clover_engine_params p = {};

@@ -117,6 +117,12 @@ typedef bool (*clover_step_cb)(const llama_token * canvas, int32_t n_canvas, voi
 
 struct clover_engine;
 
+// The block-pass protocol (spec section 3; docs/native.md, "History protection"): on a context with
+// n_seq_max >= 2 and a unified KV cache, copy the history (sequence 0) to the scratch sequence 1, decode batch
+// (the window, on sequence 1, at the positions after the history) with causal attention off, then remove
+// sequence 1 and turn causal attention back on. The history is never written. Returns llama_decode's code.
+int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch * batch);
+
 // Physical cores this process may run on: its CPU affinity mask with SMT siblings counted once, capped by
 // the cgroup CPU quota; at least 1. The engine's default for decode and batch threads alike.
 int32_t clover_default_n_threads(void);
