@@ -201,6 +201,22 @@ int32_t clover_block_width_for(const clover_pass_costs & c, const clover_auto_st
     return best;
 }
 
+// after a block draft: the verification width with the best expected tokens per ms, given the confidence of
+// each draft (the draft stops where the model doubts it); the pass after a block pass rebuilds its graph
+int32_t clover_verify_width(const clover_pass_costs & c, const std::vector<double> & conf, int32_t remaining) {
+    int32_t width = 1;
+    double  best  = 0.0;
+    for (int32_t w = 1; w <= (int32_t) conf.size(); ++w) {
+        const double rate = clover_expected_tokens([&](int32_t k) { return conf[k - 1]; }, std::min(w, remaining)) /
+                            (clover_chain_ms(c, w) + c.rebuild_ms);
+        if (rate > best) {
+            best  = rate;
+            width = w;
+        }
+    }
+    return width;
+}
+
 } // namespace
 
 bool clover_run_auto(clover_run & run) {
@@ -227,18 +243,8 @@ bool clover_run_auto(clover_run & run) {
             if (!clover_block_draft(run, block_w, drafts, conf)) {
                 return false;
             }
-            // the verification width with the best expected tokens per ms given the draft's confidences
-            width = 1;
-            double best = 0.0;
-            for (int32_t w = 1; w <= block_w; ++w) {
-                const double rate = clover_expected_tokens([&](int32_t k) { return conf[k - 1]; }, std::min(w, remaining)) /
-                                    (clover_chain_ms(c, w) + c.rebuild_ms);
-                if (rate > best) {
-                    best  = rate;
-                    width = w;
-                }
-            }
-            kind = CLOVER_DRAFT_BLOCK;
+            width = clover_verify_width(c, conf, remaining);
+            kind  = CLOVER_DRAFT_BLOCK;
         } else if (width > 1) {
             drafts = clover_ngram_draft(eng, width - 1);
             drafts.resize(width - 1, eng->seed);  // a short draft is padded: the chain keeps its shape

@@ -854,37 +854,36 @@ static bool clover_check_params(const clover_engine * eng, const clover_gen_para
     return err.empty();
 }
 
+// flags[t] = 1 for each of the n ids; an id outside the vocabulary is an error naming `what`
+static bool clover_mark_ids(const clover_engine * eng, const llama_token * ids, int32_t n, const char * what,
+                            std::vector<uint8_t> & flags, std::string & err) {
+    for (int32_t i = 0; i < n; ++i) {
+        if (ids[i] < 0 || ids[i] >= eng->n_vocab) {
+            err = clover_format("%s id %d is outside the vocabulary (%d)", what, ids[i], eng->n_vocab);
+            return false;
+        }
+        flags[ids[i]] = 1;
+    }
+    return true;
+}
+
 // banned and stop ids, temperature, top-k/p and the seeded RNG
 static bool clover_init_sampler(const clover_engine * eng, const clover_gen_params * params, clover_sampler & smp,
                                 std::string & err) {
     smp.excluded.assign(eng->n_vocab, 0);
     smp.excluded[eng->info.mask_token_id] = 1;
-    for (int32_t i = 0; i < params->n_banned_ids; ++i) {
-        const llama_token t = params->banned_ids[i];
-        if (t < 0 || t >= eng->n_vocab) {
-            err = clover_format("banned id %d is outside the vocabulary (%d)", t, eng->n_vocab);
-            return false;
-        }
-        smp.excluded[t] = 1;
+    if (!clover_mark_ids(eng, params->banned_ids, params->n_banned_ids, "banned", smp.excluded, err)) {
+        return false;
     }
     if (std::find(smp.excluded.begin(), smp.excluded.end(), 0) == smp.excluded.end()) {
         err = "every token is banned";
         return false;
     }
     smp.stop.assign(eng->n_vocab, 0);
-    if (params->n_stop_ids < 0) {
-        for (llama_token t : eng->eog_ids) {
-            smp.stop[t] = 1;
-        }
-    } else {
-        for (int32_t i = 0; i < params->n_stop_ids; ++i) {
-            const llama_token t = params->stop_ids[i];
-            if (t < 0 || t >= eng->n_vocab) {
-                err = clover_format("stop id %d is outside the vocabulary (%d)", t, eng->n_vocab);
-                return false;
-            }
-            smp.stop[t] = 1;
-        }
+    const bool vocab_eog = params->n_stop_ids < 0;
+    if (!clover_mark_ids(eng, vocab_eog ? eng->eog_ids.data() : params->stop_ids,
+                         vocab_eog ? (int32_t) eng->eog_ids.size() : params->n_stop_ids, "stop", smp.stop, err)) {
+        return false;
     }
     smp.temperature = params->temperature;
     smp.top_k       = params->top_k;
