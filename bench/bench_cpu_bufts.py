@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -26,7 +25,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 RESULTS = REPO / "bench" / "results"
-_BUFFER = re.compile(r"(\S+) model buffer size")
 
 
 def log(msg: str) -> None:
@@ -51,17 +49,12 @@ def f16_models(work: Path) -> dict[str, Path]:
     return out
 
 
-def measure(path: Path, extra: bool, prompt: list[int]) -> dict[str, float | str]:
-    from clover_cpp import Model, native
+def measure(path: Path, extra: bool, prompt: list[int]) -> dict[str, float]:
+    from clover_cpp import Model
 
-    seen: list[str] = []
-    with native.log_listener(lambda _lvl, line: seen.extend(m.group(1) for m in _BUFFER.finditer(line))):
-        model = Model(path, n_ctx=1024, use_extra_bufts=extra)
-    with model:
-        res = model.run(prompt, mode="ar", max_tokens=64, stop_ids=[])
-    s = res.stats
-    return {"prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
-            "buffers": ",".join(sorted(b for b in set(seen) if b != "CPU_Mapped")) or "plain"}
+    with Model(path, n_ctx=1024, use_extra_bufts=extra) as model:
+        s = model.run(prompt, mode="ar", max_tokens=64, stop_ids=[]).stats
+    return {"prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s}
 
 
 def main() -> int:
@@ -71,6 +64,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     from clover_cpp import cpu, native
+    from extra_bufts_probe import buffer_types
     from native_support import quantize
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -84,11 +78,12 @@ def main() -> int:
             gguf = args.workdir / f"{name}-{qtype}.gguf"
             if not gguf.exists():
                 quantize(f16, gguf, qtype)
-            runs: dict[bool, list[dict]] = {True: [], False: []}
+            runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
             for _ in range(args.reps):
                 for extra in (True, False):
                     runs[extra].append(measure(gguf, extra, prompt))
-            row = {"model": name, "type": qtype, "buffers": runs[True][0]["buffers"]}
+            extra_types = [b for b in buffer_types(gguf, True) if b != "CPU_Mapped"]
+            row = {"model": name, "type": qtype, "buffers": ",".join(extra_types) or "plain"}
             for extra, tag in ((True, "extra"), (False, "plain")):
                 for key in ("prefill_tok_s", "decode_tok_s"):
                     row[f"{tag}_{key}"] = statistics.median(float(r[key]) for r in runs[extra])

@@ -14,7 +14,6 @@ from pathlib import Path
 # The extensions ggml's CPU backend uses, as /proc/cpuinfo spells them (the build script records these).
 GGML_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
                  "avx512dq", "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-AMX_FEATURES = ("amx_tile", "amx_int8", "amx_bf16")
 
 _CPUINFO = Path("/proc/cpuinfo")
 

@@ -65,12 +65,6 @@ struct clover_sampler {
     }
 };
 
-// argmax P (ties to the lowest id) and its confidence P(token) at temperature 1
-struct clover_choice {
-    llama_token token;
-    float       conf;
-};
-
 struct clover_run {
     clover_engine         * eng;
     const clover_gen_params * params;
@@ -100,30 +94,19 @@ struct clover_round {
 };
 
 std::string clover_format(const char * fmt, ...);
-void        clover_log(ggml_log_level level, const char * fmt, ...);
 double      clover_now_ms();
 void        clover_hist_add(int32_t * hist, int32_t value);
 
-// passes: causal appends to the history (seq 0); block reads a scratch copy of it (seq 1)
-bool clover_causal(clover_engine * eng, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows,
-                   const char * what);
+// a block pass reads a scratch copy of the history (seq 1); the history (seq 0) is never written
 bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
-bool clover_rollback(clover_engine * eng, int32_t keep);
 const float * clover_get_row(clover_engine * eng, int32_t i);
 
 // distributions (spec 4)
 llama_token   clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab);
 float         clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v);
-void          clover_sampling_dist(clover_sampler & smp, const float * logits, int32_t n_vocab);
-llama_token   clover_draw(clover_sampler & smp, const std::vector<double> & q);
-clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, const float * logits);
 
 // one generate call
-bool    clover_emit(clover_run & run, const llama_token * tokens, int32_t n);
-int32_t clover_block_width(clover_run & run);
 bool    clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
-bool    clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows,
-                            const char * what);
 void    clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window);
 bool    clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round);
 

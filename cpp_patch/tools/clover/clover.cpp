@@ -22,7 +22,6 @@
 #include <string>
 #include <vector>
 
-
 //
 // helpers
 //
@@ -33,29 +32,33 @@ static void clover_set_err(char * err, size_t err_size, const std::string & msg)
     }
 }
 
-std::string clover_format(const char * fmt, ...) {
+static std::string clover_vformat(const char * fmt, va_list args) {
     char buf[1024];
-    va_list args;
-    va_start(args, fmt);
     vsnprintf(buf, sizeof(buf), fmt, args);
-    va_end(args);
     return buf;
 }
 
-// a message through llama.cpp's log callback (what llama_log_set installed), as llama.cpp's own messages
-void clover_log(ggml_log_level level, const char * fmt, ...) {
-    char buf[1024];
+std::string clover_format(const char * fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    vsnprintf(buf, sizeof(buf), fmt, args);
+    std::string out = clover_vformat(fmt, args);
+    va_end(args);
+    return out;
+}
+
+// a message through llama.cpp's log callback (what llama_log_set installed), as llama.cpp's own messages
+static void clover_log(ggml_log_level level, const char * fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    const std::string buf = clover_vformat(fmt, args);
     va_end(args);
     ggml_log_callback cb = nullptr;
     void * user_data = nullptr;
     llama_log_get(&cb, &user_data);
     if (cb) {
-        cb(level, buf, user_data);
+        cb(level, buf.c_str(), user_data);
     } else {
-        fputs(buf, stderr);
+        fputs(buf.c_str(), stderr);
     }
 }
 
@@ -249,7 +252,7 @@ static bool clover_decode(clover_engine * eng, const char * what) {
 }
 
 // causal pass appending tokens to the history (seq 0) at positions n_past ..; logits for rows
-bool clover_causal(clover_engine * eng, const llama_token * tokens, int32_t n,
+static bool clover_causal(clover_engine * eng, const llama_token * tokens, int32_t n,
                           const std::vector<int32_t> & rows, const char * what) {
     if (n > eng->batch_cap) {
         eng->last_error = clover_format("internal error: a causal pass of %d tokens exceeds the batch (%d)", n, eng->batch_cap);
@@ -265,7 +268,7 @@ bool clover_causal(clover_engine * eng, const llama_token * tokens, int32_t n,
 }
 
 // forget history positions [keep, n_past): the recurrent state rolls back within n_rs_seq positions
-bool clover_rollback(clover_engine * eng, int32_t keep) {
+static bool clover_rollback(clover_engine * eng, int32_t keep) {
     if (keep < eng->n_past && !llama_memory_seq_rm(eng->mem, CLOVER_SEQ_HISTORY, keep, -1)) {
         eng->last_error = clover_format("rollback of positions %d .. %d refused (n_rs_seq = %u)",
                 keep, eng->n_past - 1, llama_n_rs_seq(eng->ctx));
@@ -335,7 +338,7 @@ float clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vo
 }
 
 // Q: P after temperature, top-k, top-p; written to smp.probs (n_vocab doubles, zero outside the support)
-void clover_sampling_dist(clover_sampler & smp, const float * logits, int32_t n_vocab) {
+static void clover_sampling_dist(clover_sampler & smp, const float * logits, int32_t n_vocab) {
     std::vector<double> & q = smp.probs;
     q.assign(n_vocab, 0.0);
     if (smp.greedy()) {
@@ -405,7 +408,7 @@ void clover_sampling_dist(clover_sampler & smp, const float * logits, int32_t n_
     }
 }
 
-llama_token clover_draw(clover_sampler & smp, const std::vector<double> & q) {
+static llama_token clover_draw(clover_sampler & smp, const std::vector<double> & q) {
     double total = 0.0;
     for (double v : q) {
         total += v;
@@ -426,8 +429,14 @@ llama_token clover_draw(clover_sampler & smp, const std::vector<double> & q) {
     return last < 0 ? 0 : last;
 }
 
+// a target's token and its confidence P(token) at temperature 1
+struct clover_choice {
+    llama_token token;
+    float       conf;
+};
+
 // the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
-clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, const float * logits) {
+static clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, const float * logits) {
     const int32_t n_vocab = eng->n_vocab;
     const llama_token best = clover_argmax(smp, logits, n_vocab);
     const float max_v = logits[best];
@@ -443,8 +452,7 @@ clover_choice clover_choose(clover_engine * eng, clover_sampler & smp, const flo
 // one generate call
 //
 
-
-bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n) {
+static bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n) {
     if (n <= 0) {
         return true;
     }
@@ -458,7 +466,7 @@ bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n) {
 }
 
 // window width for the next block: B, or what is left of the context (spec 4.1); 0 ends generation
-int32_t clover_block_width(clover_run & run) {
+static int32_t clover_block_width(clover_run & run) {
     const int32_t width = std::min(run.block_size, run.eng->n_ctx - run.eng->n_past);
     if (width < 1) {
         run.stats->stop_reason = CLOVER_STOP_CONTEXT;
@@ -475,14 +483,13 @@ bool clover_timed_block(clover_run & run, const std::vector<llama_token> & windo
     return ok;
 }
 
-bool clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows, const char * what) {
+static bool clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows, const char * what) {
     const double t0 = clover_now_ms();
     const bool ok = clover_causal(run.eng, tokens, n, rows, what);
     run.stats->t_causal_ms += clover_now_ms() - t0;
     run.stats->n_causal_passes++;
     return ok;
 }
-
 
 void clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window) {
     const int32_t w = (int32_t) canvas.size();
@@ -565,29 +572,18 @@ static int32_t clover_produced_limit(const clover_run & run, const std::vector<l
 }
 
 static bool clover_run_ar(clover_run & run) {
-    clover_engine * eng = run.eng;
-    const std::vector<int32_t> rows = { 0 };
     while (run.remaining() > 0) {
-        if (eng->n_past >= eng->n_ctx) {
+        if (run.eng->n_past >= run.eng->n_ctx) {
             run.stats->stop_reason = CLOVER_STOP_CONTEXT;
             return true;
         }
-        const llama_token seed = eng->seed;
-        if (!clover_timed_causal(run, &seed, 1, rows, "ar step")) {
+        clover_round round;
+        if (!clover_verify(run, nullptr, 0, 1, round)) {  // a width-1 verification without drafts: an ar step
             return false;
         }
-        const float * logits = clover_get_row(eng, 0);
-        if (!logits) {
-            return false;
-        }
-        const llama_token token = clover_choose(eng, run.smp, logits).token;
-        eng->seed = token;
-        if (run.is_stop(token)) {
+        if (round.hit_eog) {
             run.stats->stop_reason = CLOVER_STOP_EOG;
             return true;
-        }
-        if (!clover_emit(run, &token, 1)) {
-            return false;
         }
     }
     run.stats->stop_reason = CLOVER_STOP_LENGTH;
@@ -682,23 +678,42 @@ static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_toke
     return true;
 }
 
+// The token of one verified target and whether its draft was accepted (draft < 0: none). Greedy: argmax P,
+// accepted when it equals the draft; sampling: the draft with probability Q(d), else a draw from Q without d.
+static llama_token clover_accept(clover_run & run, const float * logits, llama_token draft, bool & accepted) {
+    const int32_t n_vocab = run.eng->n_vocab;
+    if (run.smp.greedy()) {
+        const llama_token token = clover_argmax(run.smp, logits, n_vocab);
+        accepted = draft >= 0 && token == draft;
+        return token;
+    }
+    clover_sampling_dist(run.smp, logits, n_vocab);
+    accepted = draft >= 0 && run.smp.uniform() < run.smp.probs[draft];
+    if (accepted) {
+        return draft;
+    }
+    if (draft >= 0) {
+        run.smp.probs[draft] = 0.0;
+    }
+    return clover_draw(run.smp, run.smp.probs);
+}
+
 // Verification and acceptance (spec 4.2, steps 2-4): one causal pass over [seed, drafts[0 .. width-2]] with all
-// width rows; output a_j is compared with draft d_j (j < n_drafts; a missing draft is never accepted, so all
+// width rows; output a_j is compared with draft d_j (j <= n_drafts; a missing draft is never accepted, so all
 // drafts accepted gives a_{n_drafts+1} as a free token). m = min(c+1, width, R, first end-of-generation); emits
 // a_1 .. a_m but an end-of-generation token, keeps history through p+m-1, and a_m becomes the seed. With
-// width 1 and no draft this is exactly an ar step. Greedy: accepted when argmax P equals the draft; sampling:
-// with probability Q(d), else a draw from Q without d.
+// width 1 and no draft this is exactly an ar step.
 bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round) {
     clover_engine * eng = run.eng;
     const int32_t p = eng->n_past;
     std::vector<llama_token> inputs(width);
+    std::vector<int32_t>     rows(width);
     inputs[0] = eng->seed;
-    for (int32_t j = 0; j + 1 < width; ++j) {
-        inputs[j + 1] = drafts[j];
-    }
-    std::vector<int32_t> rows(width);
     for (int32_t j = 0; j < width; ++j) {
         rows[j] = j;
+        if (j + 1 < width) {
+            inputs[j + 1] = drafts[j];
+        }
     }
     if (!clover_timed_causal(run, inputs.data(), width, rows, width == 1 ? "ar step" : "verification pass")) {
         return false;
@@ -711,30 +726,11 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
         if (!logits) {
             return false;
         }
-        const bool        has_draft = j <= n_drafts;
-        const llama_token draft     = has_draft ? drafts[j - 1] : -1;
-        bool        accepted = false;
-        llama_token token;
-        if (run.smp.greedy()) {
-            token    = clover_argmax(run.smp, logits, eng->n_vocab);
-            accepted = has_draft && token == draft;
-        } else {
-            clover_sampling_dist(run.smp, logits, eng->n_vocab);
-            if (has_draft) {
-                accepted = run.smp.uniform() < run.smp.probs[draft];
-            }
-            if (accepted) {
-                token = draft;
-            } else {
-                if (has_draft) {
-                    run.smp.probs[draft] = 0.0;
-                }
-                token = clover_draw(run.smp, run.smp.probs);
-            }
-        }
-        round.m      = j;
+        bool accepted = false;
+        const llama_token token = clover_accept(run, logits, j <= n_drafts ? drafts[j - 1] : -1, accepted);
+        round.m           = j;
         round.n_accepted += accepted ? 1 : 0;
-        next_seed    = token;
+        next_seed         = token;
         if (run.is_stop(token)) {
             round.hit_eog = true;
             break;
