@@ -233,10 +233,10 @@ class Context(NativeHandle):
 
     def __init__(self, model: Model, n_ctx: int = 1024, n_batch: int = 512, n_ubatch: int = 64,
                  n_rs_seq: int = 0, n_threads: int | None = None,
-                 eval_callback: tuple[Any, Any] | None = None) -> None:
+                 eval_callback: tuple[Any, Any] | None = None, flash_attn: bool | None = None) -> None:
         """``eval_callback``: an optional (ggml_backend_sched_eval_callback, user data) pair set as
         ``cb_eval`` / ``cb_eval_user_data`` (e.g. libclover's importance-matrix collector); it is kept
-        referenced for the context's lifetime."""
+        referenced for the context's lifetime. ``flash_attn``: None = llama.cpp's auto, else on or off."""
         L = llama()
         p = L.llama_context_default_params()
         self._eval_callback = eval_callback  # the C side holds only raw pointers
@@ -249,6 +249,8 @@ class Context(NativeHandle):
         p.n_seq_max = 2
         p.kv_unified = True
         p.n_rs_seq = n_rs_seq
+        if flash_attn is not None:  # enum llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
+            p.flash_attn_type = 1 if flash_attn else 0
         threads = n_threads or int(os.environ.get("CLOVER_THREADS") or 0) or default_threads()
         p.n_threads = threads
         p.n_threads_batch = threads

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import precision
 from .config import CloverConfig
 from .history import AttentionCache, DeltaNetState, History
+from .precision import Linear
 
 L2NORM_EPS = 1e-6  # transformers hard-codes this for the GDN l2-norm
 
@@ -76,12 +78,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int
     n_heads, n_kv = q.shape[1], k.shape[0]
     k = k.repeat_interleave(n_heads // n_kv, dim=0)
     v = v.repeat_interleave(n_heads // n_kv, dim=0)
-    scores = torch.einsum("qhd,hkd->hqk", q, k) / math.sqrt(q.shape[-1])
+    scores = precision.attention_scores(q, k) / math.sqrt(q.shape[-1])
     if causal_offset is not None:
         tq, tk = q.shape[0], k.shape[1]
         allowed = torch.arange(tk)[None, :] <= (causal_offset + torch.arange(tq))[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,hkd->qhd", scores.softmax(-1), v)
+    return precision.attention_values(scores.softmax(-1), v)
 
 
 class GatedAttention(nn.Module):
@@ -91,10 +93,10 @@ class GatedAttention(nn.Module):
         super().__init__()
         c = config
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, 2 * c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, 2 * c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
@@ -104,6 +106,7 @@ class GatedAttention(nn.Module):
         q = rotary(self.q_norm(q), positions)
         k = rotary(self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim)), positions)
         v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        k, v = precision.cache_value(k), precision.cache_value(v)
         return q, gate.reshape(t, -1), k.transpose(0, 1), v.transpose(0, 1)
 
     def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -146,17 +149,17 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim, self.conv_dim = c.key_dim, c.value_dim, c.conv_dim
         self.kernel, self.right_kernel = c.linear_conv_kernel_dim, c.linear_conv_right_kernel_dim
         self.eps = c.rms_norm_eps
-        self.in_proj_qkv = nn.Linear(c.hidden_size, c.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(c.hidden_size, c.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
-        self.in_proj_a = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
+        self.in_proj_qkv = Linear(c.hidden_size, c.conv_dim, bias=False)
+        self.in_proj_z = Linear(c.hidden_size, c.value_dim, bias=False)
+        self.in_proj_b = Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
+        self.in_proj_a = Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(c.conv_dim, 1, c.linear_conv_kernel_dim))
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.dv))
-        self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+        self.out_proj = Linear(c.value_dim, c.hidden_size, bias=False)
         # Clover block-mode tensors
         self.conv1d_right = nn.Module()
         self.conv1d_right.weight = nn.Parameter(torch.zeros(c.conv_dim, 1, c.linear_conv_right_kernel_dim))
@@ -198,12 +201,12 @@ class GatedDeltaNet(nn.Module):
     def block_mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
         """Spec section 3, GDN steps 4-6: each target mixes the history readout S^T q with the window's values.
         q, k [..., B, H, dk], v [..., B, H, dv], ssm [..., H, dk, dv] -> o [..., B, H, dv]."""
-        readout = torch.einsum("...hkv,...bhk->...bhv", ssm, q / math.sqrt(self.dk))
-        window_scores = torch.einsum("...ihk,...jhk->...hij", q, k) * self.block_scale[:, None, None]
-        history_score = torch.einsum("...ihk,hk->...hi", q, self.hist_key) + self.hist_bias[:, None]
+        readout = precision.activations("...hkv,...bhk->...bhv", ssm, q / math.sqrt(self.dk))
+        window_scores = precision.activations("...ihk,...jhk->...hij", q, k) * self.block_scale[:, None, None]
+        history_score = precision.activations("...ihk,hk->...hi", q, self.hist_key) + self.hist_bias[:, None]
         weights = torch.cat((history_score[..., None], window_scores), dim=-1).softmax(-1)  # [.., h, i, 1+B]
         return weights[..., 0].transpose(-1, -2)[..., None] * readout + \
-            torch.einsum("...hij,...jhv->...ihv", weights[..., 1:], v)
+            precision.activations("...hij,...jhv->...ihv", weights[..., 1:], v)
 
     def causal(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """Causal pass over x [T, d], one position at a time; updates the conv and delta-rule state."""
@@ -240,15 +243,15 @@ class SparseMoe(nn.Module):
         super().__init__()
         c = config
         self.top_k = c.num_experts_per_tok
-        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.gate = Linear(c.hidden_size, c.num_experts, bias=False)
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size))
         self.experts.down_proj = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size, c.moe_intermediate_size))
         self.shared_expert = nn.Module()
-        self.shared_expert.gate_proj = nn.Linear(c.hidden_size, c.shared_expert_intermediate_size, bias=False)
-        self.shared_expert.up_proj = nn.Linear(c.hidden_size, c.shared_expert_intermediate_size, bias=False)
-        self.shared_expert.down_proj = nn.Linear(c.shared_expert_intermediate_size, c.hidden_size, bias=False)
-        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+        self.shared_expert.gate_proj = Linear(c.hidden_size, c.shared_expert_intermediate_size, bias=False)
+        self.shared_expert.up_proj = Linear(c.hidden_size, c.shared_expert_intermediate_size, bias=False)
+        self.shared_expert.down_proj = Linear(c.shared_expert_intermediate_size, c.hidden_size, bias=False)
+        self.shared_expert_gate = Linear(c.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = self.gate(x).softmax(-1)
@@ -257,8 +260,8 @@ class SparseMoe(nn.Module):
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
-            gate, up = F.linear(x[rows], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[e])
+            gate, up = precision.expert(x[rows], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = precision.expert(F.silu(gate) * up, self.experts.down_proj[e])
             out[rows] += y * weights[rows, slot, None]  # a token meets each expert at most once
         se = self.shared_expert
         shared = se.down_proj(F.silu(se.gate_proj(x)) * se.up_proj(x))
@@ -305,7 +308,7 @@ class CloverModel(nn.Module):
         config.validate()
         self.config = config
         self.model = TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
@@ -336,8 +339,9 @@ class CloverModel(nn.Module):
         if ids.numel() == 0:
             return torch.zeros(0, self.config.vocab_size)
         logits = []
-        for token in ids:
-            logits.append(self.lm_head(self._run(token[None], history, block=False)))
+        for index, token in enumerate(ids):
+            with precision.pass_rows(precision.ubatch_rows(ids.numel(), index)):
+                logits.append(self.lm_head(self._run(token[None], history, block=False)))
             history.length += 1
         return torch.cat(logits)
 
@@ -352,7 +356,8 @@ class CloverModel(nn.Module):
         ids = torch.as_tensor(window_ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("a block pass needs a window of at least one position")
-        hidden = self._run(ids, history, block=True)
-        if rows is not None:
-            hidden = hidden[rows]
-        return self.lm_head(hidden)
+        with precision.pass_rows(ids.numel()):
+            hidden = self._run(ids, history, block=True)
+            if rows is not None:
+                hidden = hidden[rows]
+            return self.lm_head(hidden)

@@ -1,62 +1,125 @@
 #!/usr/bin/env bash
-# GPU device check (used on an H200, 2026-11-29; results in bench/results/cuda_tests.md and bench_engine_cuda.md).
-# Prepare .devrun/ in the repo root (git-ignored) first: src.tar.xz = the patched source tree of the current
-# build key (~/.cache/clover/build/<key>/src without docs/models/benches/tests/examples), the gguf and diskcache
-# wheels, and a copy of llama-cpp-python's llama_cpp/ package; then run `bash scripts/device_check.sh` there with
-# $OUT set. It builds with CUDA (FA kernels off to fit the time), runs the native parity tests with every layer
-# offloaded, and the engine benchmark.
+# The GPU check: one CUDA build (flash attention compiled in), then the measurements in priority order, each
+# result written to $OUT as it comes, so that a run cut short still reports what it reached.
+#
+#   here:        make native && bash scripts/device_prepare.sh          (fills .devrun/, git-ignored)
+#   GPU machine: bash scripts/device_check.sh                            (run tool: carry [".devrun"])
+#   CPU dry run: DEVICE_CHECK_CPU=1 OUT=/tmp/dc bash scripts/device_check.sh   (same steps, no CUDA)
+#
+# What it discriminates (docs/native.md, "CUDA parity"):
+#  1. parity probe, GPU against the CPU backend of the same build (bench/cuda_parity.py), per environment:
+#     default; GGML_CUDA_DISABLE_TF32=1 (our patch: no TF32 in cuBLAS and no F32 mmf tiles, which feed TF32
+#     MMA whatever NVIDIA_TF32_OVERRIDE says); NVIDIA_TF32_OVERRIDE=0 + GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32
+#     (cuBLAS only); both; GGML_CUDA_PDL=0; flash attention on; the default again (hashes must repeat).
+#     Models: tiny, the stock qwen35moe twin of tiny (the yardstick), the trained demo model (with engine
+#     tokens), and mid.
+#  2. test-backend-ops on CUDA0 for the ops of the recurrent layers.
+#  3. the native parity tests under strict FP32 (tests/test_native_clover.py, tests/test_engine.py).
+#  4. the engine benchmark (block pass against AR step inside the engine's loops).
 set -u
 cd "$(dirname "$0")/.."
 R=$PWD
+OUT=${OUT:?set OUT}
+CPU_ONLY=${DEVICE_CHECK_CPU:-0}
 exec > >(tee "$OUT/run.log") 2>&1
 export PATH=$PATH:/usr/local/cuda/bin
 T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; python3 -c "import torch; print('torch', torch.__version__)"
+left() { echo $(( ${TOTAL_LIMIT:-290} - ($(date +%s) - T0) )); }
+[[ $CPU_ONLY == 1 ]] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+echo "cpus $(nproc)"
+
+# -- python environment: the project's packages plus the wheels in .devrun
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .devrun/*.whl || exit 2
 mkdir -p /tmp/pkgs
 ln -sfn "$R/reference" /tmp/pkgs/clover_ref; ln -sfn "$R/convert" /tmp/pkgs/clover_convert
 ln -sfn "$R/quantize" /tmp/pkgs/clover_quantize; ln -sfn "$R/clover_cpp" /tmp/pkgs/clover_cpp
 ln -sfn "$R/.devrun/llama_cpp" /tmp/pkgs/llama_cpp
-export PYTHONPATH=/tmp/site:/tmp/pkgs
+export PYTHONPATH=/tmp/site:/tmp/pkgs:$R/tests PYTHONUNBUFFERED=1
 PY3=$(python3 -c "import sys; print(sys.executable)")
 mkdir -p .venv/bin && rm -f .venv/bin/python && printf '#!/bin/sh\nexec %s "$@"\n' "$PY3" > .venv/bin/python && chmod +x .venv/bin/python
-if [[ ! -e /tmp/b/bin/libclover.so ]]; then
-mkdir -p /tmp/src && tar -xJf .devrun/src.tar.xz -C /tmp/src
-cmake -S /tmp/src -B /tmp/b -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON \
-  -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
-  -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 4; }
-t configured
-timeout "${BUILD_LIMIT:-300}" cmake --build /tmp/b -j "$(nproc)" --target llama clover llama-clover llama-quantize > "$OUT/build.log" 2>&1
-rc=$?; t "build rc=$rc"; [[ $rc == 0 ]] || { tail -20 "$OUT/build.log"; exit 5; }
+
+# -- 0. build: libllama, libclover, llama-clover, test-backend-ops
+B=/tmp/b
+if [[ ! -e $B/bin/libclover.so ]]; then
+    mkdir -p /tmp/src && tar -xJf .devrun/src.tar.xz -C /tmp/src
+    GPU_FLAGS=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=ON)
+    [[ $CPU_ONLY == 1 ]] && GPU_FLAGS=()
+    cmake -S /tmp/src -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON \
+        -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF "${GPU_FLAGS[@]}" \
+        > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 4; }
+    t configured
+    timeout "${BUILD_LIMIT:-200}" cmake --build $B -j "$(nproc)" --target llama clover llama-clover test-backend-ops \
+        > "$OUT/build.log" 2>&1
+    rc=$?; t "build rc=$rc"; [[ $rc == 0 ]] || { tail -20 "$OUT/build.log"; exit 5; }
 fi
 mkdir -p /tmp/nat/lib /tmp/nat/bin
-ln -sf /tmp/b/bin/*.so* /tmp/nat/lib/; ln -sf /tmp/b/bin/llama-quantize /tmp/b/bin/llama-clover /tmp/nat/bin/
-export CLOVER_NATIVE_LIB=/tmp/nat/lib CLOVER_REQUIRE_NATIVE=1 CLOVER_N_GPU_LAYERS=99 CLOVER_NATIVE_QUIET=1 PYTHONUNBUFFERED=1
-python3 - <<'PY'
-import re, subprocess, sys
+ln -sf $B/bin/*.so* /tmp/nat/lib/; ln -sf $B/bin/llama-clover /tmp/nat/bin/
+export CLOVER_NATIVE_LIB=/tmp/nat/lib CLOVER_REQUIRE_NATIVE=1 CLOVER_NATIVE_QUIET=1
+
+# -- models: the shipped small ones, mid made here (too large to carry)
+M=/tmp/models; mkdir -p $M; cp .devrun/*.gguf $M/
+python3 - <<'PY' || exit 6
+import subprocess, sys
 from pathlib import Path
-from clover_cpp import native, engine
-print("native", native.native_available(), "engine", engine.available())
 from clover_ref.factory import init_checkpoint
-init_checkpoint(Path("/tmp/tiny"), "tiny", seed=0)
-subprocess.run([sys.executable, "-m", "clover_convert", "/tmp/tiny", "/tmp/tiny.gguf", "--outtype", "f32"], check=True)
-lines = []
-with native.log_listener(lambda lvl, txt: lines.append(txt)):
-    from clover_cpp import Model
-    with Model("/tmp/tiny.gguf", n_ctx=256) as m:
-        r = m.run(m.tokenize("def f(x):"), mode="diffusion", max_tokens=16)
-print("\n".join(l for l in lines if re.search(r"offload|CUDA0|using device", l))[:1500])
-print("diffusion on GPU:", r.tokens, r.stats.to_dict())
+if not Path("/tmp/models/mid-f32.gguf").exists():
+    init_checkpoint(Path("/tmp/models/mid"), "mid", seed=0)
+    subprocess.run([sys.executable, "-m", "clover_convert", "/tmp/models/mid", "/tmp/models/mid-f32.gguf",
+                    "--outtype", "f32"], check=True, stdout=subprocess.DEVNULL)
 PY
-timeout "${TEST_LIMIT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_native_clover.py tests/test_engine.py \
-  -k "not stock_qwen35moe and not reference_parity_mid and not prefix_consistency_mid" --durations=8 -W ignore \
-  > "$OUT/tests.log" 2>&1
-t "tests rc=$?"; tail -45 "$OUT/tests.log"
-cp build/native-parity.json "$OUT/native-parity-cuda.json" 2>/dev/null
-grep -h "offloaded\|CUDA0 model buffer" "$OUT/tests.log" | head -3
-timeout "${BENCH_LIMIT:-120}" python3 bench/bench_engine.py --n-gpu-layers 99 --skip-stock --skip-reference \
-  --threads 16 --name bench_engine_cuda --workdir /tmp/be > "$OUT/bench.log" 2>&1
-t "bench rc=$?"; tail -30 "$OUT/bench.log"
-cp bench/results/bench_engine_cuda.* "$OUT/" 2>/dev/null
+t "models ready"
+
+# -- 1. parity probe, in priority order
+NGL=99; [[ $CPU_ONLY == 1 ]] && NGL=0
+P=$OUT/parity; mkdir -p $P
+probe() {  # probe LABEL GGUF [ENV=V ...] [-- extra args]
+    local label=$1 gguf=$2; shift 2
+    local envs=() extra=()
+    while [[ $# -gt 0 && $1 != -- ]]; do envs+=("$1"); shift; done
+    [[ ${1:-} == -- ]] && { shift; extra=("$@"); }
+    (( $(left) > 20 )) || { t "skip $label $gguf (time)"; return; }
+    env "${envs[@]}" timeout 120 python3 bench/cuda_parity.py "$M/$gguf" --label "$label" --out "$P" \
+        --n-gpu-layers $NGL "${extra[@]}" || t "probe $label $gguf rc=$?"
+}
+STRICT=(GGML_CUDA_DISABLE_TF32=1 GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32)
+probe default tiny-f32.gguf
+probe strict tiny-f32.gguf "${STRICT[@]}"
+probe default stock-tiny-f32.gguf
+probe strict stock-tiny-f32.gguf "${STRICT[@]}"
+probe default demo-f32.gguf -- --engine
+probe strict demo-f32.gguf "${STRICT[@]}" -- --engine
+probe default mid-f32.gguf
+probe strict mid-f32.gguf "${STRICT[@]}"
+probe no-tf32 tiny-f32.gguf GGML_CUDA_DISABLE_TF32=1
+probe cublas-f32 tiny-f32.gguf NVIDIA_TF32_OVERRIDE=0 GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32
+probe pdl0 tiny-f32.gguf GGML_CUDA_PDL=0
+probe fa-on tiny-f32.gguf -- --flash-attn on
+probe strict-fa-on mid-f32.gguf "${STRICT[@]}" -- --flash-attn on
+probe default-again tiny-f32.gguf
+t "parity probe done"
+
+# -- 2. backend ops
+if (( $(left) > 30 )) && [[ $CPU_ONLY != 1 ]]; then
+    for op in GATED_DELTA_NET SSM_CONV RMS_NORM L2_NORM CONCAT GET_ROWS CPY; do
+        timeout 30 $B/bin/test-backend-ops -o $op -b CUDA0 > "$OUT/backend-ops-$op.log" 2>&1
+        echo "test-backend-ops $op rc=$? $(grep -E '[0-9]+/[0-9]+ tests passed' "$OUT/backend-ops-$op.log" | tail -1)"
+    done
+fi
+
+# -- 3. native parity tests under strict FP32, then as shipped
+if (( $(left) > 60 )); then
+    env "${STRICT[@]}" CLOVER_N_GPU_LAYERS=$NGL timeout $(( $(left) - 45 )) python3 -m pytest -q -p no:cacheprovider \
+        -o addopts="" tests/test_native_clover.py tests/test_engine.py -k "not stock_qwen35moe and not mid" -W ignore \
+        > "$OUT/tests-strict.log" 2>&1
+    t "tests (strict) rc=$?"; tail -25 "$OUT/tests-strict.log"
+fi
+
+# -- 4. engine benchmark
+if (( $(left) > 30 )); then
+    timeout $(( $(left) - 5 )) python3 bench/bench_engine.py --n-gpu-layers $NGL --skip-stock --skip-reference \
+        --threads "$(nproc)" --name bench_engine_cuda --workdir /tmp/be > "$OUT/bench.log" 2>&1
+    t "bench rc=$?"; tail -30 "$OUT/bench.log"
+    cp bench/results/bench_engine_cuda.* "$OUT/" 2>/dev/null
+fi
 t done
