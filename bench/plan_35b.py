@@ -12,6 +12,10 @@
    unified KV, n_rs_seq = B_max - 1) for B_max = 8, 16 and 32, read from llama.cpp's own log on the
    skeleton: KV cache, recurrent state (with the rollback snapshots) and compute buffer. Plus the weights
    of each type, that is the total a CPU-only run needs, against a 24 GB (22.35 GiB) machine.
+4. A 24 GB GPU with every layer offloaded (-ngl 99) and the experts of the first N layers in host memory
+   (--n-cpu-moe N), Q4_K_M: weights on each side from the per-tensor plan, placed by llama.cpp's rules
+   (clover_cpp.offload.device_bytes), the context of step 3 (B_max 8) on the GPU, and the bytes that cross
+   PCIe per pass (see PASS_RULE).
 
 Results: bench/results/plan_35b.md, plan_35b.json and plan_35b_q4_k_m.txt.
 """
@@ -32,6 +36,25 @@ TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS
 GIB = 2**30
 MIB = 2**20
 MACHINE_BYTES = 24 * 10**9
+
+# Step 4: a "24 GB" card (RTX 3090/4090: 24,576 MiB) has about 23.6 GiB free once the CUDA context exists; less
+# llama.cpp's default 1 GiB --fit-target margin (the engine's fit_margin_mib) and a desktop's few hundred MiB,
+# 22.0 GiB are assumed usable for weights + context + compute (an assumption: nvidia-smi on the target card gives
+# the real figure, and the engine's load check uses the device's own). PCIe 4.0 x16 is assumed to move 25 GB/s.
+GPU_USABLE_GIB = 22.0
+PCIE_BYTES_S = 25e9
+N_CPU_MOE = [0, 4, 8, 12, 16, 24, 32, 40]
+OFFLOAD_B_MAX = 8
+OP_OFFLOAD_MIN_BATCH = 32  # ggml-cuda: GGML_OP_OFFLOAD_MIN_BATCH, default 32 (get_op_batch_size: MUL_MAT_ID ne[2])
+PASS_RULE = (
+    "With the experts of a layer in host memory, llama.cpp's scheduler runs that layer's expert mat-muls "
+    "(MUL_MAT_ID) on the CPU and only activations cross PCIe: the layer's input rows to the host and its output "
+    "rows back (2 x rows x n_embd x 4 bytes), plus the router's top-k ids and weights (2 x rows x top_k x 4 bytes). "
+    f"When a pass has at least {OP_OFFLOAD_MIN_BATCH} rows (GGML_OP_OFFLOAD_MIN_BATCH, ggml-cuda's op_offload "
+    "test; the context's op_offload is on by default), the scheduler instead copies the whole expert tensors of "
+    "those layers (all 256 experts) to the GPU and runs them there, every pass: a B = 32 block pass and every "
+    "prefill ubatch (up to 512 rows) pay that copy; ar steps, verifications of a few rows and B = 8/16 blocks do not."
+)
 
 
 def make_skeleton(workdir: Path) -> Path:
@@ -57,7 +80,8 @@ def plans(skeleton: Path) -> dict[str, dict]:
         plan = plan_quantization(QuantizeOptions(input=skeleton, file_type=file_type(name), dry_run=True), model)
         out[name] = {"bytes": plan.dst_bytes, "gib": plan.dst_bytes / GIB, "bpw": plan.bits_per_weight,
                      "by_type": {k: {"tensors": n, "bytes": b} for k, (n, b) in plan.types_by_count().items()},
-                     "src_bytes": plan.src_bytes, "tensors": len(plan.tensors)}
+                     "src_bytes": plan.src_bytes, "tensors": len(plan.tensors),
+                     "tensor_bytes": {t.name: t.dst_bytes for t in plan.tensors}}
         if name == "Q4_K_M":
             buf = io.StringIO()
             print_plan(plan, buf)
@@ -97,7 +121,82 @@ def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int]) -> dict[i
     return out
 
 
-def write_report(plan: dict[str, dict], memory: dict[int, dict[str, float]], n_ctx: int) -> None:
+def offload_rows(skeleton: Path, plan: dict[str, dict], memory: dict[int, dict[str, float]]) -> dict:
+    """Step 4: per N (--n-cpu-moe N, -ngl 99, Q4_K_M), bytes on each side and bytes moved per pass."""
+    from gguf import GGUFReader
+
+    from clover_cpp.offload import Offload, device_bytes
+
+    reader = GGUFReader(skeleton, "r")
+    meta = {k: int(reader.get_field(f"clover.{k}").contents())  # type: ignore[union-attr]
+            for k in ("block_count", "embedding_length", "expert_used_count", "expert_count")}
+    n_layer, n_embd, top_k = meta["block_count"], meta["embedding_length"], meta["expert_used_count"]
+    tensors = [(name, b) for name, b in plan["Q4_K_M"]["tensor_bytes"].items()]
+    ctx = memory.get(OFFLOAD_B_MAX)
+    ctx_bytes = int(sum(ctx.values()) * MIB) if ctx else 0
+    rows = []
+    for n in N_CPU_MOE:
+        off = Offload(n_cpu_moe=n)
+        side = device_bytes(tensors, n_layer, 99, off.overrides(n_layer))
+        exps_cpu = sum(b for name, b in tensors if "_exps" in name and int(name.split(".")[1]) < n)
+        act = lambda r: n * 2 * r * (n_embd + top_k) * 4  # noqa: E731 - activations out and back per CPU layer
+        moved = {r: (act(r) if r < OP_OFFLOAD_MIN_BATCH else exps_cpu) for r in (1, 4, 8, 16, 32, 512)}
+        gpu = side["GPU"] + ctx_bytes
+        by_b = {b: side["GPU"] + int(sum(m.values()) * MIB) for b, m in memory.items()}
+        rows.append({"n_cpu_moe": n, "gpu_weights": side["GPU"], "gpu_context": ctx_bytes, "gpu_total": gpu,
+                     "gpu_total_by_b_max": by_b, "fits_by_b_max": {b: v <= GPU_USABLE_GIB * GIB for b, v in by_b.items()},
+                     "cpu_weights": side["CPU"], "experts_on_cpu": exps_cpu, "moved_per_pass": moved,
+                     "fits": gpu <= GPU_USABLE_GIB * GIB})
+        print(f"--n-cpu-moe {n:2d}: GPU {gpu / GIB:6.2f} GiB, host {side['CPU'] / GIB:6.2f} GiB, "
+              f"1-row pass {moved[1] / 1e3:.0f} kB, 32-row pass {moved[32] / 1e9:.2f} GB", flush=True)
+    return {"meta": meta, "usable_gib": GPU_USABLE_GIB, "b_max": OFFLOAD_B_MAX, "context_bytes": ctx_bytes,
+            "memory_mib": memory,
+            "pcie_bytes_s": PCIE_BYTES_S, "rows": rows}
+
+
+def offload_report(off: dict, n_ctx: int) -> list[str]:
+    meta = off["meta"]
+    ctx_gib = " / ".join(f"{sum(m.values()) * MIB / GIB:.2f}" for m in off["memory_mib"].values())
+    b_maxes = " / ".join(str(b) for b in off["memory_mib"])
+    lines = ["## A 24 GB GPU with N expert layers in host memory (Q4_K_M, -ngl 99 --n-cpu-moe N)", "",
+             f"Assumed usable on the card: {off['usable_gib']:.1f} GiB of its 24 GiB (an RTX 3090/4090 has 24,576 "
+             "MiB; about 23.6 GiB are free once the CUDA context exists, less llama.cpp's default 1 GiB fit margin, "
+             "which the engine's load check keeps too, and a desktop's few hundred MiB; check with nvidia-smi). "
+             "Weights are placed by llama.cpp's "
+             "rules (`clover_cpp.offload.device_bytes`: token_embd stays in host memory, every other tensor on the "
+             "GPU unless an override matches, here --n-cpu-moe's `blk\.<i>\.ffn_(up|down|gate|gate_up)_(ch|)exps` "
+             f"for i < N). GPU context = KV + recurrent state + compute of the engine's context at {n_ctx:,d} tokens, "
+             f"B_max {b_maxes} ({ctx_gib} GiB, the table above; llama.cpp puts each layer's "
+             "KV and recurrent state with the layer, here all on the GPU; the compute buffer measured on the CPU "
+             "stands in for the GPU's). Host: weights only (mmapped; the host's own compute buffer is small and "
+             "not counted).", "",
+             "| N | GPU weights GiB | GPU total GiB, B_max 8 / 16 / 32 | fits 22.0 GiB (B_max 8 / 16 / 32) | "
+             "host weights GiB | moved per 1-row pass (ar step) | 8-row pass (B = 8 block) | 32-row pass "
+             "(B = 32 block, prefill ubatch) | 32-row pass at 25 GB/s |", "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in off["rows"]:
+        m = r["moved_per_pass"]
+        tot = " / ".join(f"{v / GIB:.2f}" for v in r["gpu_total_by_b_max"].values())
+        fits = " / ".join("yes" if v else "no" for v in r["fits_by_b_max"].values())
+        lines.append(f"| {r['n_cpu_moe']} | {r['gpu_weights'] / GIB:.2f} | {tot} | {fits} | "
+                     f"{r['cpu_weights'] / GIB:.2f} | {m[1] / 1e3:.0f} kB | "
+                     f"{m[8] / 1e3:.0f} kB | {m[32] / 1e9:.2f} GB | {m[32] / off['pcie_bytes_s'] * 1e3:.0f} ms |")
+    per_layer = (off["rows"][1]["experts_on_cpu"] / off["rows"][1]["n_cpu_moe"]) if len(off["rows"]) > 1 else 0
+    first = {b: min((r["n_cpu_moe"] for r in off["rows"] if r["fits_by_b_max"][b]), default=None)
+             for b in off["rows"][0]["fits_by_b_max"]}
+    lines += ["", "The smallest N listed that fits: " + ", ".join(f"B_max {b}: {n}" for b, n in first.items())
+              + f". Each layer's experts are {per_layer / GIB:.3f} GiB at Q4_K_M (n_embd "
+              f"{meta['embedding_length']}, {meta['expert_count']} experts, top-{meta['expert_used_count']}), so "
+              "each step of N frees that much GPU memory.", "",
+              "**Bytes moved per pass.** " + PASS_RULE + " Passes below 32 rows cost the host's mat-muls instead "
+              "(memory-bound: the 8 selected experts of each row, about 1/32 of each CPU layer's expert bytes per "
+              "row, read from host RAM). `GGML_OP_OFFLOAD_MIN_BATCH` raises the threshold (e.g. 64 keeps B = 32 "
+              "blocks on the host's experts); prefill then runs the CPU layers on the host too. Not counted, as every "
+              "pass moves them whatever N: the token ids in and the logits of the requested rows out "
+              "(n_vocab x 4 bytes, about 1 MB per row).", ""]
+    return lines
+
+
+def write_report(plan: dict[str, dict], memory: dict[int, dict[str, float]], n_ctx: int, offload: dict) -> None:
     lines = ["# Clover-35B-A3B: quantized sizes and memory at full size", "",
              "From `bench/plan_35b.py`: llama.cpp's own per-tensor plans (`clover-quantize --dry-run`) on a "
              "skeleton GGUF of the real 35b-shape (40 layers, 256 experts top-8 + shared, vocab 248,320; "
@@ -125,9 +224,12 @@ def write_report(plan: dict[str, dict], memory: dict[int, dict[str, float]], n_c
         lines += ["", "24 GB = 22.35 GiB, before the OS and the Python process (about 1 GiB); 'tight' means "
                   "above 90% of it. Weights are mmapped: a machine short of RAM pages them from disk "
                   "instead of failing, at a large cost in speed.", ""]
+    if offload:
+        lines += offload_report(offload, n_ctx)
     (RESULTS / "plan_35b.md").write_text("\n".join(lines))
-    (RESULTS / "plan_35b.json").write_text(json.dumps({"plans": plan, "memory_mib": memory, "n_ctx": n_ctx},
-                                                      indent=1))
+    plans_out = {k: {kk: vv for kk, vv in v.items() if kk != "tensor_bytes"} for k, v in plan.items()}
+    (RESULTS / "plan_35b.json").write_text(json.dumps({"plans": plans_out, "memory_mib": memory, "n_ctx": n_ctx,
+                                                       "offload_24gb": offload}, indent=1))
 
 
 def main() -> int:
@@ -142,7 +244,8 @@ def main() -> int:
     skeleton = make_skeleton(args.workdir)
     plan = plans(skeleton)
     memory = {} if args.skip_memory else context_memory(skeleton, args.ctx, [8, 16, 32])
-    write_report(plan, memory, args.ctx)
+    offload = offload_rows(skeleton, plan, memory) if memory else {}
+    write_report(plan, memory, args.ctx, offload)
     print(f"wrote {RESULTS / 'plan_35b.md'}")
     return 0
 

@@ -431,8 +431,9 @@ class BackgroundRun:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    model = Model(args.model, n_ctx=args.ctx_size, n_threads=args.threads, max_block_size=args.max_block_size,
-                  n_gpu_layers=args.n_gpu_layers)
+    from .cli import model_kwargs
+
+    model = Model(args.model, **model_kwargs(args))
     try:
         template = load_template(model.llama_model, args.model, args.chat_template)
         if template is None:

@@ -2,6 +2,9 @@
 
     clover-cpp generate -m MODEL.gguf -p TEXT [--mode auto|ar|diffusion|spec] [--block-size B] [--threshold T]
                         [-n N] [--draft-steps S] [--temperature T --top-k K --top-p P --seed S] [--json]
+    generate, chat and serve take llama.cpp's offload flags: -ngl N, -ncmoe/--n-cpu-moe N, -cmoe/--cpu-moe,
+    -ot/--override-tensor REGEX=BUFT, -sm/--split-mode none|layer|row, -ts/--tensor-split N0,N1, -mg/--main-gpu I,
+    -fitt/--fit-target MiB (clover_cpp/offload.py)
     clover-cpp imatrix -m F16.gguf -f CALIB.txt [-o imatrix.gguf] [--chunk-size 512] [--chunks N]
                        [--block-size B] [--no-masked] [--seed S] [-t N] [-ngl N]       (clover_cpp/imatrix.py)
     clover-cpp chat -m MODEL.gguf [--mode M] [--think on|off] [--visual] ...   (clover_cpp/chat.py)
@@ -18,6 +21,8 @@ import os
 import sys
 import time
 from typing import NoReturn
+
+from .offload import add_offload_args, offload_from_args
 
 EXIT_BAD_INPUT = 2
 PROG = "clover-cpp"
@@ -52,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
     gen.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    add_offload_args(gen)
     gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
 
     imx = sub.add_parser("imatrix", help="importance matrix for quantization, with masked calibration")
@@ -77,6 +83,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
     p.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    add_offload_args(p)
     p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn/request may use "
                    "(0 = the largest of the model's block size and calibrated sizes)")
     p.add_argument("--mode", choices=["ar", "diffusion", "spec", "auto"], default="auto",
@@ -145,7 +152,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .model import Model
 
     _check(args)
-    with Model(args.model, n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers) as model:
+    with Model(args.model, **model_kwargs(args)) as model:
         prompt_ids = model.tokenize(args.prompt)
         if not prompt_ids:
             raise BadInput("the prompt is empty after tokenization (--prompt)")
@@ -226,6 +233,15 @@ def run_imatrix(args: argparse.Namespace) -> int:
     print(f"{PROG}: wrote {res.path}: {res.n_entries} entries, {chunks} ({res.n_tokens} of {res.n_tokens_file} "
           f"tokens; {calib}) in {res.seconds:.1f} s", file=sys.stderr)
     return 0
+
+
+def model_kwargs(args: argparse.Namespace) -> dict:
+    """Model(path, **these) for generate, chat and serve: loading options, offload (llama.cpp's flags) included."""
+    kwargs = {"n_ctx": args.ctx_size, "n_threads": args.threads, "n_gpu_layers": args.n_gpu_layers,
+              "offload": offload_from_args(args)}
+    if getattr(args, "max_block_size", 0):
+        kwargs["max_block_size"] = args.max_block_size
+    return kwargs
 
 
 def _check_engine_args(args: argparse.Namespace) -> None:

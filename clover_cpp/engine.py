@@ -64,6 +64,26 @@ class clover_engine_params(ctypes.Structure):
         ("n_threads", ctypes.c_int32),
         ("n_gpu_layers", ctypes.c_int32),
         ("use_extra_bufts", ctypes.c_bool),
+        # where the weights go (clover_cpp/offload.py)
+        ("override_tensor", ctypes.c_char_p),
+        ("n_cpu_moe", ctypes.c_int32),
+        ("cpu_moe", ctypes.c_bool),
+        ("split_mode", ctypes.c_int32),
+        ("main_gpu", ctypes.c_int32),
+        ("tensor_split", ctypes.c_char_p),
+        ("fit_margin_mib", ctypes.c_int32),
+    ]
+
+
+class clover_device_memory(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char * 64),
+        ("is_host", ctypes.c_bool),
+        ("free", ctypes.c_int64),
+        ("total", ctypes.c_int64),
+        ("model", ctypes.c_int64),
+        ("context", ctypes.c_int64),
+        ("compute", ctypes.c_int64),
     ]
 
 
@@ -130,6 +150,13 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_engine_load": (clover_engine_p, [ctypes.c_char_p, clover_engine_params, ctypes.c_char_p,
                                              ctypes.c_size_t]),
     "clover_engine_free": (None, [clover_engine_p]),
+    "clover_engine_describe_offload": (ctypes.c_int32, [ctypes.c_char_p, clover_engine_params, ctypes.c_char_p,
+                                                        ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]),
+    "clover_engine_plan_memory": (ctypes.c_int32, [ctypes.c_char_p, clover_engine_params,
+                                                   ctypes.POINTER(clover_device_memory), ctypes.c_int32,
+                                                   ctypes.c_char_p, ctypes.c_size_t]),
+    "clover_check_fit": (ctypes.c_int32, [ctypes.POINTER(clover_device_memory), ctypes.c_int32, ctypes.c_int32,
+                                          ctypes.c_char_p, ctypes.c_size_t]),
     "clover_engine_info": (ctypes.POINTER(clover_model_info), [clover_engine_p]),
     "clover_engine_model": (ctypes.c_void_p, [clover_engine_p]),
     "clover_engine_context": (ctypes.c_void_p, [clover_engine_p]),
@@ -215,3 +242,47 @@ def token_array(ids: list[int] | None) -> tuple[ctypes.Array | None, int]:
         return None, 0
     arr = (llama_token * max(1, len(ids)))(*[int(t) for t in ids])
     return arr, len(ids)
+
+
+def describe_offload(path: str, params: clover_engine_params) -> dict[str, object]:
+    """The llama_model_params libclover would load with: n_gpu_layers, split_mode, main_gpu, tensor_split (floats)
+    and overrides [(regex, buffer type)], in llama.cpp's order. Raises NativeError with the load's message."""
+    out = ctypes.create_string_buffer(1 << 16)
+    err = ctypes.create_string_buffer(2048)
+    if lib().clover_engine_describe_offload(str(path).encode(), params, out, len(out), err, len(err)) != 0:
+        raise NativeError(f"{path}: {err.value.decode('utf-8', 'replace')}")
+    desc: dict[str, object] = {"overrides": []}
+    for line in out.value.decode().splitlines():
+        key, _, value = line.partition("=")
+        if key == "override":
+            pattern, _, buft = value.rpartition("=")
+            desc["overrides"].append((pattern, buft))  # type: ignore[union-attr]
+        elif key == "tensor_split":
+            desc[key] = [float(v) for v in value.split(",")] if value else []
+        else:
+            desc[key] = int(value)
+    return desc
+
+
+def plan_memory(path: str, params: clover_engine_params) -> list[dict[str, object]]:
+    """Per device (host last), what a load with these params allocates: llama.cpp's no_alloc dry run."""
+    arr = (clover_device_memory * 32)()
+    err = ctypes.create_string_buffer(2048)
+    n = lib().clover_engine_plan_memory(str(path).encode(), params, arr, len(arr), err, len(err))
+    if n < 0:
+        raise NativeError(f"{path}: {err.value.decode('utf-8', 'replace')}")
+    return [{"name": d.name.decode(), "is_host": d.is_host, "free": d.free, "total": d.total, "model": d.model,
+             "context": d.context, "compute": d.compute} for d in arr[:n]]
+
+
+def check_fit(devices: list[dict[str, object]], margin_mib: int) -> str:
+    """libclover's fit check on a device list (plan_memory's, or made up): "" when it fits, else the refusal."""
+    arr = (clover_device_memory * max(1, len(devices)))()
+    for d, src in zip(arr, devices):
+        d.name = str(src["name"]).encode()[:63]
+        d.is_host = bool(src.get("is_host", False))
+        for key in ("free", "total", "model", "context", "compute"):
+            setattr(d, key, int(src.get(key, 0)))  # type: ignore[call-overload]
+    err = ctypes.create_string_buffer(4096)
+    rc = lib().clover_check_fit(arr, len(devices), int(margin_mib), err, len(err))
+    return "" if rc == 0 else err.value.decode("utf-8", "replace")

@@ -26,6 +26,7 @@ from typing import Any
 
 from . import engine, native
 from .native import NativeError
+from .offload import Offload
 
 
 class EngineError(NativeError):
@@ -384,37 +385,52 @@ class Generation:
             pass
 
 
+def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n_gpu_layers: int | None = None,
+                  n_batch: int = 0, use_extra_bufts: bool = True,
+                  offload: Offload | None = None) -> tuple[engine.clover_engine_params, list[bytes]]:
+    """The clover_engine_params Model(...) loads with (Model's arguments), and the strings they point to (keep them
+    alive until the load returns)."""
+    params = engine.lib().clover_engine_default_params()
+    if n_ctx:
+        params.n_ctx = int(n_ctx)
+    if n_batch:
+        params.n_batch = int(n_batch)
+    if max_block_size:
+        params.max_block_size = int(max_block_size)
+    if n_threads:
+        params.n_threads = int(n_threads)
+    elif os.environ.get("CLOVER_THREADS"):
+        params.n_threads = int(os.environ["CLOVER_THREADS"])
+    if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.native.Model
+        n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
+    params.n_gpu_layers = int(n_gpu_layers)
+    params.use_extra_bufts = bool(use_extra_bufts)
+    keep = (offload or Offload()).apply(params)
+    return params, keep
+
+
 class Model(native.NativeHandle):
     """One loaded GGUF and its engine context (history, scratch sequence, rollback room)."""
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
-                 n_gpu_layers: int | None = None, n_batch: int = 0, use_extra_bufts: bool = True) -> None:
+                 n_gpu_layers: int | None = None, n_batch: int = 0, use_extra_bufts: bool = True,
+                 offload: Offload | None = None) -> None:
         """``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
-        (llama.cpp's ``--no-repack``)."""
+        (llama.cpp's ``--no-repack``). ``offload``: llama.cpp's -ot, --cpu-moe, --n-cpu-moe, -sm, -mg, -ts
+        (clover_cpp/offload.py)."""
         L = engine.lib()
         self.path = str(path)
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such file")
-        params = L.clover_engine_default_params()
-        if n_ctx:
-            params.n_ctx = int(n_ctx)
-        if n_batch:
-            params.n_batch = int(n_batch)
-        if max_block_size:
-            params.max_block_size = int(max_block_size)
-        if n_threads:
-            params.n_threads = int(n_threads)
-        elif os.environ.get("CLOVER_THREADS"):
-            params.n_threads = int(os.environ["CLOVER_THREADS"])
-        if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.native.Model
-            n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
-        params.n_gpu_layers = int(n_gpu_layers)
-        params.use_extra_bufts = bool(use_extra_bufts)
+        params, keep = engine_params(n_ctx=n_ctx, n_threads=n_threads, max_block_size=max_block_size,
+                                     n_gpu_layers=n_gpu_layers, n_batch=n_batch, use_extra_bufts=use_extra_bufts,
+                                     offload=offload)
         err = ctypes.create_string_buffer(2048)
         self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))
         if not self.ptr:
             msg = err.value.decode("utf-8", "replace").strip() or "unknown error"
             raise EngineError(f"cannot load {self.path}: {msg}")
+        del keep
         self.info = ModelInfo.from_c(L.clover_engine_info(self.ptr).contents)
         self._llama_model = L.clover_engine_model(self.ptr)
         self._vocab = native.llama().llama_model_get_vocab(self._llama_model)

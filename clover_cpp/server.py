@@ -377,8 +377,9 @@ def _bind(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    model = Model(args.model, n_ctx=args.ctx_size, n_threads=args.threads, max_block_size=args.max_block_size,
-                  n_gpu_layers=args.n_gpu_layers)
+    from .cli import model_kwargs
+
+    model = Model(args.model, **model_kwargs(args))
     try:
         template = load_template(model.llama_model, args.model, args.chat_template)
         max_block = args.max_block_size or default_max_block_size(model)

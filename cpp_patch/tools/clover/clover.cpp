@@ -6,6 +6,7 @@
 #include "clover-impl.h"
 
 #include "ggml.h"
+#include "ggml-backend.h"
 #include "gguf.h"
 #include "llama.h"
 
@@ -946,6 +947,93 @@ static void clover_backend_init_once() {
     std::call_once(flag, [] { llama_backend_init(); });
 }
 
+static bool clover_has_gpu() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        const auto type = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// everything clover_engine_load hands to llama.cpp, resolved from the engine params and the GGUF header;
+// mparams points into offload, so a plan is not copied
+struct clover_load_plan {
+    clover_model_info    info = {};
+    int32_t              max_block = 0;
+    int32_t              n_ctx     = 0;
+    int32_t              n_batch   = 0;
+    clover_offload       offload;
+    llama_model_params   mparams = {};
+    llama_context_params cparams = {};
+
+    clover_load_plan() = default;
+    clover_load_plan(const clover_load_plan &) = delete;
+    clover_load_plan & operator=(const clover_load_plan &) = delete;
+};
+
+static bool clover_make_load_plan(const char * path, const clover_engine_params & params, clover_load_plan & plan,
+                                  std::string & err) {
+    clover_model_info & info = plan.info;
+    if (!clover_read_info(path, info, err)) {
+        return false;
+    }
+    if (params.n_ctx < 0 || params.n_batch < 0 || params.max_block_size < 0 || params.n_threads < 0) {
+        err = "engine params must not be negative";
+        return false;
+    }
+    int32_t max_block = params.max_block_size;
+    if (max_block == 0) {
+        max_block = info.block_size;
+        for (int32_t i = 0; i < info.n_calibrated; ++i) {
+            max_block = std::max(max_block, info.calibrated_block_sizes[i]);
+        }
+    }
+    if (max_block < 1 || max_block > 4096) {
+        err = clover_format("max_block_size %d must be in 1 .. 4096", max_block);
+        return false;
+    }
+
+    clover_backend_init_once();
+
+    const int32_t n_layer = clover_gguf_n_layer(path, err);
+    if (n_layer < 0 || !clover_offload_resolve(params, n_layer, plan.offload, err)) {
+        return false;
+    }
+    plan.mparams = llama_model_default_params();
+    plan.mparams.n_gpu_layers    = params.n_gpu_layers;
+    plan.mparams.use_extra_bufts = params.use_extra_bufts;
+    plan.offload.apply(plan.mparams);
+
+    int32_t n_ctx = params.n_ctx;
+    if (n_ctx == 0) {
+        n_ctx = info.n_ctx_train > 0 ? std::min(info.n_ctx_train, 4096) : 4096;
+    }
+    // a non-causal window must fit one ubatch, and the hybrid memory's split keeps the trailing n_rs_seq + 1
+    // tokens of a sequence in one ubatch, which needs n_ubatch > n_rs_seq + 1 = max_block
+    const int32_t n_ubatch = std::max(max_block + 1, std::min(params.n_batch > 0 ? params.n_batch : 512, 512));
+    const int32_t n_batch  = std::max(params.n_batch > 0 ? params.n_batch : 512, n_ubatch);
+
+    llama_context_params & cparams = plan.cparams;
+    cparams = llama_context_default_params();
+    cparams.n_ctx      = std::max(n_ctx, n_batch);  // llama.cpp caps n_batch at n_ctx; the engine enforces n_ctx itself
+    cparams.n_batch    = n_batch;
+    cparams.n_ubatch   = n_ubatch;
+    cparams.n_seq_max  = 2;
+    cparams.kv_unified = true;
+    cparams.n_rs_seq   = max_block - 1;
+    cparams.no_perf    = true;
+    const int32_t n_threads = params.n_threads > 0 ? params.n_threads : clover_default_n_threads();
+    cparams.n_threads       = n_threads;
+    cparams.n_threads_batch = n_threads;
+
+    plan.max_block = max_block;
+    plan.n_ctx     = n_ctx;
+    plan.n_batch   = n_batch;
+    return true;
+}
+
 extern "C" {
 
 int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch * batch) {
@@ -970,6 +1058,13 @@ struct clover_engine_params clover_engine_default_params(void) {
     p.n_threads       = 0;
     p.n_gpu_layers    = 0;
     p.use_extra_bufts = true;
+    p.override_tensor = nullptr;
+    p.n_cpu_moe       = 0;
+    p.cpu_moe         = false;
+    p.split_mode      = -1;
+    p.main_gpu        = 0;
+    p.tensor_split    = nullptr;
+    p.fit_margin_mib  = 1024;
     return p;
 }
 
@@ -1007,31 +1102,30 @@ int32_t clover_read_model_info(const char * path, struct clover_model_info * inf
 
 struct clover_engine * clover_engine_load(const char * path, struct clover_engine_params params,
                                           char * err, size_t err_size) {
-    clover_model_info info;
+    clover_load_plan plan;
     std::string msg;
-    if (!clover_read_info(path, info, msg)) {
+    if (!clover_make_load_plan(path, params, plan, msg)) {
         clover_set_err(err, err_size, msg);
         return nullptr;
     }
-    if (params.n_ctx < 0 || params.n_batch < 0 || params.max_block_size < 0 || params.n_threads < 0) {
-        clover_set_err(err, err_size, "engine params must not be negative");
-        return nullptr;
-    }
+    clover_model_info & info = plan.info;
+    const int32_t max_block = plan.max_block;
+    const int32_t n_ctx     = plan.n_ctx;
+    const int32_t n_batch   = plan.n_batch;
 
-    int32_t max_block = params.max_block_size;
-    if (max_block == 0) {
-        max_block = info.block_size;
-        for (int32_t i = 0; i < info.n_calibrated; ++i) {
-            max_block = std::max(max_block, info.calibrated_block_sizes[i]);
+    // a plan that does not fit a GPU is refused here, with the numbers, instead of failing in an allocation
+    if (params.fit_margin_mib >= 0 && params.n_gpu_layers != 0 && clover_has_gpu()) {
+        std::vector<clover_device_memory> devs;
+        if (!clover_plan_memory(path, plan.mparams, plan.cparams, devs, msg)) {
+            clover_set_err(err, err_size, msg);
+            return nullptr;
+        }
+        if (clover_check_fit(devs.data(), (int32_t) devs.size(), params.fit_margin_mib, err, err_size) != 0) {
+            return nullptr;
         }
     }
 
-    clover_backend_init_once();
-
-    llama_model_params mparams = llama_model_default_params();
-    mparams.n_gpu_layers    = params.n_gpu_layers;
-    mparams.use_extra_bufts = params.use_extra_bufts;
-    llama_model * model = llama_model_load_from_file(path, mparams);
+    llama_model * model = llama_model_load_from_file(path, plan.mparams);
     if (!model) {
         clover_set_err(err, err_size, clover_format("failed to load model '%s' (see llama.cpp's log)", path));
         return nullptr;
@@ -1047,32 +1141,7 @@ struct clover_engine * clover_engine_load(const char * path, struct clover_engin
     info.n_vocab     = n_vocab;
     info.n_ctx_train = llama_model_n_ctx_train(model);
 
-    int32_t n_ctx = params.n_ctx;
-    if (n_ctx == 0) {
-        n_ctx = info.n_ctx_train > 0 ? std::min(info.n_ctx_train, 4096) : 4096;
-    }
-    if (max_block < 1 || max_block > 4096) {
-        llama_model_free(model);
-        clover_set_err(err, err_size, clover_format("max_block_size %d must be in 1 .. 4096", max_block));
-        return nullptr;
-    }
-    // a non-causal window must fit one ubatch, and the hybrid memory's split keeps the trailing n_rs_seq + 1
-    // tokens of a sequence in one ubatch, which needs n_ubatch > n_rs_seq + 1 = max_block
-    const int32_t n_ubatch = std::max(max_block + 1, std::min(params.n_batch > 0 ? params.n_batch : 512, 512));
-    const int32_t n_batch  = std::max(params.n_batch > 0 ? params.n_batch : 512, n_ubatch);
-
-    llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx      = std::max(n_ctx, n_batch);  // llama.cpp caps n_batch at n_ctx; the engine enforces n_ctx itself
-    cparams.n_batch    = n_batch;
-    cparams.n_ubatch   = n_ubatch;
-    cparams.n_seq_max  = 2;
-    cparams.kv_unified = true;
-    cparams.n_rs_seq   = max_block - 1;
-    cparams.no_perf    = true;
-    const int32_t n_threads = params.n_threads > 0 ? params.n_threads : clover_default_n_threads();
-    cparams.n_threads       = n_threads;
-    cparams.n_threads_batch = n_threads;
-    llama_context * ctx = llama_init_from_model(model, cparams);
+    llama_context * ctx = llama_init_from_model(model, plan.cparams);
     if (!ctx) {
         llama_model_free(model);
         clover_set_err(err, err_size, "failed to create the llama context (see llama.cpp's log)");
@@ -1111,6 +1180,51 @@ struct clover_engine * clover_engine_load(const char * path, struct clover_engin
     }
     clover_set_err(err, err_size, "");
     return eng;
+}
+
+int32_t clover_engine_describe_offload(const char * path, struct clover_engine_params params,
+                                       char * out, size_t out_size, char * err, size_t err_size) {
+    clover_load_plan plan;
+    std::string msg;
+    if (!clover_make_load_plan(path, params, plan, msg)) {
+        clover_set_err(err, err_size, msg);
+        return -1;
+    }
+    const llama_model_params & mp = plan.mparams;
+    std::string text = clover_format("n_gpu_layers=%d\nsplit_mode=%d\nmain_gpu=%d\n", mp.n_gpu_layers,
+                                     (int) mp.split_mode, mp.main_gpu);
+    text += "tensor_split=";
+    for (size_t i = 0; mp.tensor_split && i < llama_max_devices(); ++i) {
+        text += clover_format("%s%g", i ? "," : "", mp.tensor_split[i]);
+    }
+    text += "\n";
+    for (const auto * o = mp.tensor_buft_overrides; o && o->pattern; ++o) {
+        text += std::string("override=") + o->pattern + "=" + ggml_backend_buft_name(o->buft) + "\n";
+    }
+    if (text.size() + 1 > out_size) {
+        clover_set_err(err, err_size, clover_format("the description needs %zu bytes", text.size() + 1));
+        return -1;
+    }
+    clover_set_err(out, out_size, text);
+    clover_set_err(err, err_size, "");
+    return 0;
+}
+
+int32_t clover_engine_plan_memory(const char * path, struct clover_engine_params params,
+                                  struct clover_device_memory * out, int32_t n_out, char * err, size_t err_size) {
+    clover_load_plan plan;
+    std::string msg;
+    std::vector<clover_device_memory> devs;
+    if (!clover_make_load_plan(path, params, plan, msg) || !clover_plan_memory(path, plan.mparams, plan.cparams, devs, msg)) {
+        clover_set_err(err, err_size, msg);
+        return -1;
+    }
+    const int32_t n = std::min((int32_t) devs.size(), std::max(n_out, 0));
+    for (int32_t i = 0; out && i < n; ++i) {
+        out[i] = devs[i];
+    }
+    clover_set_err(err, err_size, "");
+    return n;
 }
 
 void clover_engine_free(struct clover_engine * engine) {

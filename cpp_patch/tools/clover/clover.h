@@ -73,6 +73,28 @@ struct clover_engine_params {
     int32_t n_threads;        // 0 = clover_default_n_threads()
     int32_t n_gpu_layers;     // offloaded layers (0 = CPU)
     bool    use_extra_bufts;  // CPU extra buffer types (AMX, repacked weights); false = llama.cpp's --no-repack
+
+    // Where the weights go: llama.cpp's options, with its names, syntax and meanings (docs/native.md, "A 35B on
+    // one 24 GB GPU"). An option that cannot be satisfied fails the load with a message naming it.
+    const char * override_tensor;  // -ot: "<tensor name regex>=<buffer type>,..."; NULL or "" = none
+    int32_t      n_cpu_moe;        // --n-cpu-moe: the experts (ffn_*_exps) of the first N layers stay in host memory
+    bool         cpu_moe;          // --cpu-moe: the experts of every layer stay in host memory
+    int32_t      split_mode;       // -sm: enum llama_split_mode NONE, LAYER or ROW; -1 = llama.cpp's default (LAYER)
+    int32_t      main_gpu;         // -mg
+    const char * tensor_split;     // -ts: "3,1": proportions per GPU (',' or '/'); NULL or "" = by free memory
+    int32_t      fit_margin_mib;   // with layers on a GPU, refuse a load whose plan leaves less free on a device
+                                   // (llama.cpp's --fit-target, default 1024); < 0 = no check
+};
+
+// One device's share of a load, from llama.cpp's no_alloc dry run (clover_engine_plan_memory), in bytes.
+struct clover_device_memory {
+    char    name[64];   // the ggml device name ("CUDA0"), or "Host" for host buffers (CPU weights, CPU context)
+    bool    is_host;
+    int64_t free;       // what ggml_backend_dev_memory reports (host: the system's)
+    int64_t total;
+    int64_t model;      // weights
+    int64_t context;    // KV cache and recurrent state
+    int64_t compute;    // compute buffers
 };
 
 struct clover_gen_params {
@@ -137,6 +159,20 @@ int32_t clover_read_model_info(const char * path, struct clover_model_info * inf
 struct clover_engine * clover_engine_load(const char * path, struct clover_engine_params params,
                                           char * err, size_t err_size);
 void clover_engine_free(struct clover_engine * engine);
+
+// The llama_model_params that clover_engine_load would use for these params, as "key=value" lines (n_gpu_layers,
+// split_mode, main_gpu, tensor_split, one override=<regex>=<buffer type> per override, in llama.cpp's order).
+// Returns 0, or -1 with the message clover_engine_load would give (err). Reads only the GGUF header.
+int32_t clover_engine_describe_offload(const char * path, struct clover_engine_params params,
+                                       char * out, size_t out_size, char * err, size_t err_size);
+// What a load with these params would allocate on each device (llama.cpp's no_alloc dry run: no tensor data is
+// read); the host entry is last. Returns the number of entries written (at most n_out), or -1 (err).
+int32_t clover_engine_plan_memory(const char * path, struct clover_engine_params params,
+                                  struct clover_device_memory * out, int32_t n_out, char * err, size_t err_size);
+// 0 when every non-host device keeps margin_mib free after its model + context + compute, else -1 and a message
+// with the numbers ("needs X MiB on CUDA0 ..., Y GiB free"). clover_engine_load applies it with fit_margin_mib.
+int32_t clover_check_fit(const struct clover_device_memory * devs, int32_t n_devs, int32_t margin_mib,
+                         char * err, size_t err_size);
 
 const struct clover_model_info * clover_engine_info(const struct clover_engine * engine);
 struct llama_model   * clover_engine_model  (struct clover_engine * engine);

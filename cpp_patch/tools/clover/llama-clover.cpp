@@ -27,6 +27,13 @@ static void clover_cli_usage(const char * argv0) {
         "  --batch-size N             prefill chunk (default 512)\n"
         "  -t, --threads N            threads (default: the physical cores this process may use)\n"
         "  -ngl, --n-gpu-layers N     layers to offload\n"
+        "  -ncmoe, --n-cpu-moe N      keep the MoE experts of the first N layers in host memory\n"
+        "  -cmoe, --cpu-moe           keep all MoE experts in host memory\n"
+        "  -ot, --override-tensor R=BUFT[,...]  buffer type for tensors matching regex R (repeatable)\n"
+        "  -sm, --split-mode none|layer|row     how to split the model across GPUs (default layer)\n"
+        "  -ts, --tensor-split N0,N1,...        proportion of the model on each GPU\n"
+        "  -mg, --main-gpu I          the GPU for split-mode none (or KV with row)\n"
+        "  -fitt, --fit-target MiB    memory each GPU keeps free; a plan that does not fit is refused (-1: off)\n"
         "  --stop ID[,ID..]           end-of-generation ids (default: the vocab's EOG set; 'none' = no stop ids)\n"
         "  --ban ID[,ID..]            ids never produced (the mask token is always banned)\n"
         "  --json                     print prompt ids, token ids and stats as JSON\n"
@@ -176,6 +183,8 @@ int main(int argc, char ** argv) {
     std::vector<llama_token> banned_ids;
     clover_engine_params eparams = clover_engine_default_params();
     clover_gen_params    gparams = clover_gen_default_params();
+    std::string override_tensor;  // eparams points into these after parsing
+    std::string tensor_split;
 
     for (int i = 1; i < argc; ++i) {
         const std::string arg = argv[i];
@@ -233,6 +242,30 @@ int main(int argc, char ** argv) {
             eparams.n_threads = atoi(next("-t"));
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
             eparams.n_gpu_layers = atoi(next("-ngl"));
+        } else if (arg == "-ncmoe" || arg == "--n-cpu-moe") {
+            eparams.n_cpu_moe = atoi(next("--n-cpu-moe"));
+        } else if (arg == "-cmoe" || arg == "--cpu-moe") {
+            eparams.cpu_moe = true;
+        } else if (arg == "-ot" || arg == "--override-tensor") {
+            override_tensor += (override_tensor.empty() ? "" : ",") + std::string(next("-ot"));
+        } else if (arg == "-sm" || arg == "--split-mode") {
+            const std::string m = next("-sm");
+            if (m == "none") {
+                eparams.split_mode = LLAMA_SPLIT_MODE_NONE;
+            } else if (m == "layer") {
+                eparams.split_mode = LLAMA_SPLIT_MODE_LAYER;
+            } else if (m == "row") {
+                eparams.split_mode = LLAMA_SPLIT_MODE_ROW;
+            } else {
+                fprintf(stderr, "error: -sm/--split-mode must be none, layer or row, got '%s'\n", m.c_str());
+                return 2;
+            }
+        } else if (arg == "-ts" || arg == "--tensor-split") {
+            tensor_split = next("-ts");
+        } else if (arg == "-mg" || arg == "--main-gpu") {
+            eparams.main_gpu = atoi(next("-mg"));
+        } else if (arg == "-fitt" || arg == "--fit-target") {
+            eparams.fit_margin_mib = atoi(next("--fit-target"));
         } else if (arg == "--stop" || arg == "--ban") {
             const bool is_stop = arg == "--stop";
             if (!clover_cli_parse_ids(next(arg.c_str()), is_stop ? stop_ids : banned_ids)) {
@@ -281,6 +314,8 @@ int main(int argc, char ** argv) {
         eparams.max_block_size = mb;
     }
 
+    eparams.override_tensor = override_tensor.empty() ? nullptr : override_tensor.c_str();
+    eparams.tensor_split    = tensor_split.empty() ? nullptr : tensor_split.c_str();
     clover_engine * eng = clover_engine_load(model_path.c_str(), eparams, err, sizeof(err));
     if (!eng) {
         fprintf(stderr, "error: %s\n", err);

@@ -1,0 +1,293 @@
+// Where the weights go: llama.cpp's -ot/--override-tensor, --cpu-moe, --n-cpu-moe, -sm, -mg and -ts as fields of
+// clover_engine_params, resolved into llama_model_params (tensor_buft_overrides, split_mode, main_gpu,
+// tensor_split) with the same names, syntax and regexes as llama.cpp's common/arg.cpp; and the memory plan of a
+// load (llama.cpp's own no_alloc dry run, as its --fit does) with the check that refuses a plan that does not fit.
+// docs/native.md, "A 35B on one 24 GB GPU".
+
+#include "clover.h"
+#include "clover-impl.h"
+
+#include "common.h"     // LLM_FFN_EXPS_REGEX, llm_ffn_block_regex: --n-cpu-moe's patterns, not a copy of them
+#include "ggml-backend.h"
+#include "gguf.h"
+#include "llama.h"
+#include "../../src/llama-ext.h"  // llama_get_memory_breakdown, llama_model_n_devices (llama.cpp's fit uses them)
+
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+static constexpr int64_t CLOVER_MIB = 1024 * 1024;
+
+// the buffer types -ot accepts: each device's default buffer type, by name (llama.cpp's parse_tensor_buffer_overrides)
+static std::map<std::string, ggml_backend_buffer_type_t> clover_buft_names() {
+    std::map<std::string, ggml_backend_buffer_type_t> out;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(ggml_backend_dev_get(i));
+        if (buft) {
+            out[ggml_backend_buft_name(buft)] = buft;
+        }
+    }
+    return out;
+}
+
+static int32_t clover_n_gpu_devices() {
+    int32_t n = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        const auto type = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        n += type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU;
+    }
+    return n;
+}
+
+static std::vector<std::string> clover_split(const std::string & s, const char * seps) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (true) {
+        const size_t end = s.find_first_of(seps, start);
+        out.push_back(s.substr(start, end == std::string::npos ? std::string::npos : end - start));
+        if (end == std::string::npos) {
+            return out;
+        }
+        start = end + 1;
+    }
+}
+
+bool clover_offload_resolve(const clover_engine_params & p, int32_t n_layer, clover_offload & out, std::string & err) {
+    out = clover_offload();
+    const auto add = [&](std::string pattern, ggml_backend_buffer_type_t buft) {
+        out.patterns.push_back(std::move(pattern));
+        out.overrides.push_back({ out.patterns.back().c_str(), buft });
+    };
+
+    // -ot first: llama.cpp takes the first pattern that matches a tensor, in the order of the command line, and
+    // its tools parse -ot before --cpu-moe / --n-cpu-moe only when given first; ours are always in this order
+    if (p.override_tensor && *p.override_tensor) {
+        const auto bufts = clover_buft_names();
+        for (const std::string & item : clover_split(p.override_tensor, ",")) {
+            const size_t eq = item.find('=');
+            if (eq == std::string::npos || eq == 0) {
+                err = clover_format("override_tensor (-ot): '%s' is not <tensor name regex>=<buffer type>", item.c_str());
+                return false;
+            }
+            const std::string pattern = item.substr(0, eq);
+            const std::string name    = item.substr(eq + 1);
+            try {
+                std::regex rx(pattern);
+            } catch (const std::regex_error & e) {
+                err = clover_format("override_tensor (-ot): '%s' is not a valid regex (%s)", pattern.c_str(), e.what());
+                return false;
+            }
+            const auto it = bufts.find(name);
+            if (it == bufts.end()) {
+                std::string avail;
+                for (const auto & b : bufts) {
+                    avail += (avail.empty() ? "" : ", ") + b.first;
+                }
+                err = clover_format("override_tensor (-ot): unknown buffer type '%s' (available: %s)", name.c_str(),
+                                    avail.c_str());
+                return false;
+            }
+            add(pattern, it->second);
+        }
+    }
+    if (p.n_cpu_moe < 0) {
+        err = clover_format("n_cpu_moe (--n-cpu-moe) must be >= 0, got %d", p.n_cpu_moe);
+        return false;
+    }
+    if (p.n_cpu_moe > n_layer) {
+        err = clover_format("n_cpu_moe (--n-cpu-moe) %d exceeds the model's %d layers", p.n_cpu_moe, n_layer);
+        return false;
+    }
+    if (p.cpu_moe) {  // llama.cpp's llm_ffn_exps_cpu_override()
+        add(LLM_FFN_EXPS_REGEX, ggml_backend_cpu_buffer_type());
+    }
+    for (int32_t il = 0; il < p.n_cpu_moe; ++il) {  // llama.cpp's llm_add_n_cpu_ffn_overrides()
+        add(llm_ffn_block_regex(il, LLM_FFN_EXPS_REGEX), ggml_backend_cpu_buffer_type());
+    }
+    if (!out.overrides.empty()) {
+        out.overrides.push_back({ nullptr, nullptr });
+    }
+
+    const int32_t n_gpu = clover_n_gpu_devices();
+    switch (p.split_mode) {
+        case -1:                     out.split_mode = LLAMA_SPLIT_MODE_LAYER; break;
+        case LLAMA_SPLIT_MODE_NONE:
+        case LLAMA_SPLIT_MODE_LAYER:
+        case LLAMA_SPLIT_MODE_ROW:   out.split_mode = (llama_split_mode) p.split_mode; break;
+        default:
+            // LLAMA_SPLIT_MODE_TENSOR is refused for clover by llama.cpp itself (llm_arch_supports_sm_tensor)
+            err = clover_format("split_mode (-sm) %d is not one of none (0), layer (1), row (2)", p.split_mode);
+            return false;
+    }
+    if (p.main_gpu < 0 || (p.main_gpu > 0 && p.main_gpu >= n_gpu)) {
+        err = clover_format("main_gpu (-mg) %d: this build has %d GPU device%s", p.main_gpu, n_gpu, n_gpu == 1 ? "" : "s");
+        return false;
+    }
+    out.main_gpu = p.main_gpu;
+
+    if (p.tensor_split && *p.tensor_split) {
+        const std::vector<std::string> parts = clover_split(p.tensor_split, ",/");  // llama.cpp splits at , and /
+        std::vector<float> split;
+        for (const std::string & s : parts) {
+            char * end = nullptr;
+            const float v = s.empty() ? -1.0f : strtof(s.c_str(), &end);
+            if (s.empty() || *end != '\0' || !(v >= 0.0f) || !std::isfinite(v)) {
+                err = clover_format("tensor_split (-ts) '%s': '%s' is not a proportion >= 0", p.tensor_split, s.c_str());
+                return false;
+            }
+            split.push_back(v);
+        }
+        if ((int32_t) split.size() > n_gpu) {
+            err = clover_format("tensor_split (-ts) '%s' has %zu entries, but this build has %d GPU device%s",
+                                p.tensor_split, split.size(), n_gpu, n_gpu == 1 ? "" : "s");
+            return false;
+        }
+        if (std::all_of(split.begin(), split.end(), [](float v) { return v == 0.0f; })) {
+            err = clover_format("tensor_split (-ts) '%s' gives every GPU 0", p.tensor_split);
+            return false;
+        }
+        out.tensor_split.assign(llama_max_devices(), 0.0f);
+        std::copy(split.begin(), split.end(), out.tensor_split.begin());
+    }
+    return true;
+}
+
+void clover_offload::apply(llama_model_params & mp) const {
+    mp.tensor_buft_overrides = overrides.empty() ? nullptr : overrides.data();
+    mp.split_mode            = split_mode;
+    mp.main_gpu              = main_gpu;
+    mp.tensor_split          = tensor_split.empty() ? nullptr : tensor_split.data();
+}
+
+int32_t clover_gguf_n_layer(const char * path, std::string & err) {
+    gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_context * gctx = gguf_init_from_file(path, gparams);
+    if (!gctx) {
+        err = clover_format("cannot read GGUF file '%s' (missing or not a GGUF file)", path);
+        return -1;
+    }
+    std::string arch = "clover";
+    int64_t id = gguf_find_key(gctx, "general.architecture");
+    if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_STRING) {
+        arch = gguf_get_val_str(gctx, id);
+    }
+    int32_t n = -1;
+    id = gguf_find_key(gctx, (arch + ".block_count").c_str());
+    if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_UINT32) {
+        n = (int32_t) gguf_get_val_u32(gctx, id);
+    } else if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_INT32) {
+        n = gguf_get_val_i32(gctx, id);
+    }
+    gguf_free(gctx);
+    if (n < 0) {
+        err = clover_format("'%s': missing %s.block_count", path, arch.c_str());
+    }
+    return n;
+}
+
+static void clover_copy_name(char * dst, size_t size, const char * src) {
+    snprintf(dst, size, "%s", src ? src : "");
+}
+
+// llama.cpp's common_get_device_memory_data without its log table: load with no_alloc (no tensor data is read or
+// allocated), create the context, and sum llama_get_memory_breakdown per device; host buffers go to the last entry
+bool clover_plan_memory(const char * path, const llama_model_params & mparams, const llama_context_params & cparams,
+                        std::vector<clover_device_memory> & out, std::string & err) {
+    llama_model_params mp = mparams;
+    mp.no_alloc  = true;
+    mp.load_mode = LLAMA_LOAD_MODE_NONE;
+    llama_model * model = llama_model_load_from_file(path, mp);
+    if (!model) {
+        err = clover_format("failed to load model '%s' for the memory plan (see llama.cpp's log)", path);
+        return false;
+    }
+    llama_context * ctx = llama_init_from_model(model, cparams);
+    if (!ctx) {
+        llama_model_free(model);
+        err = "failed to create the llama context for the memory plan (see llama.cpp's log)";
+        return false;
+    }
+    const int32_t nd = llama_model_n_devices(model);
+    out.assign(nd + 1, clover_device_memory{});
+    for (int32_t i = 0; i < nd; ++i) {
+        ggml_backend_dev_t dev = llama_model_get_device(model, i);
+        clover_copy_name(out[i].name, sizeof(out[i].name), ggml_backend_dev_name(dev));
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        out[i].free  = (int64_t) free;
+        out[i].total = (int64_t) total;
+    }
+    clover_device_memory & host = out.back();
+    clover_copy_name(host.name, sizeof(host.name), "Host");
+    host.is_host = true;
+    if (ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)) {
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(cpu, &free, &total);
+        host.free  = (int64_t) free;
+        host.total = (int64_t) total;
+    }
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+        clover_device_memory * d = nullptr;
+        if (ggml_backend_buft_is_host(buft)) {
+            d = &host;
+        } else if (ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft)) {
+            for (int32_t i = 0; i < nd; ++i) {
+                if (dev == llama_model_get_device(model, i)) {
+                    d = &out[i];
+                }
+            }
+        }
+        if (d) {
+            d->model   += (int64_t) mb.model;
+            d->context += (int64_t) mb.context;
+            d->compute += (int64_t) mb.compute;
+        }
+    }
+    llama_free(ctx);
+    llama_model_free(model);
+    return true;
+}
+
+extern "C" {
+
+int32_t clover_check_fit(const struct clover_device_memory * devs, int32_t n_devs, int32_t margin_mib,
+                         char * err, size_t err_size) {
+    std::string msg;
+    for (int32_t i = 0; devs && i < n_devs; ++i) {
+        const clover_device_memory & d = devs[i];
+        if (d.is_host || (d.free == 0 && d.total == 0)) {
+            continue;  // host memory: weights are mmapped; a device that reports nothing cannot be checked
+        }
+        const int64_t need = d.model + d.context + d.compute;
+        const int64_t have = d.free - (int64_t) std::max(margin_mib, 0) * CLOVER_MIB;
+        if (need > have) {
+            const std::string free = d.free >= 1024 * CLOVER_MIB
+                ? clover_format("%.1f GiB", d.free / (double) (1024 * CLOVER_MIB))
+                : clover_format("%.0f MiB", d.free / (double) CLOVER_MIB);
+            msg += clover_format("%sneeds %.0f MiB on %s (weights %.0f, context %.0f, compute %.0f MiB), %s free, "
+                                 "%d MiB of it kept free (fit_margin_mib, --fit-target)", msg.empty() ? "" : "; ",
+                                 need / (double) CLOVER_MIB, d.name, d.model / (double) CLOVER_MIB,
+                                 d.context / (double) CLOVER_MIB, d.compute / (double) CLOVER_MIB, free.c_str(),
+                                 std::max(margin_mib, 0));
+        }
+    }
+    if (!msg.empty()) {
+        if (err && err_size > 0) {
+            snprintf(err, err_size, "the model does not fit: %s (lower -ngl, raise --n-cpu-moe, or use -ot)",
+                     msg.c_str());
+        }
+        return -1;
+    }
+    if (err && err_size > 0) {
+        err[0] = '\0';
+    }
+    return 0;
+}
+
+}  // extern "C"
