@@ -1,8 +1,9 @@
 """`clover-cpp chat`: an interactive multi-turn chat on the native engine.
 
-Each turn renders the whole conversation with the model's chat template and prefills it on a fresh
-history (the Qwen template drops earlier turns' reasoning, so a new prompt never extends the engine's
-history token for token), then streams every committed block. Reasoning (``<think>``) is shown dimmed or
+Each turn renders the whole conversation with the model's chat template, keeps what the engine's history
+already holds of it and prefills the rest (``Model.reuse_prefix``; the Qwen template drops earlier turns'
+reasoning, so the reuse goes back to the checkpoint where the previous answer started; docs/serve.md,
+"Prefix reuse"), then streams every committed block. Reasoning (``<think>``) is shown dimmed or
 hidden; ``--visual`` redraws the block canvas at every LowConfidence step, as llama-diffusion-cli's visual
 mode does. Ctrl-C stops the answer being generated; the chat goes on.
 """
@@ -91,6 +92,7 @@ class Turn:
     interrupted: bool
     reasoning: str
     content: str
+    reused: int = 0  # prompt tokens kept from the history instead of prefilled
 
 
 class AnswerPrinter:
@@ -296,7 +298,9 @@ class ChatApp:
                       "/reset to start over")
             return
         try:
-            turn = self._generate(text, ids, min(s.max_tokens, room), opens_reasoning(prompt))
+            hint = self.template.generation_prompt_start(self.model.tokenize, self.messages, None,
+                                                         s.enable_thinking, prompt, ids)
+            turn = self._generate(text, ids, min(s.max_tokens, room), opens_reasoning(prompt), hint)
         except (ValueError, NativeError) as exc:
             self.messages.pop()
             self.fail(" ".join(str(exc).split()))
@@ -310,18 +314,21 @@ class ChatApp:
             self.turns += 1
             self.total_tokens += turn.stats.generated_tokens
             self.total_decode_ms += turn.stats.decode_ms
-            self.say(self.style.dim(self.stats_line(turn.stats, turn.interrupted)))
+            self.say(self.style.dim(self.stats_line(turn.stats, turn.interrupted, turn.reused)))
 
-    def stats_line(self, st: Stats, interrupted: bool) -> str:
+    def stats_line(self, st: Stats, interrupted: bool, reused: int = 0) -> str:
         head = "[ar]" if st.mode == "ar" else f"[{st.mode} B={st.block_size} threshold={st.threshold:.3g}]"
         stop = "interrupted" if interrupted else st.stop_reason
         return (f"{head} {st.generated_tokens} tokens, {st.decode_tok_s:.1f} tok/s, TPF {st.tokens_per_pass:.2f}, "
-                f"prefill {st.prompt_tokens} tokens, {st.threads} thread{'s' * (st.threads != 1)}, stop: {stop}")
+                f"prefill {st.prompt_tokens} tokens{f' ({reused} reused)' if reused else ''}, "
+                f"{st.threads} thread{'s' * (st.threads != 1)}, stop: {stop}")
 
-    def _generate(self, user_text: str, ids: list[int], max_tokens: int, in_reasoning: bool) -> Turn:
+    def _generate(self, user_text: str, ids: list[int], max_tokens: int, in_reasoning: bool,
+                  checkpoint_hint: int = 0) -> Turn:
         visual = self.visual and self.settings.mode != "ar"
-        self.model.reset()
-        run = BackgroundRun(self.model, ids, self.settings, max_tokens, want_steps=visual)
+        # the previous turns' prompt, up to where their answer started
+        reused = self.model.reuse_prefix(ids, checkpoint_at=[checkpoint_hint])
+        run = BackgroundRun(self.model, ids[reused:], self.settings, max_tokens, want_steps=visual)
         printer = AnswerPrinter(self.out, self.style, self.show_reasoning)
         pipeline = TextPipeline(lambda t: self.model.detokenize(t, special=False),
                                 parser=OutputParser(in_reasoning, parse_tools=False))
@@ -351,7 +358,7 @@ class ChatApp:
             self.say(self.style.error("[interrupted]"))
         if run.error is not None:
             raise run.error
-        return Turn(tokens, run.stats, run.cancelled, printer.reasoning, printer.content)
+        return Turn(tokens, run.stats, run.cancelled, printer.reasoning, printer.content, reused)
 
     def _frame(self, user_text: str, tokens: list[int], canvas: list[int] | None, step: int) -> None:
         """One visual frame: the committed text, then the block canvas (masked targets as '_')."""
@@ -435,6 +442,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     model = Model(args.model, **model_kwargs(args))
     try:
+        model.set_cache(args.cache_ram, args.checkpoint_every)  # prefix reuse (docs/serve.md)
         template = load_template(model.llama_model, args.model, args.chat_template)
         if template is None:
             raise ValueError(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")

@@ -8,7 +8,7 @@ reference build the same prompt text.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,23 @@ class ChatTemplate:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from None
         except (TypeError, AttributeError, KeyError) as exc:  # a message shape the template does not expect
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from None
+
+
+    def generation_prompt_start(self, tokenize: Callable[[str], list[int]], messages: Sequence[Mapping[str, Any]],
+                                tools: Sequence[Mapping[str, Any]] | None, enable_thinking: bool, text: str,
+                                ids: Sequence[int]) -> int:
+        """Where the generation prompt starts in ``ids`` (the tokens of ``text``, this rendering): the
+        conversation rendered without it is what the next turn's prompt shares with this one, since the
+        answer is re-rendered with its reasoning dropped. 0 when that is not a token prefix of ``ids``."""
+        try:
+            head = self.render(messages, tools=tools, enable_thinking=enable_thinking, add_generation_prompt=False)
+        except TemplateError:
+            return 0
+        if not head or not text.startswith(head):
+            return 0
+        head_ids = tokenize(head)
+        n = len(head_ids)
+        return n if 0 < n < len(ids) and list(ids[:n]) == head_ids else 0
 
 
 def load_template(llama_model: Any, model_path: str, override: str | None) -> ChatTemplate | None:

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import NoReturn
 
+from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY
 from .offload import add_offload_args, offload_from_args
 
 EXIT_BAD_INPUT = 2
@@ -93,6 +94,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
+    p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
+                   help="host memory for the prefix-reuse checkpoints of the recurrent state "
+                        f"(default {DEFAULT_CACHE_RAM_MIB}; 0 = only reuse a prompt that extends the history)")
+    p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
+                   help=f"also checkpoint every N prefilled tokens (default {DEFAULT_CHECKPOINT_EVERY}; 0 = only "
+                        "where each prompt ends and where it left the previous history)")
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
@@ -249,7 +256,8 @@ def _check_engine_args(args: argparse.Namespace) -> None:
     if not os.path.isfile(args.model):
         raise BadInput(f"{args.model}: no such file")
     _at_least(("-c/--ctx-size", args.ctx_size, 0), ("--max-block-size", args.max_block_size, 0),
-              ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0))
+              ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
+              ("--cache-ram", args.cache_ram, 0), ("--checkpoint-every", args.checkpoint_every, 0))
     if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
         raise BadInput(f"--threshold must be in [0, 1], got {args.threshold}")
     if args.temperature < 0:

@@ -135,6 +135,19 @@ class clover_stats(ctypes.Structure):
     ]
 
 
+class clover_cache_info(ctypes.Structure):
+    _fields_ = [
+        ("n_checkpoints", ctypes.c_int32),
+        ("n_bytes", ctypes.c_int64),
+        ("max_bytes", ctypes.c_int64),
+        ("checkpoint_bytes", ctypes.c_int64),
+        ("n_saved", ctypes.c_int64),
+        ("n_evicted", ctypes.c_int64),
+        ("n_restored", ctypes.c_int64),
+        ("n_reused_tokens", ctypes.c_int64),
+    ]
+
+
 clover_engine_p = ctypes.c_void_p
 
 # typedef bool (*clover_tokens_cb)(const llama_token * tokens, int32_t n_tokens, void * user_data);
@@ -169,6 +182,10 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
                                          ctypes.c_void_p, ctypes.POINTER(clover_stats)]),
     "clover_engine_last_error": (ctypes.c_char_p, [clover_engine_p]),
     "clover_block_decode": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_void_p]),
+    "clover_engine_set_cache": (None, [clover_engine_p, ctypes.c_int64, ctypes.c_int32]),
+    "clover_engine_reuse_prefix": (ctypes.c_int32, [clover_engine_p, llama_token_p, ctypes.c_int32]),
+    "clover_engine_cache_info": (None, [clover_engine_p, ctypes.POINTER(clover_cache_info)]),
+    "clover_engine_checkpoint_hint": (None, [clover_engine_p, ctypes.c_int32]),
     "clover_engine_measure_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
     "clover_engine_set_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
     "clover_engine_get_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),

@@ -33,6 +33,23 @@ class EngineError(NativeError):
     """A call into libclover failed; the message is the engine's last error."""
 
 
+DEFAULT_CACHE_RAM_MIB = 1024     # serve and chat: host memory for prefix-reuse checkpoints (--cache-ram)
+DEFAULT_CHECKPOINT_EVERY = 1024  # a checkpoint every this many prefilled tokens (--checkpoint-every)
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """The prefix cache's state (clover_cache_info): checkpoints held and the counters since load."""
+
+    n_checkpoints: int
+    n_bytes: int
+    max_bytes: int
+    checkpoint_bytes: int
+    n_saved: int
+    n_evicted: int
+    n_restored: int
+    n_reused_tokens: int
+
 @dataclass(frozen=True)
 class ModelInfo:
     """The clover settings of the loaded GGUF (spec section 5), as typed values."""
@@ -414,10 +431,11 @@ class Model(native.NativeHandle):
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
                  n_gpu_layers: int | None = None, n_batch: int = 0, use_extra_bufts: bool = True,
-                 offload: Offload | None = None) -> None:
+                 offload: Offload | None = None, cache_ram_mib: float = 0,
+                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> None:
         """``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
         (llama.cpp's ``--no-repack``). ``offload``: llama.cpp's -ot, --cpu-moe, --n-cpu-moe, -sm, -mg, -ts
-        (clover_cpp/offload.py)."""
+        (clover_cpp/offload.py). ``cache_ram_mib`` / ``checkpoint_every``: the prefix cache (``set_cache``)."""
         L = engine.lib()
         self.path = str(path)
         if not os.path.exists(self.path):
@@ -436,6 +454,8 @@ class Model(native.NativeHandle):
         self._vocab = native.llama().llama_model_get_vocab(self._llama_model)
         self._active: Generation | None = None
         self._lock = threading.Lock()
+        if cache_ram_mib:
+            self.set_cache(cache_ram_mib, checkpoint_every)
 
     # ---------------------------------------------------------------------------------- plumbing
     def _handle(self) -> int:
@@ -570,6 +590,33 @@ class Model(native.NativeHandle):
         """Forget the history: the next generate starts with a fresh prefill."""
         self.close_active()
         engine.lib().clover_engine_reset(self._handle())
+
+    # ---------------------------------------------------------------------------------- prefix reuse
+    def set_cache(self, ram_mib: float, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> None:
+        """Keep recurrent-state checkpoints in up to ``ram_mib`` MiB of host memory (0 = none): at the end of
+        each prefill and every ``checkpoint_every`` prefilled tokens (docs/serve.md, "Prefix reuse")."""
+        if ram_mib < 0 or checkpoint_every < 0:
+            raise ValueError("the cache size and the checkpoint interval must not be negative")
+        engine.lib().clover_engine_set_cache(self._handle(), int(ram_mib * 2**20), int(checkpoint_every))
+
+    def reuse_prefix(self, prompt_ids: Sequence[int], checkpoint_at: Sequence[int] = ()) -> int:
+        """Keep the longest prefix of the history that ``prompt_ids`` starts with and that a checkpoint can
+        restore; forget the rest. Returns n: generate with ``prompt_ids[n:]`` to continue as if the whole
+        prompt had been prefilled (0: a fresh history). ``checkpoint_at``: positions the coming prefill also
+        checkpoints at, such as where the chat template's generation prompt starts (0s are ignored)."""
+        self.close_active()
+        h = self._handle()
+        ids = (engine.llama_token * len(prompt_ids))(*prompt_ids)
+        reused = int(engine.lib().clover_engine_reuse_prefix(h, ids, len(prompt_ids)))
+        for pos in checkpoint_at:
+            if pos > 0:
+                engine.lib().clover_engine_checkpoint_hint(h, int(pos))
+        return reused
+
+    def cache_info(self) -> CacheInfo:
+        c = engine.clover_cache_info()
+        engine.lib().clover_engine_cache_info(self._handle(), ctypes.byref(c))
+        return CacheInfo(**{name: int(getattr(c, name)) for name, _ in c._fields_})
 
     def _free(self, ptr: Any) -> None:
         self.close_active()

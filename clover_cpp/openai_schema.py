@@ -3,7 +3,8 @@
 Fields the engine cannot honour either get a 400 (``n`` > 1, ``logprobs``, ``tool_choice`` that forces a
 call, structured ``response_format``, ``suffix``, ``best_of`` > 1) or are accepted and ignored when
 OpenAI clients send them by default (penalties, ``user``, ``parallel_tool_calls``, ``store``...).
-Clover extras: ``mode``, ``block_size``, ``threshold``, ``top_k``, ``ignore_eos``, ``return_token_ids``.
+Clover extras: ``mode``, ``block_size``, ``threshold``, ``top_k``, ``ignore_eos``, ``return_token_ids``,
+``cache_prompt``.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class CloverFields(_Lenient):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     ignore_eos: bool = False
     return_token_ids: bool = False
+    cache_prompt: bool = True  # llama-server's field: reuse the engine's history prefix (docs/serve.md)
 
 
 class ChatCompletionRequest(CloverFields):
@@ -163,11 +165,13 @@ def finish_reason(stats: Stats | None, stopped_by_string: bool, has_tool_calls: 
     return FINISH_REASONS.get(stats.stop_reason, "stop")
 
 
-def usage(prompt_tokens: int, stats: Stats | None) -> dict[str, Any]:
-    """OpenAI usage plus ``clover``: the engine's statistics (mode, B, threshold, passes, TPF, timings)."""
+def usage(prompt_tokens: int, stats: Stats | None, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage (``prompt_tokens_details.cached_tokens``: prompt tokens reused from the engine's history)
+    plus ``clover``: the engine's statistics (mode, B, threshold, passes, TPF, timings)."""
     completion = stats.generated_tokens if stats is not None else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
             "clover": stats.to_dict() if stats is not None else None}
 
 

@@ -39,6 +39,7 @@ class Prepared:
     start_in_reasoning: bool = False
     parse_tools: bool = False
     echo_text: str = ""
+    checkpoint_hint: int = 0  # where the generation prompt starts: the next turn's prompt shares what lies before
 
 
 class Preparer:
@@ -104,7 +105,8 @@ class Preparer:
         return GenParams(mode=req.mode or self.defaults.mode, block_size=block, threshold=threshold,
                          max_tokens=max_tokens, temperature=temperature, top_k=req.top_k or 0,
                          top_p=1.0 if req.top_p is None else req.top_p, seed=seed,
-                         stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias))
+                         stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias),
+                         cache_prompt=req.cache_prompt)
 
     def _tokenize(self, text: str, param: str) -> list[int]:
         ids = self.model.tokenize(text, special=True)
@@ -141,8 +143,10 @@ class Preparer:
         ids = self._tokenize(text, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), max_tokens, "messages")
+        hint = self.template.generation_prompt_start(lambda t: self.model.tokenize(t, special=True), messages,
+                                                     tools, thinking, text, ids)
         return Prepared(ids, params, self._stops(req.stop), start_in_reasoning=opens_reasoning(text),
-                        parse_tools=bool(tools) and choice != "none")
+                        parse_tools=bool(tools) and choice != "none", checkpoint_hint=hint)
 
     # ------------------------------------------------------------------------------ completions
     def completion(self, req: CompletionRequest) -> Prepared:

@@ -115,7 +115,7 @@ async def _collect(job: Job, pipeline: TextPipeline, request: Request) -> tuple[
 async def _run_to_end(svc: CloverService, prep: Prepared, request: Request, chat: bool
                       ) -> tuple[Job, TextPipeline, list[Event], list[int]] | None:
     """Queue a non-streaming request and wait for it; None when the client disconnected (job cancelled)."""
-    job = svc.worker.submit(prep.prompt_ids, prep.params)
+    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint)
     pipeline = svc.pipeline(prep, chat=chat)
     try:
         events, tokens = await _collect(job, pipeline, request)
@@ -148,7 +148,7 @@ def _job_error_body(job: Job) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- chat
 async def _chat_stream(svc: CloverService, req: ChatCompletionRequest, prep: Prepared
                        ) -> AsyncIterator[dict[str, str]]:
-    job = svc.worker.submit(prep.prompt_ids, prep.params)  # queued when the stream starts, not before
+    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint)  # queued when the stream starts, not before
     cid, created = new_id("chatcmpl"), now()
     pipeline = svc.pipeline(prep, chat=True)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -185,7 +185,7 @@ async def _chat_stream(svc: CloverService, req: ChatCompletionRequest, prep: Pre
         finish = finish_reason(job.stats, pipeline.stopped, n_calls > 0)
         yield chunk({}, finish, {"token_ids": tokens} if req.return_token_ids else None)
         if include_usage:
-            yield chunk(None, usage_block=usage(len(prep.prompt_ids), job.stats))
+            yield chunk(None, usage_block=usage(len(prep.prompt_ids), job.stats, job.cached_tokens))
         yield _sse("[DONE]")
     finally:
         job.cancel()  # a disconnect lands here (the task is cancelled): stop the engine
@@ -210,7 +210,7 @@ async def chat_completions(svc: CloverService, req: ChatCompletionRequest, reque
                               "finish_reason": finish_reason(job.stats, pipeline.stopped, bool(parsed.tool_calls))}
     body: dict[str, Any] = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                             "model": svc.model_id, "choices": [choice],
-                            "usage": usage(len(prep.prompt_ids), job.stats)}
+                            "usage": usage(len(prep.prompt_ids), job.stats, job.cached_tokens)}
     if req.return_token_ids:
         choice["token_ids"] = tokens
         body["prompt_token_ids"] = prep.prompt_ids
@@ -220,7 +220,7 @@ async def chat_completions(svc: CloverService, req: ChatCompletionRequest, reque
 # ---------------------------------------------------------------------------------------------- completions
 async def _completion_stream(svc: CloverService, req: CompletionRequest, prep: Prepared
                              ) -> AsyncIterator[dict[str, str]]:
-    job = svc.worker.submit(prep.prompt_ids, prep.params)
+    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint)
     cid, created = new_id("cmpl"), now()
     pipeline = svc.pipeline(prep, chat=False)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -244,7 +244,7 @@ async def _completion_stream(svc: CloverService, req: CompletionRequest, prep: P
         extra = {"token_ids": tokens, "prompt_token_ids": prep.prompt_ids} if req.return_token_ids else None
         yield chunk("", finish_reason(job.stats, pipeline.stopped, False), extra)
         if include_usage:
-            yield chunk(None, usage_block=usage(len(prep.prompt_ids), job.stats))
+            yield chunk(None, usage_block=usage(len(prep.prompt_ids), job.stats, job.cached_tokens))
         yield _sse("[DONE]")
     finally:
         job.cancel()
@@ -263,7 +263,7 @@ async def completions(svc: CloverService, req: CompletionRequest, request: Reque
                               "finish_reason": finish_reason(job.stats, pipeline.stopped, False)}
     body: dict[str, Any] = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
                             "model": svc.model_id, "choices": [choice],
-                            "usage": usage(len(prep.prompt_ids), job.stats)}
+                            "usage": usage(len(prep.prompt_ids), job.stats, job.cached_tokens)}
     if req.return_token_ids:
         choice["token_ids"] = tokens
         body["prompt_token_ids"] = prep.prompt_ids
@@ -381,6 +381,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     model = Model(args.model, **model_kwargs(args))
     try:
+        model.set_cache(args.cache_ram, args.checkpoint_every)  # prefix reuse (docs/serve.md)
         template = load_template(model.llama_model, args.model, args.chat_template)
         max_block = args.max_block_size or default_max_block_size(model)
         if args.block_size is not None and args.block_size > max_block:

@@ -1,7 +1,8 @@
 """One engine, one queue: generation jobs run one at a time on a single worker thread.
 
-Each job resets the engine and prefills its own prompt, so two requests never share or interleave a
-history. Committed blocks travel to the asyncio side through an ``asyncio.Queue``. ``Job.cancel()`` makes
+Each job keeps the longest prefix of the engine's history that its prompt starts with and that a
+checkpoint can restore (``Model.reuse_prefix``; docs/serve.md, "Prefix reuse"), and prefills the rest, so two
+requests never interleave a history. ``GenParams.cache_prompt=False`` starts from a fresh history. Committed blocks travel to the asyncio side through an ``asyncio.Queue``. ``Job.cancel()`` makes
 the engine stop at its next callback (a committed block, or a LowConfidence step in diffusion/spec); a job
 cancelled while still waiting never starts.
 """
@@ -9,6 +10,7 @@ cancelled while still waiting never starts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -31,6 +33,7 @@ class GenParams:
     seed: int = 0
     stop_ids: tuple[int, ...] | None = None  # None: the vocabulary's end-of-generation tokens
     banned_ids: tuple[int, ...] = ()
+    cache_prompt: bool = True  # reuse the history's prefix (llama-server's request field of that name)
 
 
 _DONE = object()
@@ -44,10 +47,14 @@ def default_max_block_size(model: Model) -> int:
 class Job:
     """A queued or running generation. Await ``next_block()`` until it returns None."""
 
-    def __init__(self, prompt_ids: list[int], params: GenParams, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, prompt_ids: list[int], params: GenParams, loop: asyncio.AbstractEventLoop,
+                 checkpoint_hint: int = 0) -> None:
+        """``checkpoint_hint``: where the chat template's generation prompt starts (0 = unknown)."""
         self.prompt_ids = prompt_ids
         self.params = params
+        self.checkpoint_hint = checkpoint_hint
         self.stats: Stats | None = None
+        self.cached_tokens = 0  # prompt tokens taken from the engine's history instead of prefilled
         self.error: BaseException | None = None
         self.started = False
         self.finished = False
@@ -86,8 +93,10 @@ class Job:
             if self._cancel.is_set():
                 return
             p = self.params
-            model.reset()
-            result = model.run(self.prompt_ids, mode=p.mode, block_size=p.block_size, threshold=p.threshold,
+            if not p.cache_prompt:
+                model.reset()  # reuse_prefix then finds nothing to keep, and only sets the checkpoint hint
+            self.cached_tokens = model.reuse_prefix(self.prompt_ids, checkpoint_at=[self.checkpoint_hint])
+            result = model.run(self.prompt_ids[self.cached_tokens:], mode=p.mode, block_size=p.block_size, threshold=p.threshold,
                                max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed, stop_ids=None if p.stop_ids is None else list(p.stop_ids),
                                banned_ids=list(p.banned_ids) or None,
@@ -128,9 +137,10 @@ class EngineWorker:
         self.cancelled = 0
         self.failed = 0
         self.recent: deque[dict[str, Any]] = deque(maxlen=16)  # the latest finished jobs, newest last
+        self.prefix_cache: dict[str, int] = dataclasses.asdict(model.cache_info())  # as of the last job
 
-    def submit(self, prompt_ids: list[int], params: GenParams) -> Job:
-        job = Job(prompt_ids, params, asyncio.get_running_loop())
+    def submit(self, prompt_ids: list[int], params: GenParams, checkpoint_hint: int = 0) -> Job:
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_hint)
         self._jobs.append(job)
         self._executor.submit(self._run, job)
         return job
@@ -140,6 +150,7 @@ class EngineWorker:
         try:
             job.run(self.model)
         finally:
+            self.prefix_cache = dataclasses.asdict(self.model.cache_info())  # read on the engine thread
             self._jobs.remove(job)
             s = job.stats
             if job.error is not None:
@@ -150,6 +161,7 @@ class EngineWorker:
                 self.completed += 1
             self.recent.append({
                 "prompt_tokens": len(job.prompt_ids),
+                "cached_tokens": job.cached_tokens,
                 "generated_tokens": s.generated_tokens if s else 0,
                 "stop_reason": s.stop_reason if s else ("cancelled" if job.cancelled else "error"),
                 "mode": job.params.mode,
@@ -166,7 +178,8 @@ class EngineWorker:
 
     def health(self) -> dict[str, Any]:
         return {"running": self.running, "waiting": self.waiting, "completed": self.completed,
-                "cancelled": self.cancelled, "failed": self.failed, "recent": list(self.recent)}
+                "cancelled": self.cancelled, "failed": self.failed, "recent": list(self.recent),
+                "prefix_cache": self.prefix_cache}
 
     def shutdown(self) -> None:
         for job in list(self._jobs):

@@ -106,7 +106,10 @@ def test_two_turns_with_think_toggling(chat_factory: Any, ref: Reference) -> Non
     out2 = chat.send("again")
     assert f"again\n{want2.parsed.content}\n[spec B=4 threshold=0.9]" in out2, out2
     assert "<think>" not in out2
-    assert re.search(r"12 tokens, .*prefill %d tokens, [0-9]+ threads?, stop: length" % len(want2.prompt_ids), out2), out2
+    # turn 2 prefills only what follows turn 1's prompt (its answer is re-rendered): the rest is reused
+    line = re.search(r"12 tokens, .*prefill (\d+) tokens \((\d+) reused\), [0-9]+ threads?, stop: length", out2)
+    assert line, out2
+    assert int(line.group(1)) + int(line.group(2)) == len(want2.prompt_ids) and int(line.group(2)) > 0
     stats = chat.send("/stats")
     assert re.search(r"mode\s+spec", stats) and re.search(r"generated_tokens\s+12", stats), stats
     assert "session: 2 answers, 24 tokens" in stats, stats

@@ -392,6 +392,47 @@ def test_eight_concurrent_clients(client: Any, ref: Reference, server: str) -> N
     assert after["completed"] - before["completed"] == 8 and after["failed"] == 0
 
 
+def _answer(client: Any, messages: list[dict[str, Any]], mode: str, thinking: bool,
+            cache: bool) -> tuple[list[int], list[int], int, Any]:
+    resp = client.chat.completions.create(
+        model=MODEL_ID, messages=messages, max_tokens=16, temperature=0,
+        extra_body={"mode": mode, "return_token_ids": True, "cache_prompt": cache,
+                    "chat_template_kwargs": {"enable_thinking": thinking}})
+    prompt_ids, tokens = _token_ids(resp)
+    return prompt_ids, tokens, resp.usage.prompt_tokens_details.cached_tokens, resp
+
+
+@pytest.mark.parametrize("mode", ["ar", "auto"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_multi_turn_chat_reuses_the_prefix_and_answers_as_without(client: Any, tiny_model: Any, mode: str,
+                                                                  thinking: bool) -> None:
+    """Turns 2 and 3 reuse the previous turns' prompt (usage.prompt_tokens_details.cached_tokens), a rollback
+    (turn 2 asked differently) and a cancelled request in between change nothing: every answer equals the
+    same request on a fresh history (cache_prompt false), or diverges first at a near-tie of the reference."""
+    from engine_support import Ledger
+
+    ledger = Ledger()
+    messages = list(USER)
+    for turn, question in enumerate(["And now subtract them.", "Multiply them too.", "Divide them instead."]):
+        if turn == 2:  # rollback: turn 2 asked differently, then a request that is cancelled mid-stream
+            messages = messages[:-2]
+            stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=400, temperature=0,
+                                                    stream=True, extra_body={"mode": mode, "ignore_eos": True})
+            next(iter(stream))
+            stream.close()
+        prompt_ids, tokens, cached, resp = _answer(client, messages, mode, thinking, cache=True)
+        if turn == 0:
+            first_prompt = prompt_ids
+        else:  # all but the generation prompt of turn 0 (11 tokens with thinking off) came from the history
+            assert len(first_prompt) - 12 <= cached < len(prompt_ids), (cached, len(first_prompt))
+        want_prompt, want, fresh, _ = _answer(client, messages, mode, thinking, cache=False)
+        assert fresh == 0 and prompt_ids == want_prompt
+        ledger.check(f"serve/turn{turn}/{mode}/think={thinking}", tokens, want, tiny_model, prompt_ids)
+        messages = messages + [{"role": "assistant", "content": resp.choices[0].message.content or "ok"},
+                               {"role": "user", "content": question}]
+    assert len(ledger.near_ties) <= 1, ledger.near_ties
+
+
 def test_disconnect_mid_stream_frees_the_engine(client: Any, ref: Reference, server: str) -> None:
     """A long streamed generation (about a minute on one core) is dropped after its first chunks: the engine
     stops it, and the next request is answered at once and correctly."""

@@ -15,6 +15,13 @@
 inline constexpr llama_seq_id CLOVER_SEQ_HISTORY = 0;
 inline constexpr llama_seq_id CLOVER_SEQ_SCRATCH = 1;
 
+// a copy of the history's recurrent state after its first n_past positions (clover-cache.cpp)
+struct clover_checkpoint {
+    int32_t              n_past   = 0;
+    uint64_t             last_use = 0;
+    std::vector<uint8_t> state;
+};
+
 struct clover_engine {
     llama_model       * model = nullptr;
     llama_context     * ctx   = nullptr;
@@ -38,6 +45,16 @@ struct clover_engine {
 
     llama_batch batch = {};
     int32_t     batch_cap = 0;
+
+    // prefix cache (clover-cache.cpp): checkpoints along the committed history, sorted by n_past
+    std::vector<clover_checkpoint> checkpoints;
+    int64_t                        cache_max_bytes  = 0;
+    int32_t                        checkpoint_every = 0;
+    int32_t                        checkpoint_at    = -1;  // where the last prompt left the previous history
+    std::vector<int32_t>           checkpoint_hints;       // clover_engine_checkpoint_hint
+    bool                           rewound          = false;  // cancelled back to a checkpoint: only reuse_prefix continues
+    uint64_t                       cache_clock      = 0;
+    clover_cache_info              cache_stats      = {};
 
     bool              has_costs = false;  // auto mode's cost table (clover_engine_set_costs / measured)
     clover_pass_costs costs     = {};
@@ -110,6 +127,12 @@ float         clover_prob(const clover_sampler & smp, const float * logits, int3
 bool    clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
 void    clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window);
 bool    clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round);
+
+// prefix cache (clover-cache.cpp)
+bool    clover_cache_save(clover_engine * eng);                      // a checkpoint at n_past (false: none taken)
+int32_t clover_cache_next_due(const clover_engine * eng);            // the next n_past a prefill checkpoints at, or -1
+void    clover_cache_forget_after(clover_engine * eng, int32_t keep);  // drop checkpoints past the history
+bool    clover_cache_rewind(clover_engine * eng);                    // back to the latest checkpoint
 
 // auto mode (clover-auto.cpp)
 bool clover_run_auto(clover_run & run);

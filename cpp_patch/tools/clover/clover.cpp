@@ -277,6 +277,7 @@ static bool clover_rollback(clover_engine * eng, int32_t keep) {
     }
     eng->n_past = std::min(eng->n_past, keep);
     eng->history.resize(eng->n_past);
+    clover_cache_forget_after(eng, eng->n_past);
     return true;
 }
 
@@ -903,14 +904,24 @@ static bool clover_prefill(clover_engine * eng, const llama_token * prompt, int3
         return false;
     }
     const double t0 = clover_now_ms();
-    for (size_t i = 0; i < pending.size(); i += eng->n_batch) {
-        const int32_t n = (int32_t) std::min<size_t>(eng->n_batch, pending.size() - i);
+    for (size_t i = 0; i < pending.size();) {
+        int32_t n = (int32_t) std::min<size_t>(eng->n_batch, pending.size() - i);
+        // chunks end where a checkpoint is due (clover-cache.cpp)
+        const int32_t due = clover_cache_next_due(eng);
+        if (due > eng->n_past && due < eng->n_past + n) {
+            n = due - eng->n_past;
+        }
         if (!clover_causal(eng, pending.data() + i, n, {}, "prefill")) {
             eng->last_error += "; the engine was reset";
             clover_engine_reset(eng);
             return false;
         }
+        i += n;
+        if (eng->n_past == due) {
+            clover_cache_save(eng);
+        }
     }
+    clover_cache_save(eng);  // where the answer starts
     stats->t_prefill_ms = clover_now_ms() - t0;
     eng->seed     = prompt[n_prompt - 1];
     eng->has_seed = true;
@@ -1263,6 +1274,10 @@ void clover_engine_reset(struct clover_engine * engine) {
     engine->has_seed = false;
     engine->seed     = 0;
     engine->history.clear();
+    engine->checkpoints.clear();  // they describe positions that are gone
+    engine->checkpoint_at = -1;
+    engine->checkpoint_hints.clear();
+    engine->rewound = false;
 }
 
 int32_t clover_engine_n_past(const struct clover_engine * engine) {
@@ -1312,13 +1327,19 @@ int32_t clover_generate(struct clover_engine * engine, const llama_token * promp
     run.user_data = user_data;
     run.stats     = stats;
 
+    if (eng->rewound) {  // a cancelled generation left a truncated history that only reuse_prefix continues
+        clover_engine_reset(eng);
+    }
     if (!clover_prefill(eng, prompt, n_prompt, stats)) {
         return -1;
     }
     const bool ok = clover_dispatch(run);
     stats->n_generated = run.n_out;
     if (run.cancelled) {
-        clover_engine_reset(eng);
+        // back to where the answer started (its prompt stays reusable), or a fresh history
+        if (!clover_cache_rewind(eng)) {
+            clover_engine_reset(eng);
+        }
         stats->stop_reason = CLOVER_STOP_CANCELLED;
         return run.n_out;
     }

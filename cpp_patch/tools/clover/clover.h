@@ -186,14 +186,42 @@ int32_t clover_engine_n_past(const struct clover_engine * engine);
 int32_t clover_engine_n_threads(const struct clover_engine * engine);
 
 // Generate a continuation of the prompt on the engine's history. Returns the number of generated tokens
-// (also written to stats), or -1 on error (clover_engine_last_error). After a cancellation the engine is
-// reset, so the next call starts fresh.
+// (also written to stats), or -1 on error (clover_engine_last_error). After a cancellation the next generate starts
+// fresh, unless clover_engine_reuse_prefix is called first: it can continue from the latest checkpoint.
 int32_t clover_generate(struct clover_engine * engine, const llama_token * prompt, int32_t n_prompt,
                         const struct clover_gen_params * params,
                         clover_tokens_cb on_tokens, clover_step_cb on_step, void * user_data,
                         struct clover_stats * stats);
 
 const char * clover_engine_last_error(const struct clover_engine * engine);
+
+// Prefix reuse (docs/serve.md, "Prefix reuse"). The engine keeps checkpoints of the history's recurrent state
+// (llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) in host memory: at the end of every
+// prefill (where the answer starts) and every checkpoint_every prefilled tokens. Attention KV entries can be
+// cut at any position, the recurrent state only at a checkpoint.
+struct clover_cache_info {
+    int32_t n_checkpoints;     // checkpoints held now
+    int64_t n_bytes;           // their host memory
+    int64_t max_bytes;         // the budget (0 = no checkpoints)
+    int64_t checkpoint_bytes;  // the size of one checkpoint of this model
+    int64_t n_saved;           // checkpoints taken
+    int64_t n_evicted;         // checkpoints dropped for the budget (least recently used first)
+    int64_t n_restored;        // prompts that restored a checkpoint
+    int64_t n_reused_tokens;   // prompt tokens not prefilled again, over all reuse_prefix calls
+};
+
+// Budget in bytes for the checkpoints (0 = none, the default) and the prefill interval between two of them
+// (0 = only at the end of each prefill). Checkpoints over the new budget are evicted.
+void    clover_engine_set_cache(struct clover_engine * engine, int64_t max_bytes, int32_t checkpoint_every);
+// Keep the longest prefix of the committed history that the prompt starts with and whose state can be restored
+// (the whole history when the prompt extends it, else the nearest checkpoint at or before the divergence), and
+// forget the rest. Returns n, the number of prompt tokens the history now holds (at most n_prompt - 1): the
+// caller then generates with prompt + n, n_prompt - n. 0 means a fresh history (the engine was reset).
+int32_t clover_engine_reuse_prefix(struct clover_engine * engine, const llama_token * prompt, int32_t n_prompt);
+// Also checkpoint when the next prefill reaches n_past: where the chat template's generation prompt starts, the
+// last position the next turn's prompt shares with this one. Hints are cleared by clover_engine_reuse_prefix.
+void    clover_engine_checkpoint_hint(struct clover_engine * engine, int32_t n_past);
+void    clover_engine_cache_info(const struct clover_engine * engine, struct clover_cache_info * out);
 
 // Auto mode's cost table. The first auto generate measures it (about a dozen passes on the scratch sequence;
 // the history is not touched) unless one was set; set_costs makes decisions reproducible (tests, a table

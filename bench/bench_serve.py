@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Time to first token of a growing chat over `clover-cpp serve`, with and without prefix reuse.
+
+    .venv/bin/python bench/bench_serve.py [--preset mid] [--quant Q8_0] [--turns 10] [--workdir build/bench-serve]
+
+One server (the `mid` preset quantized to Q8_0: Qwen3.5-35B-A3B's per-layer dims, 4 layers), driven by the
+official openai client, greedy `ar`. A conversation of --turns turns, each user turn about 300 tokens and
+each answer 128 tokens (ignore_eos), is run twice in one server: with prefix reuse (the default), and with
+`cache_prompt: false` on every request (a fresh prefill, as before reuse). Time to first token is measured
+at the client, from the request to the first streamed token. Then the same with thinking on, and four
+requests sharing a 2K-token system prompt.
+
+Results: bench/results/bench_serve.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+RESULTS = REPO / "bench" / "results"
+WORDS = ("the of and to in is for on with as by at from that this are be or an it not value data model "
+         "function return list index file error state cache token layer block expert router attention "
+         "memory thread server client request answer prompt history checkpoint prefix batch").split()
+
+
+def log(msg: str) -> None:
+    print(f"[bench_serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_model(work: Path, preset: str, quant: str) -> Path:
+    from clover_ref.factory import init_checkpoint
+    from native_support import clover_convert, quantize
+
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"{preset}-{quant}.gguf"
+    if path.exists():
+        return path
+    ckpt = work / f"{preset}-ckpt"
+    if not (ckpt / "config.json").exists():
+        init_checkpoint(ckpt, preset, seed=0)
+    f16 = clover_convert(ckpt, work / f"{preset}-f16.gguf", "f16")
+    return f16 if quant == "f16" else quantize(f16, path, quant)
+
+
+def start_server(gguf: Path, n_ctx: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+    from chat_support import cli_command
+
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),
+                                            "--log-level", "warning"), stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        found = re.search(r"listening on (http://\S+)", log_path.read_text())
+        if found:
+            time.sleep(1.0)
+            return proc, found.group(1)
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited:\n{log_path.read_text()[-2000:]}")
+        time.sleep(0.1)
+    raise SystemExit("the server did not start")
+
+
+def words(rng: np.random.Generator, n: int) -> str:
+    return " ".join(rng.choice(WORDS, size=n))
+
+
+def ask(client: Any, model: str, messages: list[dict[str, Any]], max_tokens: int, cache: bool,
+        thinking: bool) -> dict[str, Any]:
+    """One streamed request: time to the first token, the answer text, and usage."""
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"mode": "ar", "ignore_eos": True, "cache_prompt": cache,
+                    "chat_template_kwargs": {"enable_thinking": thinking}})
+    ttft = None
+    text: list[str] = []
+    usage = None
+    for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            piece = (delta.content or "") + (delta.model_extra.get("reasoning_content") or "")
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0
+    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "prompt_tokens": usage.prompt_tokens if usage else 0,
+            "cached_tokens": cached, "text": "".join(text) or "ok"}
+
+
+def conversation(client: Any, model: str, turns: int, user_words: int, answer: int, cache: bool,
+                 thinking: bool) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(7)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    out = []
+    for turn in range(1, turns + 1):
+        messages.append({"role": "user", "content": words(rng, user_words)})
+        r = ask(client, model, messages, answer, cache, thinking)
+        messages.append({"role": "assistant", "content": r.pop("text")})
+        out.append({"turn": turn, **r})
+        log(f"cache={cache} thinking={thinking} turn {turn}: ttft {r['ttft_s']:.2f} s, prompt {r['prompt_tokens']}"
+            f" tokens, {r['cached_tokens']} reused")
+    return out
+
+
+def shared_system(client: Any, model: str, n: int, system_words: int, cache: bool) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(11)
+    system = words(rng, system_words)
+    out = []
+    for i in range(n):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 60)}]
+        r = ask(client, model, messages, 8, cache, False)
+        r.pop("text")
+        out.append({"request": i + 1, **r})
+        log(f"shared system cache={cache} request {i + 1}: ttft {r['ttft_s']:.2f} s, {r['cached_tokens']} reused")
+    return out
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = ["# Time to first token with prefix reuse (`clover-cpp serve`)", "",
+             f"{res['machine']}; `{res['command']}`. Model: {res['model']}, greedy `ar`, one server, "
+             f"the openai client streaming; TTFT measured at the client. Each turn: a user message of about "
+             f"{res['user_tokens']} tokens, an answer of {res['answer_tokens']} tokens.", ""]
+    for key, title in (("think_off", "thinking off"), ("think_on", "thinking on")):
+        with_r, without = res[key]["reuse"], res[key]["fresh"]
+        lines += [f"## Growing chat, {title}", "",
+                  "| turn | prompt tokens | reused | TTFT with reuse (s) | TTFT fresh prefill (s) | ratio |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for a, b in zip(with_r, without):
+            if a["turn"] in (1, 5, 10) or a["turn"] == len(with_r):
+                lines.append(f"| {a['turn']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']:.2f} | "
+                             f"{b['ttft_s']:.2f} | {b['ttft_s'] / a['ttft_s']:.1f}x |")
+        last = with_r[-1]["ttft_s"] / with_r[0]["ttft_s"]
+        lines += ["", f"Turn {len(with_r)} against turn 1 with reuse: **{last:.2f}x** (goal: at most 1.3x); "
+                  f"fresh prefill: {without[-1]['ttft_s'] / without[0]['ttft_s']:.2f}x.", ""]
+    lines += ["## Requests sharing a system prompt", "",
+              "| request | prompt tokens | reused | TTFT with reuse (s) | TTFT fresh prefill (s) |",
+              "|---:|---:|---:|---:|---:|"]
+    for a, b in zip(res["shared"]["reuse"], res["shared"]["fresh"]):
+        lines.append(f"| {a['request']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']:.2f} | "
+                     f"{b['ttft_s']:.2f} |")
+    lines += ["", f"Checkpoints: {res['cache']}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    from openai import OpenAI
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="mid")
+    ap.add_argument("--quant", default="Q8_0")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--user-words", type=int, default=220, help="about 300 tokens with the test tokenizer")
+    ap.add_argument("--answer", type=int, default=128)
+    ap.add_argument("--system-words", type=int, default=1500, help="about 2K tokens")
+    ap.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-serve")
+    ap.add_argument("--name", default="bench_serve")
+    args = ap.parse_args()
+    gguf = make_model(args.workdir, args.preset, args.quant)
+    proc, url = start_server(gguf, 8192, args.workdir / "server.log")
+    try:
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        res: dict[str, Any] = {"model": f"{args.preset} {args.quant}", "answer_tokens": args.answer,
+                               "command": "bench/bench_serve.py " + " ".join(sys.argv[1:])}
+        for key, thinking in (("think_off", False), ("think_on", True)):
+            res[key] = {"reuse": conversation(client, model, args.turns, args.user_words, args.answer, True, thinking),
+                        "fresh": conversation(client, model, args.turns, args.user_words, args.answer, False,
+                                              thinking)}
+        res["user_tokens"] = round(np.mean(np.diff([0] + [t["prompt_tokens"] for t in res["think_off"]["fresh"]]))
+                                   - args.answer)
+        res["shared"] = {"reuse": shared_system(client, model, 4, args.system_words, True),
+                         "fresh": shared_system(client, model, 4, args.system_words, False)}
+        res["cache"] = json.loads(urllib_get(url + "/health")).get("prefix_cache")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    from clover_cpp import cpu
+
+    res["machine"] = cpu.read_cpuinfo().summary()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(res, indent=1))
+    (RESULTS / f"{args.name}.md").write_text(render(res))
+    log(f"wrote bench/results/{args.name}.md")
+    return 0
+
+
+def urllib_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
