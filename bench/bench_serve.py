@@ -5,10 +5,10 @@
 
 One server (the `mid` preset quantized to Q8_0: Qwen3.5-35B-A3B's per-layer dims, 4 layers), driven by the
 official openai client, greedy `ar`. A conversation of --turns turns, each user turn about 300 tokens and
-each answer 128 tokens (ignore_eos), is run twice in one server: with prefix reuse (the default), and with
-`cache_prompt: false` on every request (a fresh prefill, as before reuse). Time to first token is measured
-at the client, from the request to the first streamed token. Then the same with thinking on, and four
-requests sharing a 2K-token system prompt.
+each answer 128 tokens (ignore_eos), is run in one server with prefix reuse (the default) and with
+`cache_prompt: false` (a fresh prefill, as before reuse), side by side: each turn is asked with reuse, then
+again fresh. Time to first token is measured at the client, from the request to the first streamed token.
+Then the same with thinking on, and four requests sharing a 2K-token system prompt.
 
 Results: bench/results/bench_serve.md and .json.
 """
@@ -101,31 +101,40 @@ def ask(client: Any, model: str, messages: list[dict[str, Any]], max_tokens: int
             "cached_tokens": cached, "text": "".join(text) or "ok"}
 
 
-def conversation(client: Any, model: str, turns: int, user_words: int, answer: int, cache: bool,
-                 thinking: bool) -> list[dict[str, Any]]:
+def conversation(client: Any, model: str, turns: int, user_words: int, answer: int,
+                 thinking: bool) -> dict[str, list[dict[str, Any]]]:
+    """Each turn twice, side by side: first with reuse (the history holds the previous turn), then the same
+    request with a fresh prefill (which leaves the history the next turn reuses)."""
     rng = np.random.default_rng(7)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
-    out = []
+    out: dict[str, list[dict[str, Any]]] = {"reuse": [], "fresh": []}
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": words(rng, user_words)})
-        r = ask(client, model, messages, answer, cache, thinking)
-        messages.append({"role": "assistant", "content": r.pop("text")})
-        out.append({"turn": turn, **r})
-        log(f"cache={cache} thinking={thinking} turn {turn}: ttft {r['ttft_s']:.2f} s, prompt {r['prompt_tokens']}"
-            f" tokens, {r['cached_tokens']} reused")
+        reuse = ask(client, model, messages, answer, True, thinking)
+        fresh = ask(client, model, messages, answer, False, thinking)
+        messages.append({"role": "assistant", "content": reuse.pop("text")})
+        fresh.pop("text")
+        out["reuse"].append({"turn": turn, **reuse})
+        out["fresh"].append({"turn": turn, **fresh})
+        log(f"thinking={thinking} turn {turn}: prompt {reuse['prompt_tokens']} tokens, {reuse['cached_tokens']} "
+            f"reused; ttft {reuse['ttft_s']:.2f} s with reuse, {fresh['ttft_s']:.2f} s fresh")
     return out
 
 
-def shared_system(client: Any, model: str, n: int, system_words: int, cache: bool) -> list[dict[str, Any]]:
+def shared_system(client: Any, model: str, n: int, system_words: int) -> dict[str, list[dict[str, Any]]]:
+    """n requests with one system prompt and different user messages: with reuse, then each again fresh."""
     rng = np.random.default_rng(11)
     system = words(rng, system_words)
-    out = []
-    for i in range(n):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 60)}]
-        r = ask(client, model, messages, 8, cache, False)
-        r.pop("text")
-        out.append({"request": i + 1, **r})
-        log(f"shared system cache={cache} request {i + 1}: ttft {r['ttft_s']:.2f} s, {r['cached_tokens']} reused")
+    users = [words(rng, 60) for _ in range(n)]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for cache in (True, False):
+        out["reuse" if cache else "fresh"] = rows = []
+        for i, user in enumerate(users):
+            r = ask(client, model, [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                    8, cache, False)
+            r.pop("text")
+            rows.append({"request": i + 1, **r})
+            log(f"shared system cache={cache} request {i + 1}: ttft {r['ttft_s']:.2f} s, {r['cached_tokens']} reused")
     return out
 
 
@@ -177,13 +186,10 @@ def main() -> int:
         res: dict[str, Any] = {"model": f"{args.preset} {args.quant}", "answer_tokens": args.answer,
                                "command": "bench/bench_serve.py " + " ".join(sys.argv[1:])}
         for key, thinking in (("think_off", False), ("think_on", True)):
-            res[key] = {"reuse": conversation(client, model, args.turns, args.user_words, args.answer, True, thinking),
-                        "fresh": conversation(client, model, args.turns, args.user_words, args.answer, False,
-                                              thinking)}
+            res[key] = conversation(client, model, args.turns, args.user_words, args.answer, thinking)
         res["user_tokens"] = round(np.mean(np.diff([0] + [t["prompt_tokens"] for t in res["think_off"]["fresh"]]))
                                    - args.answer)
-        res["shared"] = {"reuse": shared_system(client, model, 4, args.system_words, True),
-                         "fresh": shared_system(client, model, 4, args.system_words, False)}
+        res["shared"] = shared_system(client, model, 4, args.system_words)
         res["cache"] = json.loads(urllib_get(url + "/health")).get("prefix_cache")
     finally:
         proc.terminate()
