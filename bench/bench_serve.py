@@ -144,6 +144,8 @@ def render(res: dict[str, Any]) -> str:
              f"the openai client streaming; TTFT measured at the client. Each turn: a user message of about "
              f"{res['user_tokens']} tokens, an answer of {res['answer_tokens']} tokens.", ""]
     for key, title in (("think_off", "thinking off"), ("think_on", "thinking on")):
+        if key not in res:
+            continue
         with_r, without = res[key]["reuse"], res[key]["fresh"]
         lines += [f"## Growing chat, {title}", "",
                   "| turn | prompt tokens | reused | TTFT with reuse (s) | TTFT fresh prefill (s) | ratio |",
@@ -155,6 +157,8 @@ def render(res: dict[str, Any]) -> str:
         last = with_r[-1]["ttft_s"] / with_r[0]["ttft_s"]
         lines += ["", f"Turn {len(with_r)} against turn 1 with reuse: **{last:.2f}x** (goal: at most 1.3x); "
                   f"fresh prefill: {without[-1]['ttft_s'] / without[0]['ttft_s']:.2f}x.", ""]
+    if "shared" not in res:
+        return "\n".join(lines) + "\n"
     lines += ["## Requests sharing a system prompt", "",
               "| request | prompt tokens | reused | TTFT with reuse (s) | TTFT fresh prefill (s) |",
               "|---:|---:|---:|---:|---:|"]
@@ -185,23 +189,29 @@ def main() -> int:
         model = client.models.list().data[0].id
         res: dict[str, Any] = {"model": f"{args.preset} {args.quant}", "answer_tokens": args.answer,
                                "command": "bench/bench_serve.py " + " ".join(sys.argv[1:])}
-        for key, thinking in (("think_off", False), ("think_on", True)):
-            res[key] = conversation(client, model, args.turns, args.user_words, args.answer, thinking)
+        res["think_off"] = conversation(client, model, args.turns, args.user_words, args.answer, False)
         res["user_tokens"] = round(np.mean(np.diff([0] + [t["prompt_tokens"] for t in res["think_off"]["fresh"]]))
                                    - args.answer)
+        save(res, args.name)  # each phase is written as it ends: a long run cut short keeps what it measured
         res["shared"] = shared_system(client, model, 4, args.system_words)
         res["cache"] = json.loads(urllib_get(url + "/health")).get("prefix_cache")
+        save(res, args.name)
+        res["think_on"] = conversation(client, model, args.turns, args.user_words, args.answer, True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    save(res, args.name)
+    log(f"wrote bench/results/{args.name}.md")
+    return 0
+
+
+def save(res: dict[str, Any], name: str) -> None:
     from clover_cpp import cpu
 
     res["machine"] = cpu.read_cpuinfo().summary()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(res, indent=1))
-    (RESULTS / f"{args.name}.md").write_text(render(res))
-    log(f"wrote bench/results/{args.name}.md")
-    return 0
+    (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (RESULTS / f"{name}.md").write_text(render(res))
 
 
 def urllib_get(url: str) -> str:

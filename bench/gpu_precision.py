@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
 RESULTS = REPO / "bench" / "results"
 REF_TOL = 1e-3  # tests/test_native_clover.py
 N_IDS = 340
@@ -60,17 +61,6 @@ def load(name: str, workdir: Path) -> Any:
 def test_ids(model: Any) -> list[int]:
     vocab = model.config.vocab_size
     return np.random.default_rng(1234).integers(0, min(vocab, 3000), size=N_IDS).tolist()
-
-
-def window(ids: list[int], p: int, b: int, canvas: str, mask: int) -> list[int]:
-    known = ids[p + 1:p + b]
-    if canvas == "masked":
-        rest = [mask] * (b - 1)
-    elif canvas == "filled":
-        rest = list(known)
-    else:
-        rest = [t if i % 2 == 0 else mask for i, t in enumerate(known)]
-    return [ids[p]] + rest
 
 
 class RouterTrace:
@@ -114,6 +104,8 @@ def token_by_token(model: Any, ids: list[int]) -> np.ndarray:
 
 
 def block_logits(model: Any, ids: list[int], mask: int) -> dict[str, np.ndarray]:
+    from native_support import block_window
+
     out = {}
     for p in BLOCK_POSITIONS:
         h = model.new_history()
@@ -121,7 +113,8 @@ def block_logits(model: Any, ids: list[int], mask: int) -> dict[str, np.ndarray]
             model.forward_causal(ids[:p], h)
         for b in BLOCK_SIZES:
             for canvas in CANVASES:
-                out[f"p{p}/B{b}/{canvas}"] = model.forward_block(window(ids, p, b, canvas, mask), h.clone()).numpy()
+                window = block_window(ids, p, b, canvas, mask)
+                out[f"p{p}/B{b}/{canvas}"] = model.forward_block(window, h.clone()).numpy()
     return out
 
 
@@ -258,7 +251,7 @@ def render(results: dict[str, Any], cmd: str) -> str:
                   f"{nt['below_1e-3']} of {nt['cells']} (token, layer) cells below 1e-3, {nt['below_1e-4']} below 1e-4.",
                   ""]
         if "native_cpu" in r:
-            lines += [f"Native CPU build, f32 GGUF, causal prompts in one pass (max|diff| against the exact reference):", "",
+            lines += ["Native CPU build, f32 GGUF, causal prompts in one pass (max|diff| against the exact reference):", "",
                       "| flash attention / n_ubatch | " + " | ".join(f"prompt{n}" for n in PROMPTS) + " |",
                       "|---|" + "---:|" * len(PROMPTS)]
             for k, row in r["native_cpu"].items():

@@ -148,7 +148,8 @@ def _job_error_body(job: Job) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- chat
 async def _chat_stream(svc: CloverService, req: ChatCompletionRequest, prep: Prepared
                        ) -> AsyncIterator[dict[str, str]]:
-    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint)  # queued when the stream starts, not before
+    # queued when the stream starts, not before
+    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint)
     cid, created = new_id("chatcmpl"), now()
     pipeline = svc.pipeline(prep, chat=True)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

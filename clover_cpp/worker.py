@@ -1,9 +1,10 @@
 """One engine, one queue: generation jobs run one at a time on a single worker thread.
 
 Each job keeps the longest prefix of the engine's history that its prompt starts with and that a
-checkpoint can restore (``Model.reuse_prefix``; docs/serve.md, "Prefix reuse"), and prefills the rest, so two
-requests never interleave a history. ``GenParams.cache_prompt=False`` starts from a fresh history. Committed blocks travel to the asyncio side through an ``asyncio.Queue``. ``Job.cancel()`` makes
-the engine stop at its next callback (a committed block, or a LowConfidence step in diffusion/spec); a job
+checkpoint can restore (``Model.reuse_prefix``; docs/serve.md, "Prefix reuse"), and prefills the rest, so
+two requests never interleave a history. ``GenParams.cache_prompt=False`` starts from a fresh history.
+Committed blocks travel to the asyncio side through an ``asyncio.Queue``. ``Job.cancel()`` makes the engine
+stop at its next callback (a committed block, or a LowConfidence step in diffusion/spec); a job
 cancelled while still waiting never starts.
 """
 

@@ -194,6 +194,19 @@ def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], w
         model.close()
 
 
+def block_window(ids: list[int], p: int, b: int, canvas: str, mask: int) -> list[int]:
+    """The window at p of the parity tests: seed ids[p], then B-1 canvas slots (``masked``: all mask;
+    ``filled``: the true tokens; ``partly``: every other one masked)."""
+    known = ids[p + 1:p + b]
+    if canvas == "masked":
+        rest = [mask] * (b - 1)
+    elif canvas == "filled":
+        rest = list(known)
+    else:
+        rest = [t if i % 2 == 0 else mask for i, t in enumerate(known)]
+    return [ids[p]] + rest
+
+
 def kl_top1(ref: np.ndarray, q: np.ndarray) -> tuple[float, float]:
     """Mean KL(softmax(ref) || softmax(q)) over rows, and the share of rows with the same argmax."""
     def log_softmax(x: np.ndarray) -> np.ndarray:

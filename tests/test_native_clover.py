@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from native_support import (
-    assert_parity, clover_convert, dump_results, load_in_subprocess, quantize, record, require_native,
+    assert_parity, block_window, clover_convert, dump_results, load_in_subprocess, quantize, record, require_native,
     rewrite_gguf,
 )
 
@@ -39,18 +39,6 @@ def _native() -> Any:
 def _ids(seed: int, vocab: int) -> list[int]:
     # ordinary tokens only (ids below the added special tokens)
     return np.random.default_rng(seed).integers(0, min(vocab, 3000), size=N_IDS).tolist()
-
-
-def _window(ids: list[int], p: int, b: int, canvas: str, mask: int) -> list[int]:
-    """Seed ids[p] at position p, then B-1 canvas slots."""
-    known = ids[p + 1:p + b]
-    if canvas == "masked":
-        rest = [mask] * (b - 1)
-    elif canvas == "filled":
-        rest = list(known)
-    else:
-        rest = [t if i % 2 == 0 else mask for i, t in enumerate(known)]
-    return [ids[p]] + rest
 
 
 class Bundle:
@@ -159,7 +147,7 @@ def test_block_pass_parity(request: pytest.FixtureRequest, model: str) -> None:
         for p_, b, canvas in _block_cases(model):
             if p_ != p:
                 continue
-            window = _window(bundle.ids, p, b, canvas, bundle.mask)
+            window = block_window(bundle.ids, p, b, canvas, bundle.mask)
             got = ctx.block(window)
             ref = bundle.ref_block(p, window)
             m = assert_parity(f"block/{model}/p{p}/B{b}/{canvas}", got, ref, REF_TOL)
@@ -173,7 +161,7 @@ def test_block_rows_subset(tiny: Bundle) -> None:
     """Logits only for chosen rows equal the same rows of a full-output pass."""
     ctx = tiny.context()
     ctx.causal(tiny.ids[:37])
-    window = _window(tiny.ids, 37, 8, "partly", tiny.mask)
+    window = block_window(tiny.ids, 37, 8, "partly", tiny.mask)
     full = ctx.block(window)
     part = ctx.block(window, rows=[1, 3, 7])
     np.testing.assert_array_equal(part, full[[1, 3, 7]])
@@ -232,7 +220,7 @@ def test_history_untouched_by_block_passes(bundle: Bundle) -> None:
     for _ in range(5):
         b = int(rng.choice([1, 4, 8, 32]))
         canvas = str(rng.choice(CANVASES))
-        a.block(_window(bundle.ids, p, b, canvas, bundle.mask))
+        a.block(block_window(bundle.ids, p, b, canvas, bundle.mask))
     got = a.causal(tail)
     clean = bundle.context()
     clean.causal(bundle.ids[:p])
@@ -265,7 +253,7 @@ def test_rollback_then_block_pass_exact(bundle: Bundle, canvas: str) -> None:
     a.causal(ids[:10])
     a.causal(ids[10:15])
     a.rollback(12)             # pending rollback of 3 positions
-    window = _window(ids, 12, b_size, canvas, bundle.mask)
+    window = block_window(ids, 12, b_size, canvas, bundle.mask)
     got = a.block(window)
     got_after = a.causal(ids[12:16])   # seq 0's own pending rollback still applies
     fresh = bundle.context(n_rs_seq=8)
@@ -373,7 +361,7 @@ def test_q8_0_top1_agreement(bundle: Bundle, tmp_path: Path) -> None:
     f_ctx, q_ctx = bundle.context(), native.Context(qm, n_ctx=512, n_ubatch=64)
     pairs = [(f_ctx.causal(ids[:300]), q_ctx.causal(ids[:300]))]
     for canvas in CANVASES:
-        w = _window(ids, 300, bundle.block_size, canvas, bundle.mask)
+        w = block_window(ids, 300, bundle.block_size, canvas, bundle.mask)
         pairs.append((f_ctx.block(w), q_ctx.block(w)))
     f = np.concatenate([a for a, _ in pairs])
     q = np.concatenate([b for _, b in pairs])
