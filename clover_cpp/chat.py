@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from . import session
 from .chat_template import ChatTemplate, TemplateError, load_template
-from .model import Model, Stats
+from .model import EngineError, Model, Stats
 from .native import NativeError
 from .output_parser import OutputParser, TextEvent, opens_reasoning
 from .text_stream import TextPipeline
@@ -34,6 +35,8 @@ HELP = """commands:
   /block N | default      block size B (1..{max_block})
   /threshold X | default  confidence threshold in [0, 1] (default: calibrated for B)
   /reset                  forget the conversation
+  /save FILE              save the conversation and the engine's state (a session)
+  /load FILE              resume a saved session without prefilling it again
   /stats                  statistics of the last answer and of the session
   /help                   this list
   /exit, /quit, Ctrl-D    leave
@@ -152,6 +155,7 @@ class ChatApp:
         self.turns = 0
         self.total_tokens = 0
         self.total_decode_ms = 0.0
+        self._identity: dict[str, Any] | None = None  # the GGUF's identity for sessions, computed once
 
     def _fresh_messages(self) -> list[dict[str, Any]]:
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -225,6 +229,10 @@ class ChatApp:
             self.say(self.style.dim("conversation cleared"))
         elif name == "/stats":
             self.show_stats()
+        elif name == "/save":
+            self.save(arg)
+        elif name == "/load":
+            self.load(arg)
         else:
             self.fail(f"unknown command {name}; /help lists the commands")
         return True
@@ -260,6 +268,83 @@ class ChatApp:
             return
         self.settings = replace(self.settings, threshold=t)
         self.say(self.style.dim(f"threshold {t:g}"))
+
+    # ------------------------------------------------------------------------------ sessions
+    def model_identity(self) -> dict[str, Any]:
+        if self._identity is None:
+            self._identity = session.model_identity(self.model)
+        return self._identity
+
+    def _history_to_save(self) -> list[int]:
+        """Cut the engine's history to what the next turn keeps of it, and return its tokens ([] when nothing
+        can be kept). The next prompt re-renders the last answer (its reasoning dropped), so the history goes
+        back to the checkpoint before it, as the next turn's reuse_prefix would; a loaded session then prefills
+        exactly what the uninterrupted one would."""
+        if self.model.n_past == 0 or not any(m["role"] == "assistant" for m in self.messages):
+            return []
+        probe = self.messages + [{"role": "user", "content": "."}]  # any next message shares this much
+        try:
+            ids = self.model.tokenize(self.template.render(probe, enable_thinking=self.settings.enable_thinking))
+        except (TemplateError, NativeError):
+            return []
+        return ids[:self.model.reuse_prefix(ids)]
+
+    def save(self, path: str) -> None:
+        if not path:
+            self.fail("usage: /save FILE")
+            return
+        tokens = self._history_to_save()
+        state = b""
+        if tokens:
+            try:
+                state = self.model.history_state()
+            except EngineError as exc:
+                self.say(self.style.dim(f"(the engine state is not saved: {exc})"))
+                tokens = []
+        s = self.settings
+        header = {
+            "format": session.FORMAT_VERSION, "clover_version": session.toolkit_version(),
+            "model": self.model_identity(),
+            "engine": {"n_ctx": self.model.n_ctx, "max_block_size": self.max_block_size},
+            "chat": {"mode": s.mode, "block_size": s.block_size, "threshold": s.threshold,
+                     "thinking": s.enable_thinking, "system": self.system},
+            "messages": self.messages, "tokens": tokens, "n_past": len(tokens),
+        }
+        try:
+            size = session.write(path, header, state)
+        except session.SessionError as exc:
+            self.fail(str(exc))
+            return
+        held = (f"{len(tokens)} tokens of engine state" if tokens
+                else "no engine state (the next turn after /load prefills the conversation)")
+        self.say(self.style.dim(f"saved {path}: {len(self.messages)} messages, {held}, {size} bytes"))
+
+    def load(self, path: str) -> None:
+        if not path:
+            self.fail("usage: /load FILE")
+            return
+        try:
+            sess = session.read(path, self.model_identity(), self.model.n_ctx, self.model.info.n_vocab, MODES)
+        except session.SessionError as exc:
+            self.fail(" ".join(str(exc).split()))
+            return
+        st = sess.settings
+        block, note = st["block_size"], ""
+        if block is not None and block > self.max_block_size:
+            note = f"; its block size {block} exceeds --max-block-size {self.max_block_size}, kept the current one"
+            block = self.settings.block_size
+        try:
+            self.model.restore_history(sess.tokens, sess.state)
+        except EngineError as exc:  # the engine was reset; the current conversation stays (its next turn prefills)
+            self.fail(f"{path}: state: " + " ".join(str(exc).split()))
+            return
+        self.messages = sess.messages
+        self.system = st["system"]
+        self.settings = replace(self.settings, mode=st["mode"], block_size=block, threshold=st["threshold"],
+                                enable_thinking=st["thinking"])
+        self.say(self.style.dim(
+            f"loaded {path}: {len(self.messages)} messages, {len(sess.tokens)} tokens of history restored "
+            f"(mode {st['mode']}, thinking {'on' if st['thinking'] else 'off'}{note})"))
 
     def _threshold_text(self) -> str:
         if self.settings.threshold is not None:

@@ -479,7 +479,9 @@ class Model(native.NativeHandle):
 
     @property
     def n_ctx(self) -> int:
-        return int(native.llama().llama_n_ctx(self.llama_context))
+        """The positions a history may use (``n_ctx`` resolved). llama.cpp's context can be larger: it is made
+        at least n_batch long."""
+        return int(engine.lib().clover_engine_n_ctx(self._handle()))
 
     # ---------------------------------------------------------------------------------- auto's cost table
     @property
@@ -617,6 +619,52 @@ class Model(native.NativeHandle):
         c = engine.clover_cache_info()
         engine.lib().clover_engine_cache_info(self._handle(), ctypes.byref(c))
         return CacheInfo(**{name: int(getattr(c, name)) for name, _ in c._fields_})
+
+    # ---------------------------------------------------------------------------------- sessions
+    def history_state(self) -> bytes:
+        """The history's sequence state: ``llama_state_seq_get_data`` on sequence 0 with flags 0 (the attention
+        KV entries and the recurrent state of positions [0, n_past)). With the tokens those positions hold,
+        ``restore_history`` puts it back, in this engine or another one on the same GGUF."""
+        self.close_active()
+        L = native.llama()
+        ctx = self.llama_context
+        n = self.n_past
+        mem = L.llama_get_memory(ctx)
+        lo, hi = int(L.llama_memory_seq_pos_min(mem, 0)), int(L.llama_memory_seq_pos_max(mem, 0))
+        if n <= 0 or lo < 0 or hi != n - 1:  # a hybrid memory's pos_min is its recurrent cell's, at n - 1
+            raise EngineError(f"the history's sequence holds positions [{lo}, {hi}], not the {n} committed ones")
+        with self._lock:
+            size = int(L.llama_state_seq_get_size(ctx, 0))
+            buf = (ctypes.c_uint8 * max(1, size))()
+            got = int(L.llama_state_seq_get_data(ctx, buf, size, 0)) if size else 0
+        if size == 0 or got != size:
+            raise EngineError("llama_state_seq_get_data could not save the history's state")
+        return ctypes.string_at(buf, size)
+
+    def restore_history(self, tokens: Sequence[int], state: bytes) -> None:
+        """Replace the history with ``state`` (``history_state``) holding ``tokens``: the next prompt that extends
+        them prefills only the rest (``reuse_prefix``). No tokens: a fresh history. On failure the engine is reset
+        and ``EngineError`` raised."""
+        if len(tokens) + 1 > self.n_ctx:  # checked first: the history is still intact
+            raise EngineError(f"a history of {len(tokens)} tokens does not fit the context size {self.n_ctx}")
+        self.close_active()
+        L, C = native.llama(), engine.lib()
+        h = self._handle()
+        C.clover_engine_reset(h)
+        if not tokens:
+            return
+        if not state:
+            raise EngineError("no engine state for a history of tokens")
+        src = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        with self._lock:
+            read = int(L.llama_state_seq_set_data(self.llama_context, src, len(state), 0))
+            if read != len(state):
+                C.clover_engine_reset(h)
+                raise EngineError(f"llama.cpp read {read} of the {len(state)} bytes of engine state (a state from "
+                                  "another model or context layout?); the engine was reset")
+            ids = (engine.llama_token * len(tokens))(*[int(t) for t in tokens])
+            if C.clover_engine_set_history(h, ids, len(tokens)) != 0:
+                raise EngineError(self.last_error() or "clover_engine_set_history failed")
 
     def _free(self, ptr: Any) -> None:
         self.close_active()

@@ -165,6 +165,53 @@ void clover_engine_checkpoint_hint(struct clover_engine * engine, int32_t n_past
     }
 }
 
+int32_t clover_engine_set_history(struct clover_engine * engine, const llama_token * tokens, int32_t n_tokens) {
+    if (!engine) {
+        return -1;
+    }
+    clover_engine * eng = engine;
+    eng->last_error.clear();
+    std::string err;
+    if (n_tokens < 0 || (n_tokens > 0 && !tokens)) {
+        err = clover_format("invalid history of %d tokens", n_tokens);
+    } else if (n_tokens + 1 > eng->n_ctx) {
+        err = clover_format("a history of %d tokens leaves no room in the context size %d", n_tokens, eng->n_ctx);
+    } else {
+        for (int32_t i = 0; i < n_tokens; i++) {
+            if (tokens[i] < 0 || tokens[i] >= eng->n_vocab) {
+                err = clover_format("history token %d (id %d) is outside the vocabulary [0, %d)", i, tokens[i], eng->n_vocab);
+                break;
+            }
+        }
+    }
+    if (err.empty()) {
+        const llama_pos pmin = llama_memory_seq_pos_min(eng->mem, CLOVER_SEQ_HISTORY);
+        const llama_pos pmax = llama_memory_seq_pos_max(eng->mem, CLOVER_SEQ_HISTORY);
+        // a hybrid memory's pos_min is the recurrent part's (its one cell sits at the last position)
+        const bool match = n_tokens == 0 ? pmax < 0 : (pmin >= 0 && pmax == n_tokens - 1);
+        const bool scratch_empty = llama_memory_seq_pos_max(eng->mem, CLOVER_SEQ_SCRATCH) < 0;
+        if (!match || !scratch_empty) {
+            err = clover_format("the restored sequence holds positions [%d, %d], not the %d tokens of the history",
+                                (int) pmin, (int) pmax, n_tokens);
+        }
+    }
+    if (!err.empty()) {
+        clover_engine_reset(eng);
+        eng->last_error = err + "; the engine was reset";
+        return -1;
+    }
+    llama_set_causal_attn(eng->ctx, true);
+    eng->n_past   = n_tokens;
+    eng->has_seed = false;
+    eng->seed     = 0;
+    eng->history.assign(tokens, tokens + n_tokens);
+    eng->checkpoints.clear();  // they described the previous history
+    eng->checkpoint_at = -1;
+    eng->checkpoint_hints.clear();
+    eng->rewound = false;
+    return 0;
+}
+
 void clover_engine_cache_info(const struct clover_engine * engine, struct clover_cache_info * out) {
     if (!engine || !out) {
         return;

@@ -1284,6 +1284,10 @@ int32_t clover_engine_n_past(const struct clover_engine * engine) {
     return engine ? engine->n_past : 0;
 }
 
+int32_t clover_engine_n_ctx(const struct clover_engine * engine) {
+    return engine ? engine->n_ctx : 0;
+}
+
 int32_t clover_engine_n_threads(const struct clover_engine * engine) {
     return engine ? (int32_t) llama_n_threads(engine->ctx) : 0;
 }

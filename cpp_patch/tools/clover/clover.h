@@ -182,6 +182,9 @@ struct llama_context * clover_engine_context(struct clover_engine * engine);
 void clover_engine_reset(struct clover_engine * engine);
 // Positions committed to the history so far (the seed's position), or 0 after a reset.
 int32_t clover_engine_n_past(const struct clover_engine * engine);
+// The engine's context size: the positions a history may use (params.n_ctx resolved; llama.cpp's own context may
+// be larger, as it is made at least n_batch).
+int32_t clover_engine_n_ctx(const struct clover_engine * engine);
 // The threads the engine's context decodes with (the resolved n_threads).
 int32_t clover_engine_n_threads(const struct clover_engine * engine);
 
@@ -222,6 +225,14 @@ int32_t clover_engine_reuse_prefix(struct clover_engine * engine, const llama_to
 // last position the next turn's prompt shares with this one. Hints are cleared by clover_engine_reuse_prefix.
 void    clover_engine_checkpoint_hint(struct clover_engine * engine, int32_t n_past);
 void    clover_engine_cache_info(const struct clover_engine * engine, struct clover_cache_info * out);
+
+// Sessions (clover-cpp chat's /save and /load): after the caller restored the history's sequence (0) with
+// llama_state_seq_set_data (the full state: KV entries and recurrent state), tell the engine which tokens it now
+// holds. The sequence must hold exactly positions [0, n_tokens); the tokens must be in the vocabulary and leave
+// room in the context. Checkpoints are dropped (they described the previous history); the next prompt that
+// extends the tokens prefills only the rest (clover_engine_reuse_prefix). Returns 0, or -1 with last_error,
+// and the engine reset (the restored sequence does not match the tokens).
+int32_t clover_engine_set_history(struct clover_engine * engine, const llama_token * tokens, int32_t n_tokens);
 
 // Auto mode's cost table. The first auto generate measures it (about a dozen passes on the scratch sequence;
 // the history is not touched) unless one was set; set_costs makes decisions reproducible (tests, a table
