@@ -450,6 +450,11 @@ class Model(native.NativeHandle):
             raise EngineError(f"cannot load {self.path}: {msg}")
         del keep
         self.info = ModelInfo.from_c(L.clover_engine_info(self.ptr).contents)
+        # the engine's logical context, which it enforces itself (clover.cpp's load plan): llama.cpp's context is
+        # at least n_batch (512) and padded, so llama_n_ctx overstates it (-c 64 gives 512). clover.h has no
+        # accessor for it; this is the plan's rule.
+        n_train = self.info.n_ctx_train
+        self._n_ctx = int(params.n_ctx) if params.n_ctx > 0 else (min(n_train, 4096) if n_train > 0 else 4096)
         self._llama_model = L.clover_engine_model(self.ptr)
         self._vocab = native.llama().llama_model_get_vocab(self._llama_model)
         self._active: Generation | None = None
@@ -479,6 +484,12 @@ class Model(native.NativeHandle):
 
     @property
     def n_ctx(self) -> int:
+        """The context the engine enforces: a prompt plus its answer never exceed it (``-c``, or
+        min(n_ctx_train, 4096)). ``llama_n_ctx`` is what llama.cpp allocated, at least n_batch."""
+        return self._n_ctx
+
+    @property
+    def llama_n_ctx(self) -> int:
         return int(native.llama().llama_n_ctx(self.llama_context))
 
     # ---------------------------------------------------------------------------------- auto's cost table
