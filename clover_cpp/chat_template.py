@@ -53,6 +53,13 @@ class ChatTemplate:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from None
         except (TypeError, AttributeError, KeyError) as exc:  # a message shape the template does not expect
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from None
+        except RecursionError:
+            raise TemplateError("the chat template cannot render these messages: it recursed too deeply") from None
+        except MemoryError:
+            raise TemplateError("the chat template cannot render these messages: it ran out of memory") from None
+        except (OverflowError, ValueError, ArithmeticError) as exc:  # e.g. range(10**30), an int too large
+            raise TemplateError(f"the chat template cannot render these messages: "
+                                f"{type(exc).__name__}: {exc}") from None
 
 
     def generation_prompt_start(self, tokenize: Callable[[str], list[int]], messages: Sequence[Mapping[str, Any]],

@@ -124,6 +124,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
     serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    sec = serve.add_argument_group("security (docs/serve.md, \"Security\")")
+    sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="accept requests to /v1 only with 'Authorization: Bearer KEY' (repeatable; /health stays open)")
+    sec.add_argument("--api-key-file", default=None, metavar="FILE", help="read API keys from FILE, one per line")
+    lim = serve.add_argument_group("limits (0 = none; docs/serve.md, \"Limits\")")
+    lim.add_argument("--max-body-bytes", type=int, default=8 * 2**20, metavar="N",
+                     help="largest request body (default 8 MiB; larger: 413)")
+    lim.add_argument("--max-messages", type=int, default=1024, metavar="N", help="most messages in a chat (default 1024)")
+    lim.add_argument("--max-prompt-chars", type=int, default=0, metavar="N",
+                     help="most characters of a prompt, checked before tokenizing (default 0: 64 x n_ctx)")
+    lim.add_argument("--max-queue", type=int, default=64, metavar="N",
+                     help="most requests waiting for the engine (default 64; more: 429)")
+    lim.add_argument("--template-timeout", type=float, default=10.0, metavar="S",
+                     help="seconds to render the chat template and tokenize one request (default 10)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -135,9 +149,16 @@ def _check(args: argparse.Namespace) -> None:
         raise BadInput(f"-n/--max-tokens must be >= 0, got {args.max_tokens}")
     if args.draft_steps < 0:
         raise BadInput(f"--draft-steps must be >= 0, got {args.draft_steps}")
+    _check_threshold(args)
     if args.temperature < 0:
         raise BadInput(f"--temperature must be >= 0, got {args.temperature}")
     _check_top(args)
+
+
+def _check_threshold(args: argparse.Namespace) -> None:
+    """--threshold (generate, chat, serve): a probability; left out, the calibrated one for B."""
+    if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
+        raise BadInput(f"--threshold must be in [0, 1], got {args.threshold}")
 
 
 def _check_top(args: argparse.Namespace) -> None:
@@ -258,8 +279,7 @@ def _check_engine_args(args: argparse.Namespace) -> None:
     _at_least(("-c/--ctx-size", args.ctx_size, 0), ("--max-block-size", args.max_block_size, 0),
               ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
               ("--cache-ram", args.cache_ram, 0), ("--checkpoint-every", args.checkpoint_every, 0))
-    if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
-        raise BadInput(f"--threshold must be in [0, 1], got {args.threshold}")
+    _check_threshold(args)
     if args.temperature < 0:
         raise BadInput(f"--temperature must be >= 0, got {args.temperature}")
     if args.chat_template and not os.path.isfile(args.chat_template):
@@ -281,6 +301,27 @@ def run_serve_command(args: argparse.Namespace) -> int:
     _check_engine_args(args)
     if not 0 <= args.port <= 65535:
         raise BadInput(f"--port must be in 0..65535, got {args.port}")
+    _at_least(("--max-body-bytes", args.max_body_bytes, 0), ("--max-messages", args.max_messages, 0),
+              ("--max-prompt-chars", args.max_prompt_chars, 0), ("--max-queue", args.max_queue, 0))
+    if not args.template_timeout >= 0:
+        raise BadInput(f"--template-timeout must be >= 0, got {args.template_timeout}")
+    for key in args.api_key:
+        if not key or key != key.strip() or not key.isprintable() or not key.isascii():
+            raise BadInput("--api-key: a key must be printable ASCII without surrounding spaces")
+    if args.api_key_file:
+        try:
+            lines = open(args.api_key_file, encoding="utf-8").read().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadInput(f"{args.api_key_file}: cannot read the API keys "
+                           f"({getattr(exc, 'strerror', None) or exc}) (--api-key-file)") from None
+        keys = [line.strip() for line in lines if line.strip()]
+        if not keys:
+            raise BadInput(f"{args.api_key_file}: holds no API key (--api-key-file: one key per line)")
+        bad = [i + 1 for i, line in enumerate(lines) if line.strip() and not (line.strip().isprintable()
+                                                                           and line.strip().isascii())]
+        if bad:
+            raise BadInput(f"{args.api_key_file}: line {bad[0]} is not a printable ASCII key (--api-key-file)")
+        args.api_key += keys
     from .server import run_serve
 
     return run_serve(args)

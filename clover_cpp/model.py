@@ -483,6 +483,11 @@ class Model(native.NativeHandle):
         at least n_batch long."""
         return int(engine.lib().clover_engine_n_ctx(self._handle()))
 
+    @property
+    def llama_n_ctx(self) -> int:
+        """The context llama.cpp allocated (at least n_batch)."""
+        return int(native.llama().llama_n_ctx(self.llama_context))
+
     # ---------------------------------------------------------------------------------- auto's cost table
     @property
     def pass_costs(self) -> PassCosts | None:

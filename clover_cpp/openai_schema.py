@@ -40,7 +40,10 @@ class APIError(Exception):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    def clean(text: str | None) -> str | None:  # a lone surrogate from the request must not break the answer
+        return None if text is None else text.encode("utf-8", "replace").decode("utf-8")
+
+    return {"error": {"message": clean(message), "type": type, "param": clean(param), "code": code}}
 
 
 def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:
@@ -49,7 +52,10 @@ def invalid(message: str, param: str | None, code: str = "invalid_value") -> API
 
 # ------------------------------------------------------------------------------------------ requests
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are ignored (clients add new ones), but the known ones are strict: ``"stream": "yes"``
+    or ``"max_tokens": "8"`` is a 400, not read as true or 8 (an int is still a valid float)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class FunctionCall(_Lenient):

@@ -44,8 +44,11 @@ class Prepared:
 
 class Preparer:
     def __init__(self, model: Model, template: ChatTemplate | None, model_id: str, max_block_size: int,
-                 defaults: Defaults) -> None:
+                 defaults: Defaults, max_messages: int = 0, max_prompt_chars: int = 0) -> None:
+        """``max_messages`` / ``max_prompt_chars`` (0 = no limit): --max-messages and --max-prompt-chars."""
         self.model = model
+        self.max_messages = max_messages
+        self.max_prompt_chars = max_prompt_chars
         self.template = template
         self.model_id = model_id
         self.max_block_size = max_block_size
@@ -65,7 +68,7 @@ class Preparer:
         return [s for s in stops if s]
 
     def _banned(self, logit_bias: dict[str, float] | None) -> tuple[int, ...]:
-        banned = []
+        banned: list[int] = []
         for key, bias in (logit_bias or {}).items():
             try:
                 tok = int(key)
@@ -78,9 +81,13 @@ class Preparer:
                 raise invalid("logit_bias supports only -100 (ban a token); other biases are not implemented",
                               "logit_bias", "unsupported_value")
             banned.append(tok)
+        if len(set(banned) | {self.model.info.mask_token_id}) >= self.model.info.n_vocab:
+            raise invalid("logit_bias bans every token of the vocabulary: nothing could be generated", "logit_bias")
         return tuple(banned)
 
     def _params(self, req: CloverFields, n_prompt: int, max_tokens: int | None, param: str) -> GenParams:
+        if req.stream_options is not None and not req.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
         if req.n != 1:
             raise invalid("only n = 1 is supported", "n", "unsupported_value")
         block = req.block_size or self.defaults.block_size
@@ -108,7 +115,16 @@ class Preparer:
                          stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias),
                          cache_prompt=req.cache_prompt)
 
+    def _check_chars(self, n_chars: int, param: str, what: str) -> None:
+        """--max-prompt-chars, checked before tokenizing (a token holds a few characters: a prompt far beyond the
+        context is refused without the tokenizer's work)."""
+        if self.max_prompt_chars and n_chars > self.max_prompt_chars:
+            raise APIError(400, f"The {what} has {n_chars} characters, more than the server's limit of "
+                           f"{self.max_prompt_chars} (start the server with --max-prompt-chars to change it).",
+                           param=param, code="context_length_exceeded")
+
     def _tokenize(self, text: str, param: str) -> list[int]:
+        self._check_chars(len(text), param, "prompt" if param == "prompt" else "rendered conversation")
         ids = self.model.tokenize(text, special=True)
         if not ids:
             raise invalid(f"the {param} is empty after tokenization", param)
@@ -116,6 +132,7 @@ class Preparer:
 
     # ------------------------------------------------------------------------------ chat
     def chat(self, req: ChatCompletionRequest) -> Prepared:
+        check_unicode(req.model_dump(exclude_none=True))
         self.check_model(req.model)
         if self.template is None:
             raise invalid("this model has no chat template; use /v1/completions, or start the server with "
@@ -134,8 +151,14 @@ class Preparer:
         if not isinstance(thinking, bool):
             raise invalid("chat_template_kwargs.enable_thinking must be true or false",
                           "chat_template_kwargs.enable_thinking")
+        if self.max_messages and len(req.messages) > self.max_messages:
+            raise invalid(f"The request has {len(req.messages)} messages, more than the server's limit of "
+                          f"{self.max_messages} (start the server with --max-messages to change it).", "messages",
+                          "too_many_messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [template_message(m, i) for i, m in enumerate(req.messages)]
+        self._check_chars(sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in messages),
+                          "messages", "conversation")
         try:
             text = self.template.render(messages, tools=tools, enable_thinking=thinking)
         except TemplateError as exc:
@@ -150,6 +173,7 @@ class Preparer:
 
     # ------------------------------------------------------------------------------ completions
     def completion(self, req: CompletionRequest) -> Prepared:
+        check_unicode(req.model_dump(exclude_none=True))
         self.check_model(req.model)
         if req.suffix:
             raise invalid("suffix is not supported", "suffix", "unsupported_value")
@@ -177,6 +201,24 @@ class Preparer:
             echo = self.model.detokenize(ids)
         params = self._params(req, len(ids), req.max_tokens, "prompt")
         return Prepared(ids, params, self._stops(req.stop), echo_text=echo if req.echo else "")
+
+
+def check_unicode(value: Any, path: str = "") -> None:
+    """Every string of the request must be valid Unicode: JSON can carry a lone surrogate (``"\\ud800"``), which
+    no tokenizer (and no UTF-8 answer) can hold. A 400 naming the field, before anything else."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise invalid(f"'{path or 'body'}' holds a lone surrogate (\\u{ord(value[exc.start]):04x} at character "
+                          f"{exc.start}): strings must be valid Unicode", path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path)
+            check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}.{i}" if path else str(i))
 
 
 def _text(content: Any, index: int) -> str | None:

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import hmac
+import ipaddress
 import json
 import logging
 import os
 import socket
 import sys
+import threading
+from dataclasses import dataclass
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +32,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat_template import ChatTemplate, load_template
-from .model import Model
+from .model import EngineError, Model
 from .openai_schema import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, completion_chunk,
                             error_body, finish_reason, new_id, now, tool_call_dict, usage)
 from .output_parser import Event, OutputParser, TextEvent, ToolCallEvent, collect
@@ -37,6 +42,140 @@ from .worker import EngineWorker, Job, default_max_block_size
 
 log = logging.getLogger("clover_cpp.server")
 DISCONNECT_POLL_S = 0.25
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost before the engine sees it (docs/serve.md, "Limits"); 0 = no limit."""
+
+    max_body_bytes: int = 8 * 2**20      # --max-body-bytes: 413
+    max_messages: int = 1024             # --max-messages: 400
+    max_prompt_chars: int = 0            # --max-prompt-chars (0: 64 x n_ctx): 400, checked before tokenizing
+    max_queue: int = 64                  # --max-queue: waiting jobs; 429 beyond
+    template_timeout_s: float = 10.0     # --template-timeout: rendering + tokenizing one request
+    prepare_threads: int = 2             # requests rendered/tokenized at once (more wait for a turn)
+
+
+@dataclass(frozen=True)
+class Security:
+    """--api-key/--api-key-file, and the Host names a loopback-bound server answers (DNS rebinding)."""
+
+    api_keys: tuple[str, ...] = ()
+    allowed_hosts: frozenset[str] | None = None  # None: any Host header (not bound to loopback)
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_hosts(host: str, port: int) -> frozenset[str] | None:
+    """The Host headers a server bound to loopback answers: its names with the port (and without it on port
+    80). A page on another site that rebinds its DNS name to 127.0.0.1 still sends its own name, and gets a 403.
+    None (any Host) when the server is not bound to loopback."""
+    if not is_loopback(host):
+        return None
+    names = set(LOOPBACK_NAMES) | {host.lower() if ":" not in host else f"[{host.strip('[]')}]"}
+    return frozenset({f"{n}:{port}" for n in names} | (names if port == 80 else set()))
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _send_error(send: Callable[..., Any], status: int, body: dict[str, Any],
+                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class Guard:
+    """ASGI middleware in front of every route: the Host check (loopback binds), the API keys (every path
+    but /health), and the body size limit (413), before FastAPI reads or parses anything."""
+
+    def __init__(self, app: Any, security: Security, max_body_bytes: int) -> None:
+        self.app = app
+        self.security = security
+        self.max_body_bytes = max_body_bytes
+        self._keys = [k.encode() for k in security.api_keys]
+
+    def _key_ok(self, scope: dict[str, Any]) -> bool:
+        auth = _header(scope, b"authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else (_header(scope, b"x-api-key") or "")
+        given_b = given.encode("latin-1", "replace")
+        ok = False
+        for key in self._keys:  # every key is compared, in constant time
+            ok |= hmac.compare_digest(given_b, key)
+        return ok
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        allowed = self.security.allowed_hosts
+        host = _header(scope, b"host")
+        if allowed is not None and host is not None and host.lower() not in allowed:
+            await _send_error(send, 403, error_body(
+                f"Host '{host}' is not this server's: a server bound to loopback answers only "
+                f"{', '.join(sorted(h for h in allowed if ':' in h))} (a DNS rebinding guard; bind another "
+                "--host to serve other names)", "invalid_request_error", None, "forbidden_host"))
+            return
+        path = scope.get("path", "")
+        if self._keys and path != "/health" and not self._key_ok(scope):  # /v1/... and any other path
+            await _send_error(send, 401, error_body(
+                "Invalid or missing API key: send 'Authorization: Bearer KEY' with one of the server's "
+                "--api-key keys.", "invalid_request_error", None, "invalid_api_key"),
+                [(b"www-authenticate", b'Bearer realm="clover-cpp"')])
+            return
+        limit = self.max_body_bytes
+        if limit and scope.get("method") in ("POST", "PUT", "PATCH"):
+            too_large = error_body(f"The request body exceeds {limit} bytes (the limit; start the server with "
+                                   "--max-body-bytes to change it).", "invalid_request_error", None,
+                                   "request_too_large")
+            length = _header(scope, b"content-length")
+            if length is not None and length.strip().isdigit() and int(length) > limit:
+                await _send_error(send, 413, too_large)
+                return
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > limit:
+                    await _send_error(send, 413, too_large)
+                    return
+                if not message.get("more_body", False):
+                    break
+            body = b"".join(chunks)
+            replayed = False
+
+            async def replay() -> dict[str, Any]:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class ClientGone(Exception):
@@ -47,11 +186,15 @@ class CloverService:
     """The model, its queue and the request preparer behind the routes."""
 
     def __init__(self, model: Model, template: ChatTemplate | None, model_id: str, max_block_size: int,
-                 defaults: Defaults) -> None:
+                 defaults: Defaults, limits: Limits | None = None) -> None:
         self.model = model
         self.model_id = model_id
+        self.limits = limits or Limits()
         self.worker = EngineWorker(model)
-        self.prepare = Preparer(model, template, model_id, max_block_size, defaults)
+        prompt_chars = self.limits.max_prompt_chars or 64 * model.n_ctx
+        self.prepare = Preparer(model, template, model_id, max_block_size, defaults,
+                                max_messages=self.limits.max_messages, max_prompt_chars=prompt_chars)
+        self._prepare_slots: asyncio.Semaphore | None = None
         self.max_block_size = max_block_size
         self.created = int(os.path.getmtime(model.path)) if os.path.exists(model.path) else 0
 
@@ -64,9 +207,71 @@ class CloverService:
                            "calibrated_thresholds": list(info.calibrated_thresholds),
                            "mask_token_id": info.mask_token_id, "n_vocab": info.n_vocab}}
 
+    def check_queue(self) -> None:
+        """429 when --max-queue jobs already wait for the engine."""
+        limit = self.limits.max_queue
+        if limit and self.worker.waiting >= limit:
+            raise APIError(429, f"The server is busy: {self.worker.waiting} requests are already waiting for the "
+                           f"engine (the limit is {limit}; start the server with --max-queue to change it). "
+                           "Retry later.", type="rate_limit_error", code="queue_full")
+
+    async def run_prepare(self, fn: Callable[[], T]) -> T:
+        """Render and tokenize off the event loop (``/health`` and other requests stay answered), at most
+        ``prepare_threads`` at once, each within --template-timeout."""
+        if self._prepare_slots is None:
+            self._prepare_slots = asyncio.Semaphore(self.limits.prepare_threads)
+        async with self._prepare_slots:
+            return await run_with_timeout(fn, self.limits.template_timeout_s)
+
     def pipeline(self, prep: Prepared, chat: bool) -> TextPipeline:
         parser = OutputParser(prep.start_in_reasoning, prep.parse_tools) if chat else None
         return TextPipeline(lambda ids: self.model.detokenize(ids, special=False), prep.stops, parser)
+
+
+class _Abandoned(BaseException):
+    """Raised inside a preparation thread that ran past its time limit (see run_with_timeout)."""
+
+
+async def run_with_timeout(fn: Callable[[], T], timeout_s: float) -> T:
+    """``fn()`` on a fresh daemon thread; past ``timeout_s`` a 400 ``timeout`` is raised here, and the thread is
+    stopped by an asynchronous exception at its next Python instruction (a template's loop is Python code). A
+    thread stuck in native code finishes on its own; being a daemon, it never holds up the exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    lock = threading.Lock()
+    state = {"done": False}
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def run() -> None:
+        try:
+            try:
+                result = fn()
+            finally:
+                with lock:
+                    state["done"] = True
+            outcome: tuple[bool, Any] = (True, result)
+        except _Abandoned:
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the request
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed (shutdown)
+            pass
+
+    thread = threading.Thread(target=run, name="clover-prepare", daemon=True)
+    thread.start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout_s) if timeout_s > 0 else await future
+    except (TimeoutError, asyncio.TimeoutError):
+        with lock:
+            if not state["done"] and thread.ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned))
+        raise APIError(400, f"Preparing this request (chat template and tokenization) took longer than {timeout_s:g} s "
+                       "(the limit; start the server with --template-timeout to change it).", code="timeout") from None
 
 
 # ---------------------------------------------------------------------------------------------- running jobs
@@ -193,7 +398,9 @@ async def _chat_stream(svc: CloverService, req: ChatCompletionRequest, prep: Pre
 
 
 async def chat_completions(svc: CloverService, req: ChatCompletionRequest, request: Request) -> Any:
-    prep = svc.prepare.chat(req)
+    svc.check_queue()
+    prep = await svc.run_prepare(lambda: svc.prepare.chat(req))
+    svc.check_queue()
     if req.stream:
         return EventSourceResponse(_chat_stream(svc, req, prep), sep="\n", ping=15)
     done = await _run_to_end(svc, prep, request, chat=True)
@@ -252,7 +459,9 @@ async def _completion_stream(svc: CloverService, req: CompletionRequest, prep: P
 
 
 async def completions(svc: CloverService, req: CompletionRequest, request: Request) -> Any:
-    prep = svc.prepare.completion(req)
+    svc.check_queue()
+    prep = await svc.run_prepare(lambda: svc.prepare.completion(req))
+    svc.check_queue()
     if req.stream:
         return EventSourceResponse(_completion_stream(svc, req, prep), sep="\n", ping=15)
     done = await _run_to_end(svc, prep, request, chat=False)
@@ -298,7 +507,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                     code=code)
 
 
-def create_app(svc: CloverService) -> FastAPI:
+def create_app(svc: CloverService, security: Security | None = None) -> Any:
+    """The FastAPI app behind the Guard middleware (Host check, API keys, body size)."""
+    app = _routes(svc)
+    return Guard(app, security or Security(), svc.limits.max_body_bytes)
+
+
+def _routes(svc: CloverService) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -390,16 +605,28 @@ def run_serve(args: argparse.Namespace) -> int:
         model_id = args.alias or Path(args.model).name.removesuffix(".gguf")
         defaults = Defaults(mode=args.mode, block_size=args.block_size, threshold=args.threshold,
                             temperature=args.temperature, enable_thinking=args.think == "on")
-        svc = CloverService(model, template, model_id, max_block, defaults)
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+                        max_prompt_chars=args.max_prompt_chars, max_queue=args.max_queue,
+                        template_timeout_s=args.template_timeout)
+        svc = CloverService(model, template, model_id, max_block, defaults, limits)
+        try:  # auto mode's cost table, now that the history is empty: measured by the first auto request
+            model.measure_pass_costs()  # instead, it needs free positions a long prompt may not leave (a 500)
+        except (ValueError, EngineError) as exc:
+            print(f"clover-cpp serve: warning: auto mode's pass costs could not be measured ({exc})", file=sys.stderr,
+                  flush=True)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
+        security = Security(api_keys=tuple(args.api_key), allowed_hosts=loopback_hosts(args.host, port))
         shown = f"[{host}]" if ":" in host else host
         print(f"clover-cpp serve: {model_id} (n_ctx {model.n_ctx}, B {model.info.block_size}, mode {args.mode}) "
               f"listening on http://{shown}:{port}", file=sys.stderr, flush=True)
         if template is None:
             print("clover-cpp serve: warning: the model has no chat template; /v1/chat/completions answers 400",
                   file=sys.stderr, flush=True)
-        config = uvicorn.Config(create_app(svc), log_level=args.log_level,
+        if not args.api_key and security.allowed_hosts is None:
+            print(f"clover-cpp serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+                  "port can use the model (docs/serve.md, \"Security\")", file=sys.stderr, flush=True)
+        config = uvicorn.Config(create_app(svc, security), log_level=args.log_level,
                                 access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=3)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -4,7 +4,9 @@
         [--split-max-size N(K|M|G)] [--split-max-tensors N] [--dry-run] [--metadata FILE] [--threads N]
 
 Bad input or an output that cannot be written ends with a one-line message and exit code 2, and leaves
-no output file behind.
+no output file behind. An output that is not a regular file (a device such as /dev/null, a directory) or
+that is one of the inputs is refused (symlinks resolved). SIGINT, SIGTERM and SIGHUP end with one line and
+remove the temporary directory; one a killed run left is swept by the next run of the same output.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Sequence, TextIO
 
+from clover_ref import safe_output
 from clover_ref.errors import CloverInputError
 
 from .converter import ConvertOptions, ConvertResult, convert
@@ -94,7 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         metadata=args.metadata, threads=args.threads,
     )
     try:
-        result = convert(options)
+        with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary directory
+            result = convert(options)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted (no partial output is left)", file=sys.stderr)
+        return 130
+    except safe_output.Terminated as exc:
+        print(f"{PROG}: {exc} (no partial output is left)", file=sys.stderr)
+        return safe_output.exit_status(exc)
     except (CloverInputError, OutputError) as exc:
         return _fail(str(exc))
     except OSError as exc:

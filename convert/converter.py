@@ -17,7 +17,7 @@ from clover_ref.config import CONFIG_FILE, CloverConfig
 from clover_ref.errors import CloverInputError
 
 from .model_keys import ARCH, add_model_keys
-from .output import AtomicOutput, OutputError, check_free_space, resolve_output_path, shard_paths
+from .output import AtomicOutput, OutputError, check_free_space, check_outputs, resolve_output_path, shard_paths
 from .safetensors_index import CheckpointIndex, index_checkpoint
 from .streaming import ChunkPipeline, StreamedTensor
 from .tensor_plan import ConversionPlan, OutType, build_plan
@@ -147,12 +147,15 @@ def convert(options: ConvertOptions) -> ConvertResult:
         shard_sizes = [(len(shard), sum(ti.nbytes for ti in shard.values())) for shard in writer.tensors]
         paths = shard_paths(final_path, len(writer.tensors))
         result = ConvertResult(plan, out_type, paths, shard_sizes)
+        if options.dry_run and not options.skeleton:
+            return result
+        inputs = _inputs(model_dir, index, options.metadata)
+        check_outputs(paths, inputs)  # before any work: never a device, a directory or an input
         if options.dry_run:
-            if options.skeleton:
-                result.paths = _write_skeleton(writer, plan, final_path)
+            result.paths = _write_skeleton(writer, plan, final_path, inputs)
             return result
         assert pipeline is not None
-        _write(writer, pipeline, plan, final_path, options.progress)
+        _write(writer, pipeline, plan, final_path, options.progress, inputs)
         return result
     finally:
         if pipeline is not None:
@@ -160,11 +163,19 @@ def convert(options: ConvertOptions) -> ConvertResult:
         writer.close()
 
 
-def _write_skeleton(writer: GGUFWriter, plan: ConversionPlan, final_path: Path) -> list[Path]:
+def _inputs(model_dir: Path, index: CheckpointIndex | None, metadata: Path | None) -> list[Path]:
+    """Every file the conversion may read: the checkpoint directory's files (a GGUF there is an earlier output,
+    not an input), the weight shards and the --metadata file. No output may be one of them."""
+    files = [p for p in model_dir.iterdir() if p.suffix != ".gguf" and p.is_file()]
+    files += index.files if index is not None else []
+    return files + ([metadata] if metadata is not None else [])
+
+
+def _write_skeleton(writer: GGUFWriter, plan: ConversionPlan, final_path: Path, inputs: list[Path]) -> list[Path]:
     """The real header, key/values and tensor infos, followed by a data region that is a hole: the file has
     its full size but occupies almost no disk. llama.cpp's loader accepts it, so planning tools such as
     ``clover-quantize --dry-run`` see the exact model (its weights are zeros: never run it)."""
-    with AtomicOutput(final_path) as output:
+    with AtomicOutput(final_path, inputs) as output:
         try:
             writer.write_header_to_file(path=output.temp_path)
             writer.write_kv_data_to_file()
@@ -181,8 +192,8 @@ def _write_skeleton(writer: GGUFWriter, plan: ConversionPlan, final_path: Path) 
 
 
 def _write(writer: GGUFWriter, pipeline: ChunkPipeline, plan: ConversionPlan, final_path: Path,
-           progress: bool | None) -> None:
-    with AtomicOutput(final_path) as output:
+           progress: bool | None, inputs: list[Path]) -> None:
+    with AtomicOutput(final_path, inputs) as output:
         check_free_space(final_path.parent, plan.nbytes)
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="clover-convert",
                    file=sys.stderr, disable=None if progress is None else not progress, dynamic_ncols=True)

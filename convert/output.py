@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 
 from gguf import fill_templated_filename
 from gguf.gguf_writer import SHARD_NAME_FORMAT
 
+from clover_ref import safe_output
 from clover_ref.errors import CloverInputError
+
+TEMP_SUFFIX = ".partial"
 
 
 class OutputError(Exception):
@@ -47,6 +50,19 @@ def shard_paths(path: Path, shard_count: int) -> list[Path]:
     return [path.with_name(SHARD_NAME_FORMAT.format(path.stem, i + 1, shard_count)) for i in range(shard_count)]
 
 
+def check_outputs(paths: Sequence[Path], inputs: Iterable[Path]) -> list[Path]:
+    """Each output must be a regular file or absent and none of the inputs (symlinks resolved): a device such
+    as /dev/null, a directory or the checkpoint itself is refused. Returns the paths to publish onto."""
+    inputs = list(inputs)
+    targets = []
+    for path in paths:
+        try:
+            targets.append(safe_output.check_output(path, inputs))
+        except safe_output.UnsafeOutput as exc:
+            raise OutputError(path, str(exc).removeprefix(f"{path}: ")) from None
+    return targets
+
+
 def check_free_space(directory: Path, needed: int) -> None:
     free = shutil.disk_usage(directory).free
     if free < needed:
@@ -55,15 +71,18 @@ def check_free_space(directory: Path, needed: int) -> None:
 
 
 def make_temp_dir(directory: Path, stem: str) -> Path:
-    """A new hidden directory ``.{stem}.XXXX.partial`` inside ``directory`` (same file system as the output)."""
-    return Path(tempfile.mkdtemp(prefix=f".{stem}.", suffix=".partial", dir=directory))
+    """A new hidden directory ``.{stem}.pid{PID}.XXXXXXXX.partial`` inside ``directory`` (same file system as
+    the output), removed on SIGTERM/SIGHUP; stale ones of the same output are swept first."""
+    safe_output.sweep_stale(directory, stem, TEMP_SUFFIX)
+    return safe_output.make_temp_dir(directory, stem, TEMP_SUFFIX)
 
 
 class AtomicOutput:
     """A temporary directory next to the final path; ``publish`` renames its files into place."""
 
-    def __init__(self, final_path: Path) -> None:
+    def __init__(self, final_path: Path, inputs: Iterable[Path] = ()) -> None:
         self.final_path = final_path
+        self.inputs = list(inputs)
         directory = final_path.parent
         if not directory.is_dir():
             raise OutputError(directory, "the output directory does not exist")
@@ -80,14 +99,16 @@ class AtomicOutput:
 
     def publish(self, shard_count: int) -> list[Path]:
         finals = shard_paths(self.final_path, shard_count)
-        for temp, final in zip(shard_paths(self.temp_path, shard_count), finals):
-            os.replace(temp, final)
-        self._published = True
+        targets = check_outputs(finals, self.inputs)  # again: the path may have changed while we wrote
+        with safe_output.deferred_signals():  # all shards or none
+            for temp, target in zip(shard_paths(self.temp_path, shard_count), targets):
+                os.replace(temp, target)
+            self._published = True
         self._cleanup()
         return finals
 
     def _cleanup(self) -> None:
-        shutil.rmtree(self._temp_dir, ignore_errors=True)
+        safe_output.remove_temp(self._temp_dir)
 
     def __enter__(self) -> "AtomicOutput":
         return self

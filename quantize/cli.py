@@ -1,7 +1,9 @@
 """`clover-quantize IN.gguf [OUT.gguf] TYPE`: quantize a Clover GGUF with the patched llama.cpp.
 
 Bad input prints exactly one line (``clover-quantize: error: ...``) and exits with status 2; nothing is
-written then. ``--dry-run`` prints llama.cpp's per-tensor plan and the resulting size.
+written then. An output that is not a regular file (a device, a directory) or that is one of the inputs is
+refused. SIGINT, SIGTERM and SIGHUP print one line and leave no partial output. ``--dry-run`` prints
+llama.cpp's per-tensor plan and the resulting size.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import sys
 from pathlib import Path
 from typing import NoReturn, TextIO
 
+from clover_ref import safe_output
+
 from .importance import ImatrixError
 from .inspect import InputError
-from .run import Plan, QuantizeError, QuantizeOptions, quantize
+from .run import Plan, QuantizeError, QuantizeOptions, native_call_running, quantize
 from .types import FILE_TYPES, UnknownTypeError, file_type, tensor_type
 
 PROG = "clover-quantize"
@@ -104,7 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         opts = _options(args)
-        result = quantize(opts)
+        with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary folder
+            result = quantize(opts)
+    except (KeyboardInterrupt, safe_output.Terminated) as exc:
+        status = 130 if isinstance(exc, KeyboardInterrupt) else safe_output.exit_status(exc)
+        print(f"{PROG}: {'interrupted' if status == 130 else exc} (no partial output is left)", file=sys.stderr)
+        if native_call_running():  # llama.cpp cannot be stopped: leave without waiting for it
+            sys.stderr.flush()
+            os._exit(status)
+        return status
     except (BadInput, InputError, ImatrixError, QuantizeError) as exc:
         print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -2,15 +2,16 @@
 
 The per-tensor types are llama.cpp's own decisions: a dry run (``params.dry_run``) logs one line per tensor
 with the type it would write, and the plan is read from those lines. The real run writes into a
-temporary folder next to the output and renames at the end, so a failure leaves no partial file.
+temporary folder next to the output and renames at the end, so a failure leaves no partial file; SIGTERM,
+SIGHUP and SIGINT remove it too (the CLI installs the handlers), and a run sweeps the folders that killed
+runs of the same output left. An output that is not a regular file or that is an input is refused.
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
-import shutil
-import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from clover_cpp import native
+from clover_ref import safe_output
 
 from .importance import Imatrix, load_imatrix
 from .inspect import InputError, InputModel, read_input
@@ -29,6 +31,9 @@ from .types import FileType, tensor_nbytes
 _TENSOR_LINE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)\s+-\s+\[([^\]]*)\],\s+type\s+=\s+(\w+),")
 # dry run, the rest of the line: "size =   512.00 MiB ->   144.00 MiB (q4_K)" or "size =    0.016 MiB"
 _DRY_TAIL = re.compile(r"size\s+=\s+[\d.]+\s+MiB(?:\s+->\s+[\d.]+\s+MiB\s+\((\w+)\))?")
+
+
+TEMP_SUFFIX = ".tmp"  # the temporary folder: .{OUT.gguf}.pid{PID}.XXXXXXXX.tmp next to the output
 
 
 class QuantizeError(RuntimeError):
@@ -243,13 +248,11 @@ def quantize(opts: QuantizeOptions) -> QuantizeResult:
     if opts.dry_run:
         return result
     out = opts.output or default_output(opts.input, opts.file_type)
-    if out.resolve() == opts.input.resolve():
-        raise InputError(f"{out}: the output would overwrite the input")
-    if out.exists() and out.is_dir():
-        raise InputError(f"{out}: is a directory (give the output file name)")
     if not out.parent.is_dir():
         raise InputError(f"{out.parent}: no such directory for the output")
+    inputs = [*model.shards] + ([opts.imatrix] if opts.imatrix is not None else [])
     keep_split = opts.keep_split and len(model.shards) > 1
+    check_outputs(split_names(out, len(model.shards)) if keep_split else [out], inputs)  # before any work
     opts_run = QuantizeOptions(**{**opts.__dict__, "keep_split": keep_split})
     params = _Params(opts_run, imatrix, dry_run=False)
     bar = tqdm(total=len(model.tensors), unit="tensor", desc="clover-quantize", dynamic_ncols=True,
@@ -259,19 +262,66 @@ def quantize(opts: QuantizeOptions) -> QuantizeResult:
         if _TENSOR_LINE.search(line):
             bar.update(1)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    safe_output.sweep_stale(out.parent, out.name, TEMP_SUFFIX)  # what a killed run of this output left
+    tmp = safe_output.make_temp_dir(out.parent, out.name, TEMP_SUFFIX)
     try:
         target = tmp / (out.stem if keep_split else out.name)
-        _call_quantize(model.path, target, params, on_line)
+        _call_in_thread(_call_quantize, model.path, target, params, on_line)
         written = sorted(tmp.iterdir())
         if not written:
             raise QuantizeError(f"llama_model_quantize wrote nothing for {opts.input}")
         finals = [out.parent / p.name for p in written]
-        for p, final in zip(written, finals):
-            p.replace(final)
+        targets = check_outputs(finals, inputs)  # again: the paths may have changed meanwhile
+        with safe_output.deferred_signals():  # all shards or none
+            for p, final in zip(written, targets):
+                p.replace(final)
         result.paths = finals
         return result
     finally:
         bar.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        safe_output.remove_temp(tmp)
 
+
+def split_names(out: Path, count: int) -> list[Path]:
+    """llama.cpp's shard names for --keep-split (``llama_split_path``)."""
+    return [out.with_name(f"{out.stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def check_outputs(paths: Sequence[Path], inputs: Sequence[Path]) -> list[Path]:
+    """An output must be a regular file or absent and none of the inputs (symlinks resolved); returns the
+    paths to rename onto (a symlink's target, so the link stays)."""
+    try:
+        return [safe_output.check_output(p, inputs) for p in paths]
+    except safe_output.UnsafeOutput as exc:
+        raise InputError(str(exc)) from None
+
+
+def _call_in_thread(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` (a long native call) on a helper thread, so that SIGINT/SIGTERM/SIGHUP reach the main thread
+    at once: it unwinds (removing the temporary directory) while the native call is abandoned; the process
+    then exits. Errors of ``fn`` are raised here."""
+    box: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    global _native_thread
+    thread = threading.Thread(target=run, name="clover-quantize", daemon=True)
+    _native_thread = thread
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    _native_thread = None
+    if "error" in box:
+        raise box["error"]
+
+
+_native_thread: threading.Thread | None = None
+
+
+def native_call_running() -> bool:
+    """A native quantization abandoned by an interrupt is still running (the caller should exit with os._exit)."""
+    return _native_thread is not None and _native_thread.is_alive()

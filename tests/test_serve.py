@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,21 +126,34 @@ def test_detokenizer_holds_incomplete_utf8() -> None:
     assert d.finish() == "\ufffd"
 
 
+@pytest.mark.parametrize("exc,fragment", [(MemoryError(), "out of memory"), (RecursionError(), "recursed"),
+                                           (OverflowError("int too large"), "OverflowError: int too large")])
+def test_template_failures_are_template_errors(monkeypatch: pytest.MonkeyPatch, exc: BaseException,
+                                               fragment: str) -> None:
+    """serve answers a TemplateError with a 400 and chat prints it as one line: no 500, no traceback."""
+    from clover_cpp import chat_template
+
+    def fail(*_a: Any, **_k: Any) -> str:
+        raise exc
+
+    monkeypatch.setattr(chat_template, "render_chat", fail)
+    with pytest.raises(chat_template.TemplateError, match=fragment):
+        chat_template.ChatTemplate("x", "test").render([{"role": "user", "content": "hi"}])
+
+
 # ============================================================================ the live server
 @pytest.fixture(scope="module")
 def ref(tiny_checkpoint: Path, tiny_model: Any) -> Reference:
     return Reference(tiny_checkpoint, tiny_model)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    require_engine()
-    folder = tmp_path_factory.mktemp("serve")
-    gguf = clover_convert(tiny_checkpoint, folder / f"{MODEL_ID}.gguf", "f32")
-    log_path = folder / "server.log"
+@contextmanager
+def _serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True
+           ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """A live `clover-cpp serve` on any free port: (url, process, log path); SIGTERM at the end."""
+    log_path = folder / f"server-{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "--max-block-size", "32",
-                                            "--log-level", "warning"),
+        proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "--log-level", "warning", *args),
                                 stdout=log, stderr=subprocess.STDOUT, env=child_env())
     try:
         url = None
@@ -158,8 +173,8 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                 break
             except OSError:
                 time.sleep(0.05)
-        yield url
-        assert proc.poll() is None, f"the server died:\n{log_path.read_text()[-3000:]}"
+        yield url, proc, log_path
+        assert proc.poll() is None or not alive_at_end, f"the server died:\n{log_path.read_text()[-3000:]}"
     finally:
         proc.terminate()
         try:
@@ -167,6 +182,18 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    require_engine()
+    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("serve") / f"{MODEL_ID}.gguf", "f32")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf: Path) -> Iterator[str]:
+    with _serve(tiny_gguf, tiny_gguf.parent, "--max-block-size", "32") as (url, _, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +209,9 @@ def _get(url: str) -> dict[str, Any]:
 
 
 def _post_raw(url: str, body: bytes, content_type: str = "application/json",
-              method: str = "POST") -> tuple[int, dict[str, Any]]:
+              method: str = "POST", headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(url, data=body if method == "POST" else None, method=method,
-                                 headers={"Content-Type": content_type})
+                                 headers={"Content-Type": content_type, **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -512,6 +539,23 @@ BAD_CHAT = [
      "chat_template_kwargs.enable_thinking", None),
     ("logit_bias", _chat_body(logit_bias={"5": 3}), 400, "logit_bias", None),
     ("stream type", _chat_body(stream="maybe"), 400, "stream", None),
+    # strict types: pydantic's lax mode read these as true, 8, 1 and 0.5
+    ("stream string yes", _chat_body(stream="yes"), 400, "stream", "invalid_type"),
+    ("max_tokens string", _chat_body(max_tokens="8"), 400, "max_tokens", "invalid_type"),
+    ("n string", _chat_body(n="1"), 400, "n", "invalid_type"),
+    ("temperature string", _chat_body(temperature="0.5"), 400, "temperature", "invalid_type"),
+    ("ignore_eos number", _chat_body(ignore_eos=1), 400, "ignore_eos", "invalid_type"),
+    ("include_usage string", _chat_body(stream=True, stream_options={"include_usage": "true"}), 400,
+     "stream_options.include_usage", "invalid_type"),
+    ("stream_options without stream", _chat_body(stream_options={"include_usage": True}), 400, "stream_options",
+     None),
+    ("lone surrogate", _chat_body(messages=[{"role": "user", "content": "a\ud800b"}]), 400, "messages.0.content",
+     None),
+    ("lone surrogate in the model", _chat_body(model="x\udfff"), 400, "model", None),
+    ("too many messages", _chat_body(messages=[{"role": "user", "content": "hi"}] * 1025), 400, "messages",
+     "too_many_messages"),
+    ("prompt characters", _chat_body(messages=[{"role": "user", "content": "x" * 300_000}]), 400, "messages",
+     "context_length_exceeded"),
 ]
 
 
@@ -534,6 +578,12 @@ BAD_COMPLETION = [
     ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("logprobs", {"prompt": "x", "logprobs": 2}, "logprobs"),
     ("prompt type", {"prompt": {"text": "x"}}, "prompt"),
+    ("max_tokens string", {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+    ("echo string", {"prompt": "x", "echo": "yes"}, "echo"),
+    ("token id string", {"prompt": ["1", "2"]}, "prompt"),
+    ("lone surrogate", {"prompt": "\udc80"}, "prompt"),
+    ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("prompt characters", {"prompt": "x" * 300_000}, "prompt"),
 ]
 
 
@@ -574,8 +624,213 @@ def test_bad_command_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF garbage")
     for args in (["serve", "-m", "/nonexistent.gguf"], ["serve", "-m", str(bad)],
-                 ["serve", "-m", str(bad), "--port", "70000"], ["chat", "-m", str(bad), "--threshold", "2"]):
+                 ["serve", "-m", str(bad), "--port", "70000"], ["chat", "-m", str(bad), "--threshold", "2"],
+                 ["generate", "-m", str(bad), "-p", "x", "--threshold", "-1"],
+                 ["generate", "-m", str(bad), "-p", "x", "--threshold", "nan"],
+                 ["serve", "-m", str(bad), "--api-key-file", str(tmp_path / "none.txt")],
+                 ["serve", "-m", str(bad), "--max-queue", "-1"]):
         done = subprocess.run(cli_command(*args), capture_output=True, text=True, env=child_env(), timeout=120)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("clover-cpp: error:"), \
             (args, done.stderr)
+
+
+# ============================================================================ hardening: limits, keys, hostile input
+def test_logit_bias_that_bans_every_token(server: str, client: Any) -> None:
+    n_vocab = client.models.retrieve(MODEL_ID).model_extra["clover"]["n_vocab"]
+    everything = {str(t): -100 for t in range(n_vocab)}
+    got, err = _post_raw(server + "/v1/chat/completions", json.dumps(_chat_body(logit_bias=everything)).encode())
+    assert got == 400 and err["error"]["param"] == "logit_bias" and "every token" in err["error"]["message"], err
+    mask = client.models.retrieve(MODEL_ID).model_extra["clover"]["mask_token_id"]
+    all_but_mask = {k: v for k, v in everything.items() if int(k) != mask}  # the mask token is always banned
+    got, err = _post_raw(server + "/v1/completions",
+                         json.dumps({"model": MODEL_ID, "prompt": "x", "logit_bias": all_but_mask}).encode())
+    assert got == 400 and err["error"]["param"] == "logit_bias", err
+
+
+def test_body_size_limit(server: str) -> None:
+    """--max-body-bytes (8 MiB by default): a larger Content-Length is answered before the body is read; a
+    chunked body is counted while it arrives."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(server)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(9 * 2**20))
+    conn.endheaders()  # and no body: the answer comes without it
+    resp = conn.getresponse()
+    err = json.loads(resp.read())
+    assert resp.status == 413 and err["error"]["code"] == "request_too_large", err
+    assert "--max-body-bytes" in err["error"]["message"] and str(8 * 2**20) in err["error"]["message"]
+    conn.close()
+    big = json.dumps(_chat_body(messages=[{"role": "user", "content": "x" * (8 * 2**20)}])).encode()
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=iter([big[i:i + 2**20] for i in range(0, len(big), 2**20)]),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    assert _get(server + "/health")["status"] == "ok"
+
+
+def test_host_header_is_checked_on_loopback(server: str) -> None:
+    """DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example."""
+    port = server.rsplit(":", 1)[1]
+    for path in ("/health", "/v1/models"):
+        got, err = _post_raw(server + path, b"", method="GET", headers={"Host": f"evil.example:{port}"})
+        assert got == 403 and err["error"]["code"] == "forbidden_host", err
+    got, _ = _post_raw(server + "/v1/models", b"", method="GET", headers={"Host": "127.0.0.1:1"})
+    assert got == 403
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"LOCALHOST:{port}"):
+        got, body = _post_raw(server + "/v1/models", b"", method="GET", headers={"Host": host})
+        assert got == 200 and body["data"][0]["id"] == MODEL_ID
+
+
+HOSTILE_TEMPLATE = """{%- macro deeper(n) -%}{{ deeper(n + 1) }}{%- endmacro -%}
+{%- set c = messages[-1]['content'] -%}
+{%- if c == 'loop' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}
+{%- elif c == 'overflow' -%}{{ range(10 ** 30) | list | length }}
+{%- elif c == 'recurse' -%}{{ deeper(0) }}
+{%- else -%}<|im_start|>user
+{{ c }}<|im_end|>
+<|im_start|>assistant
+{% endif -%}"""
+
+
+@pytest.fixture(scope="module")
+def hardened(tiny_gguf: Path) -> Iterator[dict[str, Any]]:
+    """A second server: -c 64, API keys (flag and file), a hostile chat template, a 2 s template limit."""
+    folder = tiny_gguf.parent
+    (folder / "hostile.jinja").write_text(HOSTILE_TEMPLATE)
+    (folder / "keys.txt").write_text("\nfile-key-1\n  file-key-2  \n\n")
+    with _serve(tiny_gguf, folder, "-c", "64", "--api-key", "flag-key", "--api-key-file", str(folder / "keys.txt"),
+                "--chat-template", str(folder / "hostile.jinja"), "--template-timeout", "2",
+                "--max-messages", "50000", "--max-body-bytes", str(32 * 2**20)) as (url, proc, log):
+        yield {"url": url, "proc": proc, "log": log}
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_api_keys(hardened: dict[str, Any]) -> None:
+    from openai import AuthenticationError, OpenAI
+
+    url = hardened["url"]
+    body = json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 2}).encode()
+    for headers in ({}, _auth("wrong"), _auth("flag-keyx"), {"Authorization": "Basic flag-key"},
+                    _auth("file-key-1x")):
+        got, err = _post_raw(url + "/v1/completions", body, headers=headers)
+        assert got == 401, (headers, err)
+        assert set(err["error"]) == {"message", "type", "param", "code"}
+        assert err["error"]["code"] == "invalid_api_key" and err["error"]["type"] == "invalid_request_error"
+    for path in ("/v1/models", f"/v1/models/{MODEL_ID}", "/v1/nothing"):
+        got, err = _post_raw(url + path, b"", method="GET")
+        assert got == 401 and err["error"]["code"] == "invalid_api_key", (path, err)
+    assert _get(url + "/health")["status"] == "ok"  # open without a key
+    for key in ("flag-key", "file-key-1", "file-key-2"):
+        got, ok = _post_raw(url + "/v1/completions", body, headers=_auth(key))
+        assert got == 200 and ok["usage"]["completion_tokens"] <= 2, (key, ok)
+    got, _ = _post_raw(url + "/v1/completions", body, headers={"X-Api-Key": "file-key-2"})
+    assert got == 200
+    with pytest.raises(AuthenticationError) as denied:
+        OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert denied.value.code == "invalid_api_key"
+    assert OpenAI(base_url=url + "/v1", api_key="flag-key", max_retries=0).models.list().data[0].id == MODEL_ID
+
+
+def test_small_context_is_reported_and_enforced(hardened: dict[str, Any]) -> None:
+    """-c 64: llama.cpp allocates at least n_batch (512), but the engine's context is 64, and so is the card's."""
+    url, key = hardened["url"], _auth("flag-key")
+    got, card = _post_raw(url + f"/v1/models/{MODEL_ID}", b"", method="GET", headers=key)
+    assert got == 200 and card["clover"]["n_ctx"] == 64
+
+    def complete(prompt: Any, **fields: Any) -> tuple[int, dict[str, Any]]:
+        return _post_raw(url + "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": prompt, **fields}).encode(),
+                         headers=key)
+
+    for prompt, fields in (([5] * 64, {"max_tokens": 1}), ([5] * 80, {}), ([5] * 60, {"max_tokens": 5}),
+                           ("word " * 200, {"max_tokens": 1})):
+        got, err = complete(prompt, **fields)
+        assert got == 400 and err["error"]["code"] == "context_length_exceeded", (len(prompt), err)
+        assert "64" in err["error"]["message"]
+    got, ok = complete([5] * 60, max_tokens=4, ignore_eos=True)
+    assert got == 200 and ok["usage"]["completion_tokens"] == 4 and ok["usage"]["prompt_tokens"] == 60, ok
+    got, ok = complete([5] * 60, ignore_eos=True, max_tokens=None)  # left out: the room the context leaves
+    assert got == 200 and ok["usage"]["completion_tokens"] == 4 and ok["choices"][0]["finish_reason"] == "length"
+
+
+def _health_time(url: str) -> float:
+    start = time.monotonic()
+    assert _get(url + "/health")["status"] == "ok"
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("content,fragment", [("loop", "--template-timeout"), ("overflow", "OverflowError"),
+                                              ("recurse", "recursed")])
+def test_hostile_template_is_a_400_and_health_answers(hardened: dict[str, Any], content: str, fragment: str) -> None:
+    url = hardened["url"]
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        result["answer"] = _post_raw(url + "/v1/chat/completions", json.dumps(_chat_body(
+            messages=[{"role": "user", "content": content}])).encode(), headers=_auth("flag-key"))
+
+    thread = threading.Thread(target=send)
+    start = time.monotonic()
+    thread.start()
+    slowest = 0.0
+    while thread.is_alive():
+        slowest = max(slowest, _health_time(url))
+        time.sleep(0.1)
+    thread.join()
+    got, err = result["answer"]
+    assert got == 400 and fragment in err["error"]["message"], err
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while the template ran"
+    assert time.monotonic() - start < 8
+    got, ok = _post_raw(url + "/v1/chat/completions", json.dumps(_chat_body(max_tokens=2)).encode(),
+                        headers=_auth("flag-key"))
+    assert got == 200, ok  # and the server still answers
+
+
+def test_forty_thousand_messages_do_not_freeze_the_server(hardened: dict[str, Any]) -> None:
+    url = hardened["url"]
+    body = json.dumps(_chat_body(messages=[{"role": "user", "content": "hello there"}] * 40_000)).encode()
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(answer=_post_raw(
+        url + "/v1/chat/completions", body, headers=_auth("flag-key"))))
+    thread.start()
+    slowest = 0.0
+    while thread.is_alive():
+        slowest = max(slowest, _health_time(url))
+        time.sleep(0.05)
+    got, err = result["answer"]
+    assert got == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert slowest < 1.0, f"/health took {slowest:.2f} s"
+
+
+def test_sigterm_stops_the_server_quickly(tiny_gguf: Path) -> None:
+    """SIGTERM while one long generation streams and another waits: the server exits within 5 s. --max-queue 1
+    answers a third request with a 429 meanwhile."""
+    with _serve(tiny_gguf, tiny_gguf.parent, "--max-queue", "1", alive_at_end=False) as (url, proc, log):
+        long = {"model": MODEL_ID, "prompt": "x", "max_tokens": 4000, "stream": True, "ignore_eos": True,
+                "mode": "diffusion", "block_size": 16, "threshold": 1.0}
+        streams = []
+        for _ in range(2):
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(long).encode(),
+                                         headers={"Content-Type": "application/json"})
+            streams.append(urllib.request.urlopen(req, timeout=60))  # the headers: the job is queued
+        deadline = time.monotonic() + 10
+        while _get(url + "/health")["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got, err = _post_raw(url + "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "x"}).encode())
+        assert got == 429 and err["error"]["code"] == "queue_full" and "--max-queue" in err["error"]["message"]
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        took = time.monotonic() - start
+        for s in streams:
+            s.close()
+        assert took < 5, f"the server took {took:.1f} s to stop:\n{log.read_text()[-2000:]}"
