@@ -1,7 +1,9 @@
 """`clover-cpp`: the native Clover engine from the command line.
 
     clover-cpp generate -m MODEL.gguf -p TEXT [--mode auto|ar|diffusion|spec] [--block-size B] [--threshold T]
-                        [-n N] [--draft-steps S] [--temperature T --top-k K --top-p P --seed S] [--json]
+                        [-n N] [--draft-steps S] [--temp T --top-k K --top-p P -s S] [--json]
+    generate, chat and serve also take llama.cpp's names for the common options, as aliases of the same option:
+    --temp (--temperature), -s/--seed, -n/--n-predict (--max-tokens), --top-k, --top-p, -c, -t, -ngl.
     generate, chat and serve take llama.cpp's offload flags: -ngl N, -ncmoe/--n-cpu-moe N, -cmoe/--cpu-moe,
     -ot/--override-tensor REGEX=BUFT, -sm/--split-mode none|layer|row, -ts/--tensor-split N0,N1, -mg/--main-gpu I,
     -fitt/--fit-target MiB (clover_cpp/offload.py)
@@ -50,11 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=None)
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--draft-steps", type=int, default=0)
-    gen.add_argument("-n", "--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    _add_temperature(gen)
+    gen.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=64)
+    _add_sampling_args(gen, seed_default=0)
     gen.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
     gen.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
@@ -78,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_sampling_args(p: argparse.ArgumentParser, seed_default: int | None) -> None:
+    """--top-k, --top-p and -s/--seed with llama.cpp's names (generate, chat, serve)."""
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("-s", "--seed", type=int, default=seed_default)
+
+
+def _add_temperature(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0, help="0 = greedy")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Loading and decoding options shared by chat and serve."""
     p.add_argument("-m", "--model", required=True, help="Clover GGUF file")
@@ -91,7 +102,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): lossless, faster than ar where drafts are accepted; diffusion changes the output")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
-    p.add_argument("--temperature", type=float, default=0.0)
+    _add_temperature(p)
     p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
     p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
@@ -105,10 +116,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _add_chat(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's chat template")
     _add_engine_args(chat)
-    chat.add_argument("-n", "--max-tokens", type=int, default=1024, help="most tokens per answer")
-    chat.add_argument("--top-k", type=int, default=0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=1024,
+                      help="most tokens per answer")
+    _add_sampling_args(chat, seed_default=0)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--reasoning", choices=["show", "hide"], default="show",
                       help="show the <think> reasoning dimmed, or hide it")
@@ -124,6 +134,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
     serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    # llama-server's sampling options: defaults for what a request leaves out
+    serve.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=None,
+                       help="max_tokens of a chat request that sets none (default: what the context leaves)")
+    _add_sampling_args(serve, seed_default=None)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -141,7 +155,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _check_top(args: argparse.Namespace) -> None:
-    """--top-p and --top-k (generate and chat)."""
+    """--top-p, --top-k and -s/--seed (generate, chat and serve)."""
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise BadInput(f"-s/--seed must be in [0, 2^32), got {args.seed}")
     if not 0.0 < args.top_p <= 1.0:
         raise BadInput(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
@@ -281,6 +297,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
     _check_engine_args(args)
     if not 0 <= args.port <= 65535:
         raise BadInput(f"--port must be in 0..65535, got {args.port}")
+    _at_least(("-n/--n-predict", args.max_tokens, 1))
+    _check_top(args)
     from .server import run_serve
 
     return run_serve(args)

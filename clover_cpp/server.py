@@ -388,7 +388,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
         model_id = args.alias or Path(args.model).name.removesuffix(".gguf")
         defaults = Defaults(mode=args.mode, block_size=args.block_size, threshold=args.threshold,
-                            temperature=args.temperature, enable_thinking=args.think == "on")
+                            temperature=args.temperature, enable_thinking=args.think == "on",
+                            max_tokens=args.max_tokens, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         svc = CloverService(model, template, model_id, max_block, defaults)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
