@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     add_offload_args(gen)
-    gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
+    gen.add_argument("--json", action="store_true",
+                     help="print text, token ids and stats as one JSON object (docs/generate-output.schema.json)")
 
     imx = sub.add_parser("imatrix", help="importance matrix for quantization, with masked calibration")
     imx.add_argument("-m", "--model", required=True, help="Clover GGUF file (F16/BF16/F32)")
@@ -199,8 +200,7 @@ def run_generate(args: argparse.Namespace) -> int:
         assert stats is not None
         text = model.detokenize(tokens)
     if args.json:
-        print(json.dumps({"text": text, "prompt_ids": prompt_ids, "tokens": tokens,
-                          "stats": stats.to_dict() | {"seconds": seconds}}))
+        print(json.dumps(json_output(text, prompt_ids, tokens, stats, seconds)))
     else:
         print(flush=True)
         print(f"[{stats.mode}] {stats.generated_tokens} tokens, {stats.block_passes} block + "
@@ -208,6 +208,23 @@ def run_generate(args: argparse.Namespace) -> int:
               f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
               f"{stats.threads} thread{'s' * (stats.threads != 1)}, stop: {stats.stop_reason}", file=sys.stderr)
     return 0
+
+
+def json_output(text: str, prompt_ids: list[int], tokens: list[int], stats, seconds: float) -> dict:
+    """generate --json: the object clover-ref and llama-clover print too (clover_ref.generate_output)."""
+    from clover_ref.generate_output import generate_output, histogram_from_bins
+
+    extra = {"threads": stats.threads, "seconds": seconds, "block_ms": stats.block_ms, "causal_ms": stats.causal_ms}
+    if stats.mode == "auto":
+        extra |= {"auto_rounds": dict(stats.auto_rounds), "auto_drafted": stats.auto_drafted,
+                  "auto_accepted": stats.auto_accepted}
+    return generate_output(text=text, prompt_ids=prompt_ids, tokens=tokens, mode=stats.mode,
+                           block_size=stats.block_size, threshold=stats.threshold,
+                           prompt_tokens=stats.prompt_tokens, block_passes=stats.block_passes,
+                           causal_passes=stats.causal_passes, prefill_ms=stats.prefill_ms,
+                           decode_ms=stats.decode_ms, steps_per_block=histogram_from_bins(stats.steps_per_block),
+                           accepted_lengths=histogram_from_bins(stats.accepted_lengths),
+                           stop_reason=stats.stop_reason, **extra)
 
 
 def run_imatrix(args: argparse.Namespace) -> int:

@@ -44,7 +44,8 @@ static void clover_cli_usage(const char * argv0) {
         "  -fitt, --fit-target MiB    memory each GPU keeps free; a plan that does not fit is refused (-1: off)\n"
         "  --stop ID[,ID..]           end-of-generation ids (default: the vocab's EOG set; 'none' = no stop ids)\n"
         "  --ban ID[,ID..]            ids never produced (the mask token is always banned)\n"
-        "  --json                     print prompt ids, token ids and stats as JSON\n"
+        "  --json                     print text, prompt ids, token ids and stats as one JSON object\n"
+        "                             (the schema of docs/generate-output.schema.json)\n"
         "  -v, --verbose              show llama.cpp's log\n", argv0);
 }
 
@@ -391,24 +392,38 @@ int main(int argc, char ** argv) {
     const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
 
     if (json) {
+        // the generate output schema shared with clover-cpp and clover-ref (docs/generate-output.schema.json,
+        // clover_ref/generate_output.py): same keys, same formulas
         std::string text;
         for (llama_token t : st.tokens) {
             text += clover_cli_piece(vocab, t);
         }
         const int32_t block_size = gparams.block_size > 0 ? gparams.block_size : info.block_size;
+        float threshold = gparams.threshold;
+        if (threshold < 0.0f) {  // spec 4.3: the calibrated threshold for B, else the default
+            threshold = info.threshold;
+            for (int32_t i = 0; i < info.n_calibrated; ++i) {
+                if (info.calibrated_block_sizes[i] == block_size) {
+                    threshold = info.calibrated_thresholds[i];
+                    break;
+                }
+            }
+        }
+        const int32_t n_out = (int32_t) st.tokens.size();
         printf("{\"text\": %s, \"prompt_ids\": %s, \"tokens\": %s, \"stats\": {"
-               "\"mode\": \"%s\", \"block_size\": %d, \"prompt_tokens\": %d, \"generated_tokens\": %d, "
-               "\"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.6f, "
+               "\"mode\": \"%s\", \"block_size\": %d, \"threshold\": %.9g, \"prompt_tokens\": %d, "
+               "\"generated_tokens\": %d, \"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.17g, "
+               "\"prefill_ms\": %.17g, \"decode_ms\": %.17g, \"prefill_tok_per_s\": %.17g, \"decode_tok_per_s\": %.17g, "
                "\"steps_per_block\": %s, \"accepted_lengths\": %s, \"stop_reason\": \"%s\", "
-               "\"t_prefill_ms\": %.3f, \"t_block_ms\": %.3f, \"t_causal_ms\": %.3f, "
-               "\"prefill_tok_per_s\": %.3f, \"decode_tok_per_s\": %.3f, \"threads\": %d}}\n",
+               "\"threads\": %d, \"block_ms\": %.17g, \"causal_ms\": %.17g}}\n",
                clover_cli_json_str(text).c_str(), clover_cli_json_ids(prompt_ids).c_str(),
-               clover_cli_json_ids(st.tokens).c_str(), mode_names[gparams.mode], block_size,
-               stats.n_prompt_tokens, stats.n_generated, stats.n_block_passes, stats.n_causal_passes, tpf,
+               clover_cli_json_ids(st.tokens).c_str(), mode_names[gparams.mode], block_size, (double) threshold,
+               stats.n_prompt_tokens, n_out, stats.n_block_passes, stats.n_causal_passes,
+               passes ? (double) n_out / passes : 0.0, stats.t_prefill_ms, t_gen,
+               stats.t_prefill_ms > 0 ? stats.n_prompt_tokens / (stats.t_prefill_ms / 1000.0) : 0.0,
+               t_gen > 0 ? n_out / (t_gen / 1000.0) : 0.0,
                clover_cli_json_hist(stats.steps_per_block).c_str(), clover_cli_json_hist(stats.accepted_lengths).c_str(),
-               stop, stats.t_prefill_ms, stats.t_block_ms, stats.t_causal_ms,
-               stats.t_prefill_ms > 0 ? (n - 1) / (stats.t_prefill_ms / 1000.0) : 0.0,
-               t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0, n_threads);
+               stop, n_threads, stats.t_block_ms, stats.t_causal_ms);
     } else {
         printf("\n");
         fprintf(stderr, "[%s] %d tokens, %d block + %d causal passes, %.2f tokens/pass, %.1f tok/s, %d threads, stop: %s\n",
