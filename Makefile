@@ -13,10 +13,14 @@ setup: $(STAMP) native
 # The patched llama.cpp (cpp_patch/) built by scripts/build_native.sh (cache in $$CLOVER_CACHE, ccache when
 # installed; GPU=cuda for CUDA), then llama-cpp-python 0.3.36 installed as pure Python (LLAMA_BUILD=OFF):
 # clover_cpp.native points it at build/native/lib. The build script is a Ninja no-op when nothing changed.
+# Without a bundled libllama a plain `import llama_cpp` would fail ("Shared library with base name 'llama' not
+# found") outside clover_cpp, so install_lib_path.py puts a .pth in the venv that sets LLAMA_CPP_LIB_PATH to
+# build/native/lib when it is unset (idempotent; see the script).
 native: $(STAMP)
 	scripts/build_native.sh
 	@$(BIN)/python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama_cpp_python') != '0.3.36')" 2>/dev/null || \
 		CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install $$(python3 scripts/llama_sdist.py unpack)
+	$(BIN)/python scripts/install_lib_path.py $(VENV) $(CURDIR)/build/native/lib
 
 # Rebuilt only when pyproject.toml changes. torch is pinned and installed first, so pip takes the
 # CPU wheel already on disk instead of resolving a bare `torch`.

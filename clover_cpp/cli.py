@@ -1,7 +1,9 @@
 """`clover-cpp`: the native Clover engine from the command line.
 
     clover-cpp generate -m MODEL.gguf -p TEXT [--mode auto|ar|diffusion|spec] [--block-size B] [--threshold T]
-                        [-n N] [--draft-steps S] [--temperature T --top-k K --top-p P --seed S] [--json]
+                        [-n N] [--draft-steps S] [--temp T --top-k K --top-p P -s S] [--json]
+    generate, chat and serve also take llama.cpp's names for the common options, as aliases of the same option:
+    --temp (--temperature), -s/--seed, -n/--n-predict (--max-tokens), --top-k, --top-p, -c, -t, -ngl.
     generate, chat and serve take llama.cpp's offload flags: -ngl N, -ncmoe/--n-cpu-moe N, -cmoe/--cpu-moe,
     -ot/--override-tensor REGEX=BUFT, -sm/--split-mode none|layer|row, -ts/--tensor-split N0,N1, -mg/--main-gpu I,
     -fitt/--fit-target MiB (clover_cpp/offload.py)
@@ -50,16 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=None)
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--draft-steps", type=int, default=0)
-    gen.add_argument("-n", "--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    _add_temperature(gen)
+    gen.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=64)
+    _add_sampling_args(gen, seed_default=0)
     gen.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
     gen.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     add_offload_args(gen)
-    gen.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
+    gen.add_argument("--json", action="store_true",
+                     help="print text, token ids and stats as one JSON object (docs/generate-output.schema.json)")
 
     imx = sub.add_parser("imatrix", help="importance matrix for quantization, with masked calibration")
     imx.add_argument("-m", "--model", required=True, help="Clover GGUF file (F16/BF16/F32)")
@@ -78,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_sampling_args(p: argparse.ArgumentParser, seed_default: int | None) -> None:
+    """--top-k, --top-p and -s/--seed with llama.cpp's names (generate, chat, serve)."""
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("-s", "--seed", type=int, default=seed_default)
+
+
+def _add_temperature(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0, help="0 = greedy")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Loading and decoding options shared by chat and serve."""
     p.add_argument("-m", "--model", required=True, help="Clover GGUF file")
@@ -91,7 +103,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): lossless, faster than ar where drafts are accepted; diffusion changes the output")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
-    p.add_argument("--temperature", type=float, default=0.0)
+    _add_temperature(p)
     p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
     p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
@@ -105,10 +117,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _add_chat(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's chat template")
     _add_engine_args(chat)
-    chat.add_argument("-n", "--max-tokens", type=int, default=1024, help="most tokens per answer")
-    chat.add_argument("--top-k", type=int, default=0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=1024,
+                      help="most tokens per answer")
+    _add_sampling_args(chat, seed_default=0)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--reasoning", choices=["show", "hide"], default="show",
                       help="show the <think> reasoning dimmed, or hide it")
@@ -138,6 +149,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                      help="most requests waiting for the engine (default 64; more: 429)")
     lim.add_argument("--template-timeout", type=float, default=10.0, metavar="S",
                      help="seconds to render the chat template and tokenize one request (default 10)")
+    # llama-server's sampling options: defaults for what a request leaves out
+    serve.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=None,
+                       help="max_tokens of a chat request that sets none (default: what the context leaves)")
+    _add_sampling_args(serve, seed_default=None)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -162,7 +177,9 @@ def _check_threshold(args: argparse.Namespace) -> None:
 
 
 def _check_top(args: argparse.Namespace) -> None:
-    """--top-p and --top-k (generate and chat)."""
+    """--top-p, --top-k and -s/--seed (generate, chat and serve)."""
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise BadInput(f"-s/--seed must be in [0, 2^32), got {args.seed}")
     if not 0.0 < args.top_p <= 1.0:
         raise BadInput(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
@@ -204,8 +221,7 @@ def run_generate(args: argparse.Namespace) -> int:
         assert stats is not None
         text = model.detokenize(tokens)
     if args.json:
-        print(json.dumps({"text": text, "prompt_ids": prompt_ids, "tokens": tokens,
-                          "stats": stats.to_dict() | {"seconds": seconds}}))
+        print(json.dumps(json_output(text, prompt_ids, tokens, stats, seconds)))
     else:
         print(flush=True)
         print(f"[{stats.mode}] {stats.generated_tokens} tokens, {stats.block_passes} block + "
@@ -213,6 +229,23 @@ def run_generate(args: argparse.Namespace) -> int:
               f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
               f"{stats.threads} thread{'s' * (stats.threads != 1)}, stop: {stats.stop_reason}", file=sys.stderr)
     return 0
+
+
+def json_output(text: str, prompt_ids: list[int], tokens: list[int], stats, seconds: float) -> dict:
+    """generate --json: the object clover-ref and llama-clover print too (clover_ref.generate_output)."""
+    from clover_ref.generate_output import generate_output, histogram_from_bins
+
+    extra = {"threads": stats.threads, "seconds": seconds, "block_ms": stats.block_ms, "causal_ms": stats.causal_ms}
+    if stats.mode == "auto":
+        extra |= {"auto_rounds": dict(stats.auto_rounds), "auto_drafted": stats.auto_drafted,
+                  "auto_accepted": stats.auto_accepted}
+    return generate_output(text=text, prompt_ids=prompt_ids, tokens=tokens, mode=stats.mode,
+                           block_size=stats.block_size, threshold=stats.threshold,
+                           prompt_tokens=stats.prompt_tokens, block_passes=stats.block_passes,
+                           causal_passes=stats.causal_passes, prefill_ms=stats.prefill_ms,
+                           decode_ms=stats.decode_ms, steps_per_block=histogram_from_bins(stats.steps_per_block),
+                           accepted_lengths=histogram_from_bins(stats.accepted_lengths),
+                           stop_reason=stats.stop_reason, **extra)
 
 
 def run_imatrix(args: argparse.Namespace) -> int:
@@ -322,6 +355,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
         if bad:
             raise BadInput(f"{args.api_key_file}: line {bad[0]} is not a printable ASCII key (--api-key-file)")
         args.api_key += keys
+    _at_least(("-n/--n-predict", args.max_tokens, 1))
+    _check_top(args)
     from .server import run_serve
 
     return run_serve(args)

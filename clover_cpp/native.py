@@ -98,8 +98,12 @@ def llama() -> ModuleType:
     if not (d / "libllama.so").exists() and not (d / "libllama.dylib").exists():
         raise NativeError(f"native library not found in {d}: run `make native` or set CLOVER_NATIVE_LIB")
     prev = os.environ.get("LLAMA_CPP_LIB_PATH")
-    if prev is not None and Path(prev).resolve() != d.resolve():
-        raise NativeError(f"LLAMA_CPP_LIB_PATH={prev} points elsewhere than {d}")
+    # The venv's .pth (scripts/install_lib_path.py) sets LLAMA_CPP_LIB_PATH as a default and marks it with
+    # CLOVER_LLAMA_LIB_DEFAULT: that default yields to lib_dir() as long as llama_cpp has not been imported.
+    venv_default = prev is not None and prev == os.environ.get("CLOVER_LLAMA_LIB_DEFAULT")
+    if prev is not None and Path(prev).resolve() != d.resolve() and (not venv_default or "llama_cpp" in sys.modules):
+        raise NativeError(f"LLAMA_CPP_LIB_PATH={prev} points elsewhere than {d}"
+                          + (" (llama_cpp was imported before clover_cpp)" if venv_default else ""))
     try:
         cpu.check_build(d.parent)
     except RuntimeError as exc:

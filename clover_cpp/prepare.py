@@ -29,6 +29,11 @@ class Defaults:
     threshold: float | None = None
     temperature: float = 0.0
     enable_thinking: bool = True
+    # llama-server's -n, --top-k, --top-p and -s/--seed: None = what the context leaves, off, off, random
+    max_tokens: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,18 +105,21 @@ class Preparer:
                            f"{param} has {n_prompt} tokens, which leaves no room for a completion.",
                            param=param, code="context_length_exceeded")
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = room if self.defaults.max_tokens is None else min(self.defaults.max_tokens, room)
         elif max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {self.n_ctx} tokens. However, you "
                            f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {param}, {max_tokens} "
                            f"in the completion). Please reduce the {param} or the completion length.",
                            param="max_tokens", code="context_length_exceeded")
         temperature = self.defaults.temperature if req.temperature is None else req.temperature
-        seed = req.seed if req.seed is not None else (secrets.randbits(32) if temperature > 0 else 0)
+        seed = req.seed if req.seed is not None else self.defaults.seed
+        if seed is None:
+            seed = secrets.randbits(32) if temperature > 0 else 0
         threshold = req.threshold if req.threshold is not None else self.defaults.threshold
         return GenParams(mode=req.mode or self.defaults.mode, block_size=block, threshold=threshold,
-                         max_tokens=max_tokens, temperature=temperature, top_k=req.top_k or 0,
-                         top_p=1.0 if req.top_p is None else req.top_p, seed=seed,
+                         max_tokens=max_tokens, temperature=temperature,
+                         top_k=self.defaults.top_k if req.top_k is None else req.top_k,
+                         top_p=self.defaults.top_p if req.top_p is None else req.top_p, seed=seed,
                          stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias),
                          cache_prompt=req.cache_prompt)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFWriter, Metadata, naming_convention, size_label
+from gguf.utility import model_weight_count_rounded_notation
 from tqdm import tqdm
 
 from clover_ref.config import CONFIG_FILE, CloverConfig
@@ -49,6 +50,7 @@ class ConvertResult:
     out_type: OutType
     paths: list[Path]  # the written files, or the files a dry run would write
     shard_sizes: list[tuple[int, int]]  # (tensor count, tensor bytes) per file
+    metadata: Metadata | None = None  # the general.* keys written
 
 
 def resolve_out_type(label: str, index: CheckpointIndex | None, raw_config: dict[str, Any]) -> OutType:
@@ -78,17 +80,30 @@ def _load_metadata_override(path: Path | None) -> dict[str, Any]:
     return data
 
 
+def moe_size_label(total: int, shared: int, expert: int, expert_count: int, expert_used: int) -> str:
+    """The size label model hubs show for a MoE, "35B-A3B": total parameters, then the active ones (the shared
+    parameters plus ``expert_used`` experts), in gguf's rounded notation (``gguf.utility``). gguf's own
+    ``size_label`` helper would write "256x<per-expert size>"; a dense model keeps its plain label ("7.6B")."""
+    if expert_count <= 0 or expert_used <= 0:
+        return size_label(total, shared, expert, expert_count)
+    active = shared + min(expert_used, expert_count) * expert
+    return (f"{model_weight_count_rounded_notation(total, min_digits=2)}"
+            f"-A{model_weight_count_rounded_notation(active, min_digits=1)}")
+
+
 def _describe_model(writer: GGUFWriter, model_dir: Path, metadata_path: Path | None,
-                    override: dict[str, Any]) -> Metadata:
-    """general.* keys, as ``ModelBase.prepare_metadata`` sets them: from the model card (README.md) and
-    config.json, then the --metadata file. Unlike gguf's Metadata.load, the file may also set general.license."""
+                    override: dict[str, Any], expert_used: int) -> Metadata:
+    """general.* keys, as ``ModelBase.prepare_metadata`` sets them (gguf's ``Keys.General`` names): from the model
+    card (README.md front matter: name, license, base_model, tags, ...) and config.json, then the --metadata file.
+    Unlike gguf's Metadata.load, the file may also set general.license. The size label, when neither the card
+    nor the model's name gives one, is "<total>-A<active>" (moe_size_label)."""
     total, shared, expert, expert_count = writer.get_total_parameter_count()
     metadata = Metadata.load(metadata_path, model_dir, None, total)
     metadata.license = override.get("general.license", metadata.license)
     if metadata.name is None:
         metadata.name = model_dir.name
     if metadata.size_label is None and total > 0:
-        metadata.size_label = size_label(total, shared, expert, expert_count)
+        metadata.size_label = moe_size_label(total, shared, expert, expert_count, expert_used)
     return metadata
 
 
@@ -133,7 +148,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             else:
                 writer.add_tensor(tensor.name, StreamedTensor(tensor, pipeline), raw_shape=tensor.shape,  # type: ignore[arg-type]
                                   raw_dtype=tensor.ggml_type)
-        metadata = _describe_model(writer, model_dir, options.metadata, metadata_override)
+        metadata = _describe_model(writer, model_dir, options.metadata, metadata_override, config.num_experts_per_tok)
         writer.add_type("model")
         metadata.set_gguf_meta_model(writer)
         add_model_keys(writer, config, raw_config, model_dir / CONFIG_FILE, out_type.file_type)
@@ -146,7 +161,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
         final_path = resolve_output_path(model_dir, options.outfile, default_stem, out_type.ggml_type.name)
         shard_sizes = [(len(shard), sum(ti.nbytes for ti in shard.values())) for shard in writer.tensors]
         paths = shard_paths(final_path, len(writer.tensors))
-        result = ConvertResult(plan, out_type, paths, shard_sizes)
+        result = ConvertResult(plan, out_type, paths, shard_sizes, metadata)
         if options.dry_run and not options.skeleton:
             return result
         inputs = _inputs(model_dir, index, options.metadata)

@@ -167,20 +167,27 @@ class _Params:
             arr_i[len(entries)].name = None
             p.imatrix = arr_i
             self._keep += [arr_i, entries]
-            kv = _imatrix_kv(L, imatrix)
-            p.kv_overrides = kv
-            self._keep.append(kv)
+        kv = _output_kv(L, imatrix)
+        p.kv_overrides = kv
+        self._keep.append(kv)
         self.params = p
 
 
-def _imatrix_kv(L: Any, imatrix: Imatrix) -> Any:
-    """The quantize.imatrix.* keys llama-quantize records in its output."""
-    items: list[tuple[str, str | int]] = [("quantize.imatrix.file", str(imatrix.path))]
-    if imatrix.datasets:
-        items.append(("quantize.imatrix.dataset", imatrix.datasets[0]))
-    items.append(("quantize.imatrix.entries_count", len(imatrix.entries)))
-    if imatrix.chunk_count:
-        items.append(("quantize.imatrix.chunks_count", imatrix.chunk_count))
+QUANTIZED_BY = "clover-quantize"
+
+
+def _output_kv(L: Any, imatrix: Imatrix | None) -> Any:
+    """Keys written into the output (llama-quantize applies kv_overrides to it): general.quantized_by
+    (gguf's Keys.General.QUANTIZED_BY, which model hubs show), and the quantize.imatrix.* keys llama-quantize
+    records when an imatrix is used."""
+    items: list[tuple[str, str | int]] = [("general.quantized_by", QUANTIZED_BY)]
+    if imatrix is not None:
+        items.append(("quantize.imatrix.file", str(imatrix.path)))
+        if imatrix.datasets:
+            items.append(("quantize.imatrix.dataset", imatrix.datasets[0]))
+        items.append(("quantize.imatrix.entries_count", len(imatrix.entries)))
+        if imatrix.chunk_count:
+            items.append(("quantize.imatrix.chunks_count", imatrix.chunk_count))
     arr = (L.llama_model_kv_override * (len(items) + 1))()
     for i, (key, value) in enumerate(items):
         arr[i].key = key.encode()[:127]

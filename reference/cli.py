@@ -1,7 +1,9 @@
 """`clover-ref`: make random checkpoints and generate with the PyTorch reference.
 
     clover-ref init OUT_DIR --preset tiny|mid|35b-shape [--seed N] [--layers N] [--config-only]
-    clover-ref generate MODEL_DIR -p TEXT --mode ar|diffusion|spec [--block-size B] [--threshold T] [-n N]
+    clover-ref generate MODEL_DIR -p TEXT --mode ar|diffusion|spec [--block-size B] [--threshold T] [-n N] [--json]
+
+`generate --json` prints the output object shared with clover-cpp and llama-clover (clover_ref.generate_output).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--json", action="store_true", help="print token ids and stats as JSON")
+    gen.add_argument("--json", action="store_true",
+                     help="print text, token ids and stats as one JSON object (docs/generate-output.schema.json)")
     return parser
 
 
@@ -82,8 +85,16 @@ def run_generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     text = tokenizer.decode(result.tokens, skip_special_tokens=False)
     if args.json:
-        stats = result.stats.to_dict() | {"seconds": seconds}
-        print(json.dumps({"text": text, "prompt_ids": prompt_ids, "tokens": result.tokens, "stats": stats}))
+        from .generate_output import generate_output, histogram_from_samples
+
+        s = result.stats
+        print(json.dumps(generate_output(
+            text=text, prompt_ids=prompt_ids, tokens=result.tokens, mode=s.mode, block_size=s.block_size,
+            threshold=s.threshold, prompt_tokens=s.prompt_tokens, block_passes=s.block_passes,
+            causal_passes=s.causal_passes, prefill_ms=s.prefill_ms, decode_ms=s.decode_ms,
+            steps_per_block=histogram_from_samples(s.steps_per_block),
+            accepted_lengths=histogram_from_samples(s.accepted_lengths), stop_reason=s.stop_reason,
+            prefill_passes=s.prefill_passes, seconds=seconds)))
     else:
         print(args.prompt + text)
         s = result.stats

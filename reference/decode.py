@@ -6,6 +6,7 @@ prefill. ``generate`` is the one-shot form.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +33,8 @@ class GenerationStats:
     steps_per_block: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     stop_reason: str = ""
+    prefill_ms: float = 0.0  # wall time of the prompt's causal pass
+    decode_ms: float = 0.0   # wall time from the end of the prefill to the last token
 
     @property
     def passes(self) -> int:
@@ -143,9 +146,13 @@ class Session:
         sampler = Sampler(self.config.vocab_size, excluded, params)
         stops = set(self.config.eos_token_ids if stop_ids is None else stop_ids)
         stats = GenerationStats(mode, block_size, threshold, prompt_tokens=len(prompt_ids))
+        start = time.perf_counter()
         stats.prefill_passes = self.append_prompt(prompt_ids)
+        prefilled = time.perf_counter()
         run = _Run(max_new_tokens, block_size, threshold, draft_steps, sampler, stops, stats, on_block)
         {"ar": self._ar, "diffusion": self._diffusion, "spec": self._spec}[mode](run)
+        stats.prefill_ms = (prefilled - start) * 1e3
+        stats.decode_ms = (time.perf_counter() - prefilled) * 1e3
         stats.generated_tokens = len(run.tokens)
         return GenerationResult(run.tokens, stats)
 

@@ -421,7 +421,8 @@ def test_generate_json(generations: dict, cli_checkpoint: Path, mode: str) -> No
         assert stats["block_passes"] == 0 and stats["causal_passes"] >= 1
     elif mode == "diffusion":
         assert stats["block_passes"] >= 1
-        assert all(1 <= s <= config.block_size for s in stats["steps_per_block"])
+        assert all(1 <= int(s) <= config.block_size for s in stats["steps_per_block"])  # {"steps": blocks}
+        assert sum(stats["steps_per_block"].values()) == stats["causal_passes"]  # one commit per block
     else:
         assert stats["block_passes"] >= 1 and stats["accepted_lengths"]
 

@@ -1,12 +1,20 @@
 // llama-clover: generate with the Clover engine (clover.h) from the command line.
 //
-//   llama-clover -m M.gguf -p TEXT --mode ar|diffusion|spec|auto [-b B] [--threshold T] [-n N] [--draft-steps S]
-//                [--temp T --top-k K --top-p P --seed S] [-c N_CTX] [-t THREADS] [--json] [-v]
+//   llama-clover -m M.gguf -p TEXT --mode ar|diffusion|spec|auto [--block-size B] [--threshold T] [-n N]
+//                [--draft-steps S] [--temp T --top-k K --top-p P -s SEED] [-c N_CTX] [-b N_BATCH] [-t THREADS]
+//                [--json] [-v]
+//
+// Flags that llama.cpp's tools also have keep llama.cpp's names and meanings: -b/--batch-size is the prefill
+// chunk (n_batch), never the block size (--block-size). Every number is checked (the whole argument must parse,
+// within the flag's range); a bad one prints one line and exits with status 2. --json prints the generate
+// output schema shared with clover-cpp and clover-ref (docs/generate-output.schema.json).
 
 #include "clover.h"
 #include "llama.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,13 +26,13 @@ static void clover_cli_usage(const char * argv0) {
     fprintf(stderr,
         "usage: %s -m MODEL.gguf -p PROMPT [options]\n"
         "  --mode ar|diffusion|spec|auto  decoding mode (default diffusion)\n"
-        "  -b, --block-size B         block size (default: clover.block_size)\n"
-        "  --threshold T              fill threshold (default: the calibrated one for B)\n"
-        "  -n, --max-tokens N         tokens to generate (default 64)\n"
+        "  --block-size B             block size (default: clover.block_size)\n"
+        "  --threshold T              fill threshold in [0, 1] (default: the calibrated one for B)\n"
+        "  -n, --n-predict, --max-tokens N   tokens to generate (default 64)\n"
         "  --draft-steps S            spec mode: LowConfidence steps before the argmax draft (greedy only)\n"
-        "  --temp T, --top-k K, --top-p P, --seed S   sampling (temperature 0 = greedy)\n"
+        "  --temp T, --top-k K, --top-p P, -s/--seed S   sampling (temperature 0 = greedy)\n"
         "  -c, --ctx-size N           context size (default min(n_ctx_train, 4096))\n"
-        "  --batch-size N             prefill chunk (default 512)\n"
+        "  -b, --batch-size N         prefill chunk, llama.cpp's n_batch (default 512)\n"
         "  -t, --threads N            threads (default: the physical cores this process may use)\n"
         "  -ngl, --n-gpu-layers N     layers to offload\n"
         "  -ncmoe, --n-cpu-moe N      keep the MoE experts of the first N layers in host memory\n"
@@ -36,11 +44,45 @@ static void clover_cli_usage(const char * argv0) {
         "  -fitt, --fit-target MiB    memory each GPU keeps free; a plan that does not fit is refused (-1: off)\n"
         "  --stop ID[,ID..]           end-of-generation ids (default: the vocab's EOG set; 'none' = no stop ids)\n"
         "  --ban ID[,ID..]            ids never produced (the mask token is always banned)\n"
-        "  --json                     print prompt ids, token ids and stats as JSON\n"
+        "  --json                     print text, prompt ids, token ids and stats as one JSON object\n"
+        "                             (the schema of docs/generate-output.schema.json)\n"
         "  -v, --verbose              show llama.cpp's log\n", argv0);
 }
 
 static bool g_verbose = false;
+
+// A whole-argument integer in [lo, hi], or one line on stderr and exit 2 (atoi would take "8x" as 8 and "x" as 0).
+static long clover_cli_int(const char * flag, const char * s, long lo, long hi) {
+    errno = 0;
+    char * end = nullptr;
+    const long v = strtol(s, &end, 10);
+    if (end == s || *end != '\0' || errno == ERANGE || v < lo || v > hi) {
+        if (hi == LONG_MAX || hi == INT_MAX) {
+            fprintf(stderr, "error: %s expects an integer >= %ld, got '%s'\n", flag, lo, s);
+        } else {
+            fprintf(stderr, "error: %s expects an integer in [%ld, %ld], got '%s'\n", flag, lo, hi, s);
+        }
+        exit(2);
+    }
+    return v;
+}
+
+// A whole-argument finite number in [lo, hi] (lo excluded when lo_open), or one line on stderr and exit 2.
+static float clover_cli_float(const char * flag, const char * s, double lo, double hi, bool lo_open = false) {
+    errno = 0;
+    char * end = nullptr;
+    const double v = strtod(s, &end);
+    const bool low_ok = lo_open ? v > lo : v >= lo;
+    if (end == s || *end != '\0' || errno == ERANGE || !std::isfinite(v) || !low_ok || v > hi) {
+        if (std::isinf(hi)) {
+            fprintf(stderr, "error: %s expects a number >= %g, got '%s'\n", flag, lo, s);
+        } else {
+            fprintf(stderr, "error: %s expects a number in %c%g, %g], got '%s'\n", flag, lo_open ? '(' : '[', lo, hi, s);
+        }
+        exit(2);
+    }
+    return (float) v;
+}
 
 static bool clover_cli_parse_ids(const std::string & s, std::vector<llama_token> & out) {
     out.clear();
@@ -214,36 +256,32 @@ int main(int argc, char ** argv) {
                 fprintf(stderr, "error: unknown mode '%s'; choose ar, diffusion, spec or auto\n", m.c_str());
                 return 2;
             }
-        } else if (arg == "-b" || arg == "--block-size") {
-            gparams.block_size = atoi(next("-b"));
-            if (gparams.block_size < 1) {
-                fprintf(stderr, "error: block size must be at least 1\n");
-                return 2;
-            }
+        } else if (arg == "--block-size") {
+            gparams.block_size = (int32_t) clover_cli_int("--block-size", next("--block-size"), 1, INT_MAX);
         } else if (arg == "--threshold") {
-            gparams.threshold = strtof(next("--threshold"), nullptr);
-        } else if (arg == "-n" || arg == "--max-tokens") {
-            gparams.max_tokens = atoi(next("-n"));
+            gparams.threshold = clover_cli_float("--threshold", next("--threshold"), 0.0, 1.0);
+        } else if (arg == "-n" || arg == "--n-predict" || arg == "--max-tokens") {
+            gparams.max_tokens = (int32_t) clover_cli_int("-n/--n-predict", next("-n"), 0, INT_MAX);
         } else if (arg == "--draft-steps") {
-            gparams.draft_steps = atoi(next("--draft-steps"));
+            gparams.draft_steps = (int32_t) clover_cli_int("--draft-steps", next("--draft-steps"), 0, INT_MAX);
         } else if (arg == "--temp" || arg == "--temperature") {
-            gparams.temperature = strtof(next("--temp"), nullptr);
+            gparams.temperature = clover_cli_float("--temp", next("--temp"), 0.0, INFINITY);
         } else if (arg == "--top-k") {
-            gparams.top_k = atoi(next("--top-k"));
+            gparams.top_k = (int32_t) clover_cli_int("--top-k", next("--top-k"), 0, INT_MAX);
         } else if (arg == "--top-p") {
-            gparams.top_p = strtof(next("--top-p"), nullptr);
-        } else if (arg == "--seed") {
-            gparams.seed = (uint32_t) strtoul(next("--seed"), nullptr, 10);
+            gparams.top_p = clover_cli_float("--top-p", next("--top-p"), 0.0, 1.0, true);
+        } else if (arg == "-s" || arg == "--seed") {
+            gparams.seed = (uint32_t) clover_cli_int("-s/--seed", next("--seed"), 0, (long) UINT32_MAX);
         } else if (arg == "-c" || arg == "--ctx-size") {
-            eparams.n_ctx = atoi(next("-c"));
-        } else if (arg == "--batch-size") {
-            eparams.n_batch = atoi(next("--batch-size"));
+            eparams.n_ctx = (int32_t) clover_cli_int("-c/--ctx-size", next("-c"), 0, INT_MAX);
+        } else if (arg == "-b" || arg == "--batch-size") {
+            eparams.n_batch = (int32_t) clover_cli_int("-b/--batch-size", next("-b"), 1, INT_MAX);
         } else if (arg == "-t" || arg == "--threads") {
-            eparams.n_threads = atoi(next("-t"));
+            eparams.n_threads = (int32_t) clover_cli_int("-t/--threads", next("-t"), 0, INT_MAX);
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
-            eparams.n_gpu_layers = atoi(next("-ngl"));
+            eparams.n_gpu_layers = (int32_t) clover_cli_int("-ngl/--n-gpu-layers", next("-ngl"), -1, INT_MAX);
         } else if (arg == "-ncmoe" || arg == "--n-cpu-moe") {
-            eparams.n_cpu_moe = atoi(next("--n-cpu-moe"));
+            eparams.n_cpu_moe = (int32_t) clover_cli_int("-ncmoe/--n-cpu-moe", next("--n-cpu-moe"), 0, INT_MAX);
         } else if (arg == "-cmoe" || arg == "--cpu-moe") {
             eparams.cpu_moe = true;
         } else if (arg == "-ot" || arg == "--override-tensor") {
@@ -263,9 +301,9 @@ int main(int argc, char ** argv) {
         } else if (arg == "-ts" || arg == "--tensor-split") {
             tensor_split = next("-ts");
         } else if (arg == "-mg" || arg == "--main-gpu") {
-            eparams.main_gpu = atoi(next("-mg"));
+            eparams.main_gpu = (int32_t) clover_cli_int("-mg/--main-gpu", next("-mg"), 0, INT_MAX);
         } else if (arg == "-fitt" || arg == "--fit-target") {
-            eparams.fit_margin_mib = atoi(next("--fit-target"));
+            eparams.fit_margin_mib = (int32_t) clover_cli_int("-fitt/--fit-target", next("--fit-target"), -1, INT_MAX);
         } else if (arg == "--stop" || arg == "--ban") {
             const bool is_stop = arg == "--stop";
             if (!clover_cli_parse_ids(next(arg.c_str()), is_stop ? stop_ids : banned_ids)) {
@@ -354,24 +392,38 @@ int main(int argc, char ** argv) {
     const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
 
     if (json) {
+        // the generate output schema shared with clover-cpp and clover-ref (docs/generate-output.schema.json,
+        // clover_ref/generate_output.py): same keys, same formulas
         std::string text;
         for (llama_token t : st.tokens) {
             text += clover_cli_piece(vocab, t);
         }
         const int32_t block_size = gparams.block_size > 0 ? gparams.block_size : info.block_size;
+        float threshold = gparams.threshold;
+        if (threshold < 0.0f) {  // spec 4.3: the calibrated threshold for B, else the default
+            threshold = info.threshold;
+            for (int32_t i = 0; i < info.n_calibrated; ++i) {
+                if (info.calibrated_block_sizes[i] == block_size) {
+                    threshold = info.calibrated_thresholds[i];
+                    break;
+                }
+            }
+        }
+        const int32_t n_out = (int32_t) st.tokens.size();
         printf("{\"text\": %s, \"prompt_ids\": %s, \"tokens\": %s, \"stats\": {"
-               "\"mode\": \"%s\", \"block_size\": %d, \"prompt_tokens\": %d, \"generated_tokens\": %d, "
-               "\"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.6f, "
+               "\"mode\": \"%s\", \"block_size\": %d, \"threshold\": %.9g, \"prompt_tokens\": %d, "
+               "\"generated_tokens\": %d, \"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.17g, "
+               "\"prefill_ms\": %.17g, \"decode_ms\": %.17g, \"prefill_tok_per_s\": %.17g, \"decode_tok_per_s\": %.17g, "
                "\"steps_per_block\": %s, \"accepted_lengths\": %s, \"stop_reason\": \"%s\", "
-               "\"t_prefill_ms\": %.3f, \"t_block_ms\": %.3f, \"t_causal_ms\": %.3f, "
-               "\"prefill_tok_per_s\": %.3f, \"decode_tok_per_s\": %.3f, \"threads\": %d}}\n",
+               "\"threads\": %d, \"block_ms\": %.17g, \"causal_ms\": %.17g}}\n",
                clover_cli_json_str(text).c_str(), clover_cli_json_ids(prompt_ids).c_str(),
-               clover_cli_json_ids(st.tokens).c_str(), mode_names[gparams.mode], block_size,
-               stats.n_prompt_tokens, stats.n_generated, stats.n_block_passes, stats.n_causal_passes, tpf,
+               clover_cli_json_ids(st.tokens).c_str(), mode_names[gparams.mode], block_size, (double) threshold,
+               stats.n_prompt_tokens, n_out, stats.n_block_passes, stats.n_causal_passes,
+               passes ? (double) n_out / passes : 0.0, stats.t_prefill_ms, t_gen,
+               stats.t_prefill_ms > 0 ? stats.n_prompt_tokens / (stats.t_prefill_ms / 1000.0) : 0.0,
+               t_gen > 0 ? n_out / (t_gen / 1000.0) : 0.0,
                clover_cli_json_hist(stats.steps_per_block).c_str(), clover_cli_json_hist(stats.accepted_lengths).c_str(),
-               stop, stats.t_prefill_ms, stats.t_block_ms, stats.t_causal_ms,
-               stats.t_prefill_ms > 0 ? (n - 1) / (stats.t_prefill_ms / 1000.0) : 0.0,
-               t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0, n_threads);
+               stop, n_threads, stats.t_block_ms, stats.t_causal_ms);
     } else {
         printf("\n");
         fprintf(stderr, "[%s] %d tokens, %d block + %d causal passes, %.2f tokens/pass, %.1f tok/s, %d threads, stop: %s\n",
