@@ -195,7 +195,8 @@ def test_serve_defaults_fill_what_a_request_leaves_out() -> None:
     from clover_cpp.openai_schema import CloverFields
     from clover_cpp.prepare import Defaults, Preparer
 
-    prep = Preparer(SimpleNamespace(n_ctx=100), None, "m", 8,  # type: ignore[arg-type]
+    model = SimpleNamespace(n_ctx=100, info=SimpleNamespace(n_vocab=3072, mask_token_id=3007))  # what _params reads
+    prep = Preparer(model, None, "m", 8,  # type: ignore[arg-type]
                     Defaults(temperature=0.8, max_tokens=10, top_k=40, top_p=0.5, seed=7))
     p = prep._params(CloverFields(model="m"), 5, None, "messages")  # noqa: SLF001
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (10, 0.8, 40, 0.5, 7)
@@ -203,6 +204,6 @@ def test_serve_defaults_fill_what_a_request_leaves_out() -> None:
     assert (p.max_tokens, p.top_k, p.top_p, p.seed) == (5, 0, 1.0, 1)
     p = prep._params(CloverFields(model="m"), 5, 3, "messages")  # noqa: SLF001
     assert p.max_tokens == 3
-    plain = Preparer(SimpleNamespace(n_ctx=100), None, "m", 8, Defaults())  # type: ignore[arg-type]
+    plain = Preparer(model, None, "m", 8, Defaults())  # type: ignore[arg-type]
     p = plain._params(CloverFields(model="m"), 5, None, "messages")  # noqa: SLF001
     assert (p.max_tokens, p.top_k, p.top_p, p.seed) == (95, 0, 1.0, 0)

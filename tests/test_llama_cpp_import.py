@@ -62,7 +62,8 @@ def install(venv: Path, lib: Path) -> subprocess.CompletedProcess[str]:
 def env_after_pth(site_dir: Path, **env: str) -> dict[str, str | None]:
     code = ("import json, os, site, sys; site.addsitedir(sys.argv[1]); "
             "print(json.dumps({k: os.environ.get(k) for k in ('LLAMA_CPP_LIB_PATH', 'CLOVER_LLAMA_LIB_DEFAULT')}))")
-    done = subprocess.run([sys.executable, "-c", code, str(site_dir)], capture_output=True, text=True,
+    # -S: not the venv's own site-packages, whose .pth (from `make native`) would set the variables first
+    done = subprocess.run([sys.executable, "-S", "-c", code, str(site_dir)], capture_output=True, text=True,
                           env=clean_env(**env))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
