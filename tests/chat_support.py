@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pexpect  # a test dependency (pyproject [test]): missing, the suite fails instead of skipping
+
 from clover_cpp.output_parser import ParsedOutput, opens_reasoning, parse_output
 from clover_ref.tokenizer import load_tokenizer, render_chat
 
@@ -89,3 +91,34 @@ def child_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
+
+class ChatProcess:
+    """`clover-cpp chat` in a pseudo-terminal (pexpect), without color."""
+
+    """A `clover-cpp chat` child on a pseudo-terminal; ``out`` accumulates what it printed (\\r\\n -> \\n)."""
+
+    def __init__(self, gguf: Path, *args: str) -> None:
+        cmd = cli_command("chat", "-m", str(gguf), "--color", "never", *args)
+        env = child_env() | {"TERM": "dumb"}
+        self.child = pexpect.spawn(cmd[0], cmd[1:], env=env, encoding="utf-8", codec_errors="replace",
+                                   timeout=120, dimensions=(50, 250))
+        self.prompt()
+
+    def prompt(self) -> str:
+        """Wait for the input prompt; returns what came before it."""
+        self.child.expect("\n> ")
+        return self.child.before.replace("\r\n", "\n")
+
+    def send(self, line: str) -> str:
+        self.child.sendline(line)
+        return self.prompt()
+
+    def close(self) -> int:
+        self.child.sendeof()
+        self.child.expect(pexpect.EOF)
+        self.child.close()
+        return self.child.exitstatus
+
+    def kill(self) -> None:
+        if self.child.isalive():
+            self.child.terminate(force=True)

@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pexpect  # a test dependency (pyproject [test]): missing, the suite fails instead of skipping
 import pytest
 
-from chat_support import Reference, child_env, cli_command
+from chat_support import ChatProcess, Reference
 from native_support import clover_convert, require_engine
 
 STATS = r"TPF [0-9.]+, prefill \d+ tokens, stop: \w+"
@@ -32,42 +31,12 @@ def ref(tiny_checkpoint: Path, tiny_model: Any) -> Reference:
     return Reference(tiny_checkpoint, tiny_model)
 
 
-class Chat:
-    """A `clover-cpp chat` child on a pseudo-terminal; ``out`` accumulates what it printed (\\r\\n -> \\n)."""
-
-    def __init__(self, gguf: Path, *args: str) -> None:
-        cmd = cli_command("chat", "-m", str(gguf), "--color", "never", *args)
-        env = child_env() | {"TERM": "dumb"}
-        self.child = pexpect.spawn(cmd[0], cmd[1:], env=env, encoding="utf-8", codec_errors="replace",
-                                   timeout=120, dimensions=(50, 250))
-        self.prompt()
-
-    def prompt(self) -> str:
-        """Wait for the input prompt; returns what came before it."""
-        self.child.expect("\n> ")
-        return self.child.before.replace("\r\n", "\n")
-
-    def send(self, line: str) -> str:
-        self.child.sendline(line)
-        return self.prompt()
-
-    def close(self) -> int:
-        self.child.sendeof()
-        self.child.expect(pexpect.EOF)
-        self.child.close()
-        return self.child.exitstatus
-
-    def kill(self) -> None:
-        if self.child.isalive():
-            self.child.terminate(force=True)
-
-
 @pytest.fixture
 def chat_factory(gguf: Path) -> Iterator[Any]:
-    started: list[Chat] = []
+    started: list[ChatProcess] = []
 
-    def make(*args: str) -> Chat:
-        started.append(Chat(gguf, *args))
+    def make(*args: str) -> ChatProcess:
+        started.append(ChatProcess(gguf, *args))
         return started[-1]
 
     yield make

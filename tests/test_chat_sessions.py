@@ -16,10 +16,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import pexpect
 import pytest
 
-from chat_support import child_env, cli_command
+from chat_support import ChatProcess
 from native_support import clover_convert, require_engine
 
 TURNS = ("hello", "again", "and a third one")
@@ -243,26 +242,8 @@ def test_save_that_cannot_write_leaves_nothing_behind(apps: Any, gguf: Path, tmp
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
-class Chat:
-    def __init__(self, gguf: Path, *args: str) -> None:
-        cmd = cli_command("chat", "-m", str(gguf), "--color", "never", "--mode", "ar", "-n", "12", *args)
-        self.child = pexpect.spawn(cmd[0], cmd[1:], env=child_env() | {"TERM": "dumb"}, encoding="utf-8",
-                                   codec_errors="replace", timeout=120, dimensions=(50, 250))
-        self.prompt()
-
-    def prompt(self) -> str:
-        self.child.expect("\n> ")
-        return self.child.before.replace("\r\n", "\n")
-
-    def send(self, line: str) -> str:
-        self.child.sendline(line)
-        return self.prompt()
-
-    def close(self) -> int:
-        self.child.sendeof()
-        self.child.expect(pexpect.EOF)
-        self.child.close()
-        return self.child.exitstatus
+def Chat(gguf: Path, *args: str) -> ChatProcess:  # noqa: N802 - reads like the class it makes
+    return ChatProcess(gguf, "--mode", "ar", "-n", "12", *args)
 
 
 def _answer(out: str) -> tuple[str, str]:

@@ -168,6 +168,18 @@ def _wait_for_temp(directory: Path, proc: subprocess.Popen[str], suffix: str) ->
         time.sleep(0.05)
     time.sleep(0.3)
 
+def _interrupt(proc: subprocess.Popen, sig: int, status: int, tool: str, out_dir: Path) -> None:
+    """Signal a running tool: it stops within 10 s with ``status``, one line and no traceback, and leaves
+    ``out_dir`` empty."""
+    start = time.monotonic()
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - start < 10
+    assert proc.returncode == status, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{tool}: ") and "Traceback" not in stderr, stderr
+    assert list(out_dir.iterdir()) == []
+
 
 @pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)])
 def test_convert_signal_leaves_nothing(model: Path, tmp_path: Path, sig: signal.Signals, status: int) -> None:
@@ -177,14 +189,7 @@ def test_convert_signal_leaves_nothing(model: Path, tmp_path: Path, sig: signal.
                              "--outtype", "f32", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     _wait_for_temp(out_dir, proc, ".partial")
-    start = time.monotonic()
-    proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=30)
-    assert time.monotonic() - start < 10
-    assert proc.returncode == status, stderr
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("clover-convert: ") and "Traceback" not in stderr, stderr
-    assert list(out_dir.iterdir()) == []
+    _interrupt(proc, sig, status, "clover-convert", out_dir)
 
 
 # ---------------------------------------------------------------------------------------------- quantize
@@ -248,11 +253,4 @@ def test_quantize_signal_leaves_nothing(f32_gguf: Path, tmp_path: Path, sig: sig
     proc = subprocess.Popen([str(VENV_PYTHON), "-c", SLOW_QUANTIZE, str(f32_gguf), str(tmp_path / "out.gguf"),
                              "Q8_0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_temp(tmp_path, proc, ".tmp")
-    start = time.monotonic()
-    proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=30)
-    assert time.monotonic() - start < 10
-    assert proc.returncode == status, stderr
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("clover-quantize: ") and "Traceback" not in stderr, stderr
-    assert list(tmp_path.iterdir()) == []
+    _interrupt(proc, sig, status, "clover-quantize", tmp_path)
