@@ -238,7 +238,7 @@ def json_output(text: str, prompt_ids: list[int], tokens: list[int], stats, seco
     extra = {"threads": stats.threads, "seconds": seconds, "block_ms": stats.block_ms, "causal_ms": stats.causal_ms}
     if stats.mode == "auto":
         extra |= {"auto_rounds": dict(stats.auto_rounds), "auto_drafted": stats.auto_drafted,
-                  "auto_accepted": stats.auto_accepted}
+                  "auto_accepted": stats.auto_accepted, "costs": vars(stats.costs) if stats.costs else None}
     return generate_output(text=text, prompt_ids=prompt_ids, tokens=tokens, mode=stats.mode,
                            block_size=stats.block_size, threshold=stats.threshold,
                            prompt_tokens=stats.prompt_tokens, block_passes=stats.block_passes,
