@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from clover_ref.factory import init_checkpoint
+
+# Tests send SIGINT to child processes (Ctrl-C in the chat, interrupted conversions). A shell without job
+# control starts a background job (`make test &`, nohup) with SIGINT ignored, every child would inherit that,
+# and CPython then never turns SIGINT into KeyboardInterrupt. Restore the default here (children get SIG_DFL).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
