@@ -86,6 +86,13 @@ void clover_cache_forget_after(clover_engine * eng, int32_t keep) {
             [keep](const clover_checkpoint & c) { return c.n_past > keep; }), eng->checkpoints.end());
 }
 
+void clover_cache_forget_all(clover_engine * eng) {
+    eng->checkpoints.clear();
+    eng->checkpoint_at = -1;
+    eng->checkpoint_hints.clear();
+    eng->rewound = false;
+}
+
 // restore the checkpoint and cut the KV entries past it; false leaves a history to be reset
 static bool clover_cache_restore(clover_engine * eng, clover_checkpoint & cp) {
     const size_t read = llama_state_seq_set_data_ext(eng->ctx, cp.state.data(), cp.state.size(), CLOVER_SEQ_HISTORY,
@@ -205,10 +212,7 @@ int32_t clover_engine_set_history(struct clover_engine * engine, const llama_tok
     eng->has_seed = false;
     eng->seed     = 0;
     eng->history.assign(tokens, tokens + n_tokens);
-    eng->checkpoints.clear();  // they described the previous history
-    eng->checkpoint_at = -1;
-    eng->checkpoint_hints.clear();
-    eng->rewound = false;
+    clover_cache_forget_all(eng);  // the checkpoints described the previous history
     return 0;
 }
 

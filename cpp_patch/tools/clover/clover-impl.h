@@ -133,6 +133,7 @@ bool    clover_cache_save(clover_engine * eng);                      // a checkp
 int32_t clover_cache_next_due(const clover_engine * eng);            // the next n_past a prefill checkpoints at, or -1
 void    clover_cache_forget_after(clover_engine * eng, int32_t keep);  // drop checkpoints past the history
 bool    clover_cache_rewind(clover_engine * eng);                    // back to the latest checkpoint
+void    clover_cache_forget_all(clover_engine * eng);                // no checkpoint, hint or rewind left
 
 // auto mode (clover-auto.cpp)
 bool clover_run_auto(clover_run & run);

@@ -1274,10 +1274,7 @@ void clover_engine_reset(struct clover_engine * engine) {
     engine->has_seed = false;
     engine->seed     = 0;
     engine->history.clear();
-    engine->checkpoints.clear();  // they describe positions that are gone
-    engine->checkpoint_at = -1;
-    engine->checkpoint_hints.clear();
-    engine->rewound = false;
+    clover_cache_forget_all(engine);  // the checkpoints describe positions that are gone
 }
 
 int32_t clover_engine_n_past(const struct clover_engine * engine) {
