@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -116,13 +116,19 @@ def f16(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ products
+def _dense_cast() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The input rounding of an F32 ``mul_mat`` at the current row count: None (mmvf, exact), truncation
+    (mmf) or rounding (cuBLAS)."""
+    a = _active
+    if not a.dense_tf32 or _rows <= a.dense_exact_max_rows:
+        return None
+    return tf32_truncate if _rows <= a.mmf_max_rows else tf32_round
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for a dense weight (``mul_mat``)."""
-    a = _active
-    if a.dense_tf32 and _rows > a.dense_exact_max_rows:
-        cast = tf32_truncate if _rows <= a.mmf_max_rows else tf32_round
-        return F.linear(cast(x), cast(weight))
-    return F.linear(x, weight)
+    cast = _dense_cast()
+    return F.linear(x, weight) if cast is None else F.linear(cast(x), cast(weight))
 
 
 def expert(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -134,11 +140,8 @@ def expert(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def activations(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """An einsum between two f32 activations (a ``mul_mat`` with an F32 src0, as dense)."""
-    arith = _active
-    if arith.dense_tf32 and _rows > arith.dense_exact_max_rows:
-        cast = tf32_truncate if _rows <= arith.mmf_max_rows else tf32_round
-        return torch.einsum(equation, cast(a), cast(b))
-    return torch.einsum(equation, a, b)
+    cast = _dense_cast()
+    return torch.einsum(equation, a, b) if cast is None else torch.einsum(equation, cast(a), cast(b))
 
 
 def cache_value(x: torch.Tensor) -> torch.Tensor:
