@@ -72,6 +72,8 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CloverInputError(path, f"has a corrupt safetensors header ({exc})") from None
+    except RecursionError:
+        raise CloverInputError(path, "has a corrupt safetensors header (JSON nested too deeply)") from None
     if not isinstance(header, dict):
         raise CloverInputError(path, "has a corrupt safetensors header (not a JSON object)")
     data_start = 8 + header_len
@@ -81,7 +83,19 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
         if name == "__metadata__":
             continue
         tensors[name] = _parse_entry(path, name, entry, data_start, data_size)
+    _check_no_overlap(path, tensors, data_start)
     return tensors
+
+
+def _check_no_overlap(path: Path, tensors: dict[str, SourceTensor], data_start: int) -> None:
+    """Tensors' byte ranges must not overlap (the safetensors format lays them end to end): a header whose
+    data_offsets overlap would read one tensor's bytes as another's."""
+    spans = sorted((t.data_offset - data_start, t.data_offset - data_start + t.n_elements * t.itemsize, name)
+                   for name, t in tensors.items())
+    for (_, end_a, a), (begin_b, end_b, b) in zip(spans, spans[1:]):
+        if begin_b < end_a and end_b > begin_b:
+            raise CloverInputError(path, f"tensor '{b}' (data_offsets [{begin_b}, {end_b}]) overlaps tensor '{a}' "
+                                         f"(which ends at {end_a}): a corrupt safetensors header")
 
 
 def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_size: int) -> SourceTensor:
@@ -96,6 +110,8 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_siz
             or not all(isinstance(o, int) for o in offsets)):
         raise CloverInputError(path, f"tensor '{name}' has a corrupt header entry {entry!r}")
     begin, end = offsets
+    if end < begin:
+        raise CloverInputError(path, f"tensor '{name}' has data_offsets [{begin}, {end}] out of order")
     if end > data_size:
         raise CloverInputError(path, f"is truncated: tensor '{name}' ends at byte {end} of a {data_size}-byte "
                                      "data section")
@@ -120,6 +136,8 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, Path] | None]:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise CloverInputError(index_path, f"is not a valid safetensors index ({exc})",
                                    field="weight_map") from None
+        except RecursionError:
+            raise CloverInputError(index_path, "is not a valid safetensors index (JSON nested too deeply)") from None
         by_name: dict[str, Path] = {}
         for tensor_name, file_name in weight_map.items():
             path = model_dir / str(file_name)

@@ -9,13 +9,12 @@ strip accents) are not ported: Qwen tokenizers use NFC, which maps to no key.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clover_ref.errors import CloverInputError
+from clover_ref.errors import CloverInputError, read_json
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +38,7 @@ def load_special_vocab(model_dir: Path) -> SpecialVocab:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CloverInputError(path, f"is not valid JSON ({exc})") from None
+    return read_json(path)
 
 
 def _set_special_token(vocab: SpecialVocab, typ: str, token_id: Any) -> None:

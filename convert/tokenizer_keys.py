@@ -9,7 +9,6 @@ llama.cpp's list): it is always ``qwen35``, with a warning when the split regex 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 from gguf import GGUFWriter, TokenType
 from tokenizers import Tokenizer
 
-from clover_ref.errors import CloverInputError
+from clover_ref.errors import CloverInputError, read_json
 from clover_ref.tokenizer import PRETOKENIZE_REGEX
 
 from .special_vocab import SpecialVocab, load_special_vocab
@@ -108,7 +107,7 @@ def _split_regexes(node: Any) -> list[str]:
 
 
 def _check_pre_tokenizer(path: Path) -> None:
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = read_json(path)
     if PRETOKENIZE_REGEX not in _split_regexes(data.get("pre_tokenizer")):
         log.warning("%s does not use Qwen3.5's split regex; the GGUF still declares pre-tokenizer '%s', so "
                     "llama.cpp may tokenize differently", path, PRE_TOKENIZER)

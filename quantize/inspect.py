@@ -72,10 +72,14 @@ def shard_paths(path: Path) -> tuple[Path, ...]:
 
 
 def read_input(path: Path) -> InputModel:
-    """Read the header(s) of a clover GGUF (no tensor data). Raises InputError for anything else."""
+    """Read the header(s) of a clover GGUF (no tensor data) that the engine accepts (``check_engine_accepts``).
+    Raises InputError for anything else."""
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     shards = shard_paths(path)
+    # the engine's checks first: its parser refuses a damaged file at once, where gguf-py's reader can spin for
+    # minutes on a corrupted array length
+    check_engine_accepts(path)
     tensors: list[InputTensor] = []
     file_type: int | None = None
     for i, shard in enumerate(shards):
@@ -97,3 +101,16 @@ def read_input(path: Path) -> InputModel:
             tensors.append(InputTensor(t.name, tuple(int(d) for d in t.shape), GGMLQuantizationType(t.tensor_type),
                                        int(t.n_bytes)))
     return InputModel(path, shards, tuple(tensors), file_type)
+
+
+def check_engine_accepts(path: Path) -> None:
+    """The engine's own checks of a GGUF, so clover-quantize refuses what clover-cpp refuses: libclover's checks
+    of the clover keys and of the file's size, then llama.cpp's loader with the clover architecture's checks of
+    hyperparameters and tensor types (``no_alloc``: no weight is read). Raises InputError with the reason."""
+    from clover_cpp import engine, native  # noqa: PLC0415 - the native library loads only when needed
+
+    try:
+        engine.read_model_info(str(path))
+        native.check_model(path)
+    except native.NativeError as exc:
+        raise InputError(str(exc)) from None

@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CloverInputError
+from .errors import CloverInputError, missing_path_reason, read_json
+
+# the largest block size a checkpoint may declare; the engine's GGUF loader refuses the same
+# (cpp_patch/src/models/clover.cpp CLOVER_MAX_BLOCK_SIZE)
+MAX_BLOCK_SIZE = 256
 
 CONFIG_FILE = "config.json"
 MODEL_TYPE = "clover_moe"
@@ -30,6 +34,14 @@ CLOVER_FIELDS = (
     "calibrated_thresholds",
     "linear_conv_right_kernel_dim",
 )
+
+
+def qwen_twin_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A Clover config.json without the Clover fields, as a plain Qwen3.5-MoE one: what stock llama.cpp converts
+    (the "stock twin" of tests and benches)."""
+    twin = {k: v for k, v in config.items() if k not in CLOVER_FIELDS}
+    twin.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
+    return twin
 
 
 def _default_rope() -> dict[str, Any]:
@@ -219,6 +231,10 @@ class CloverConfig:
         for size in self.calibrated_block_sizes:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise bad("calibrated_block_sizes", f"must hold positive integers, got {size!r}")
+        for name, sizes in (("block_size", [self.block_size]), ("calibrated_block_sizes", self.calibrated_block_sizes)):
+            if max(sizes, default=0) > MAX_BLOCK_SIZE:
+                raise bad(name, f"holds {max(sizes)}; block sizes above {MAX_BLOCK_SIZE} are not supported "
+                                "(the engine keeps B-1 rollback states of the recurrent memory)")
         for threshold in self.calibrated_thresholds:
             if not _is_number(threshold) or not (0.0 <= threshold <= 1.0):
                 raise bad("calibrated_thresholds", f"must hold numbers in [0, 1], got {threshold!r}")
@@ -306,12 +322,8 @@ class CloverConfig:
     def load(cls, model_dir: str | Path) -> "CloverConfig":
         path = Path(model_dir) / CONFIG_FILE
         if not path.is_file():
-            raise CloverInputError(path, "not found; a Clover checkpoint needs a config.json")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CloverInputError(path, f"is not valid JSON ({exc})") from None
-        return cls.from_dict(data, path)
+            raise CloverInputError(path, missing_path_reason(path) or "not found; a Clover checkpoint needs a config.json")
+        return cls.from_dict(read_json(path), path)
 
     def save(self, model_dir: str | Path) -> Path:
         path = Path(model_dir) / CONFIG_FILE

@@ -27,7 +27,6 @@ import math
 import sys
 import sysconfig
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np

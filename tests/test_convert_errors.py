@@ -1,4 +1,4 @@
-"""The bad-input matrix of issue 3: each case gives a one-line error naming the problem, exit code 2, and no
+"""The converter's bad-input matrix (docs/gguf-format.md): each case gives a one-line error naming the problem, exit code 2, and no
 output file left behind (neither the GGUF nor the hidden temporary directory)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from clover_convert import output
 from clover_ref.factory import init_checkpoint_streaming
-from test_convert_support import VENV_PYTHON, copy_checkpoint, edit_config, rewrite_weights, run_convert
+from convert_support import VENV_PYTHON, copy_checkpoint, edit_config, rewrite_weights, run_convert
 
 
 @pytest.fixture
@@ -166,3 +166,22 @@ def test_config_only_directory_needs_dry_run(model: Path, out_dir: Path, capsys)
 
 def test_model_directory_must_exist(tmp_path: Path, out_dir: Path, capsys) -> None:
     assert_fails(capsys, tmp_path / "nowhere", out_dir, "nowhere", "is not a directory")
+
+
+def test_nonfinite_weights_refused_then_allowed(model: Path, out_dir: Path, capsys) -> None:
+    """NaN/inf weights: an error naming the tensor and the count; --allow-nonfinite converts with that warning."""
+    name = "model.layers.1.post_attention_layernorm.weight"
+
+    def poison(tensors: dict) -> None:
+        t = tensors[name].clone()
+        t[:3] = float("nan")
+        t[5] = float("-inf")
+        tensors[name] = t
+    rewrite_weights(model, poison)
+    assert_fails(capsys, model, out_dir, name, "4 non-finite values", "--allow-nonfinite")
+    code, _, err = run_convert(capsys, model, "--outfile", out_dir / "out.gguf", "--outtype", "f32",
+                               "--allow-nonfinite")
+    assert code == 0, err
+    assert err.strip().splitlines() == [f"clover-convert: warning: {model / 'model.safetensors'}: tensor '{name}' "
+                                        "(GGUF blk.1.post_attention_norm.weight) holds 4 non-finite values (NaN or inf)"]
+    assert (out_dir / "out.gguf").is_file()

@@ -16,8 +16,22 @@
 #include "llama-memory-recurrent.h"
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+
+// the largest block size a GGUF may declare (clover.block_size, calibrated sizes); the converter refuses the same
+// (reference/config.py MAX_BLOCK_SIZE): every block size needs B-1 rollback states of the recurrent memory
+static constexpr uint32_t CLOVER_MAX_BLOCK_SIZE = 256;
+
+static std::string clover_key(llama_model_loader & ml, llm_kv kid) {
+    return ml.llm_kv(kid);
+}
+
+// a bad hyperparameter from the file: a load error naming the key, never an abort later in a kernel
+[[noreturn]] static void clover_bad_key(llama_model_loader & ml, llm_kv kid, const std::string & what) {
+    throw std::runtime_error("clover: " + clover_key(ml, kid) + " " + what);
+}
 
 static bool clover_kernel_supported(uint32_t k) {
     // the right branch uses ggml_ssm_conv; the CUDA kernel exists only for these sizes
@@ -25,6 +39,12 @@ static bool clover_kernel_supported(uint32_t k) {
 }
 
 void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
+    // qwen35moe derives the layer kinds from full_attention_interval (a modulo) when the recurrent_layers array
+    // is missing: a zero interval would divide by zero there
+    uint32_t full_attn_interval = 4;
+    if (ml.get_key(LLM_KV_FULL_ATTENTION_INTERVAL, full_attn_interval, false) && full_attn_interval == 0) {
+        clover_bad_key(ml, LLM_KV_FULL_ATTENTION_INTERVAL, "= 0 must be > 0");
+    }
     llama_model_qwen35moe::load_arch_hparams(ml);
 
     if (hparams.n_layer_nextn != 0) {
@@ -44,9 +64,21 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     ml.get_arr(LLM_KV_CLOVER_CALIBRATED_BLOCK_SIZES, clover_calibrated_block_sizes, false);
     ml.get_arr(LLM_KV_CLOVER_CALIBRATED_THRESHOLDS,  clover_calibrated_thresholds,  false);
 
-    if (hparams.clover_block_size == 0) {
-        throw std::runtime_error("clover: clover.block_size must be > 0");
+    if (hparams.clover_block_size == 0 || hparams.clover_block_size > CLOVER_MAX_BLOCK_SIZE) {
+        clover_bad_key(ml, LLM_KV_DFLASH_BLOCK_SIZE, "= " + std::to_string(hparams.clover_block_size) +
+                " must be in 1 .. " + std::to_string(CLOVER_MAX_BLOCK_SIZE));
     }
+    if (!(hparams.clover_threshold >= 0.0f && hparams.clover_threshold <= 1.0f)) {  // NaN fails too
+        clover_bad_key(ml, LLM_KV_CLOVER_DIFFUSION_THRESHOLD, "= " + std::to_string(hparams.clover_threshold) +
+                " must be in [0, 1]");
+    }
+    for (float t : clover_calibrated_thresholds) {
+        if (!(t >= 0.0f && t <= 1.0f)) {
+            clover_bad_key(ml, LLM_KV_CLOVER_CALIBRATED_THRESHOLDS, "holds " + std::to_string(t) +
+                    "; thresholds must be in [0, 1]");
+        }
+    }
+    check_trunk_hparams(ml);
     if (!clover_kernel_supported(hparams.clover_conv_right_kernel)) {
         throw std::runtime_error("clover: clover.ssm.conv_right_kernel = " +
                 std::to_string(hparams.clover_conv_right_kernel) + " is not supported (supported: 3, 4, 5, 9, 15)");
@@ -55,16 +87,88 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
         throw std::runtime_error("clover: clover.diffusion.calibrated_block_sizes and calibrated_thresholds differ in length");
     }
     for (uint32_t b : clover_calibrated_block_sizes) {
-        if (b == 0) {
-            throw std::runtime_error("clover: clover.diffusion.calibrated_block_sizes holds a zero block size");
+        if (b == 0 || b > CLOVER_MAX_BLOCK_SIZE) {
+            clover_bad_key(ml, LLM_KV_CLOVER_CALIBRATED_BLOCK_SIZES, "holds " + std::to_string(b) +
+                    "; block sizes must be in 1 .. " + std::to_string(CLOVER_MAX_BLOCK_SIZE));
         }
     }
-    if (hparams.ssm_n_group == 0 || hparams.ssm_dt_rank % hparams.ssm_n_group != 0) {
-        throw std::runtime_error("clover: ssm.time_step_rank (value heads) must be a multiple of ssm.group_count (key heads)");
+}
+
+// The qwen35moe trunk's hyperparameters, checked where a bad value would otherwise reach a GGML_ASSERT in a
+// kernel (at the first decode) or a reshape: a malformed file is a load error that names the key.
+void llama_model_clover::check_trunk_hparams(llama_model_loader & ml) const {
+    const auto need = [&](bool ok, llm_kv kid, uint64_t value, const char * rule) {
+        if (!ok) {
+            clover_bad_key(ml, kid, "= " + std::to_string(value) + " " + rule);
+        }
+    };
+    need(hparams.n_ctx_train > 0, LLM_KV_CONTEXT_LENGTH, hparams.n_ctx_train, "must be > 0");
+    need(hparams.n_embd > 0, LLM_KV_EMBEDDING_LENGTH, hparams.n_embd, "must be > 0");
+    need(hparams.n_head() > 0, LLM_KV_ATTENTION_HEAD_COUNT, hparams.n_head(), "must be > 0");
+    need(hparams.n_head_kv() > 0 && hparams.n_head() % hparams.n_head_kv() == 0, LLM_KV_ATTENTION_HEAD_COUNT_KV,
+            hparams.n_head_kv(), "must be > 0 and divide attention.head_count");
+    need(hparams.n_expert > 0, LLM_KV_EXPERT_COUNT, hparams.n_expert, "must be > 0 (a mixture of experts)");
+    need(hparams.n_ff_exp() > 0, LLM_KV_EXPERT_FEED_FORWARD_LENGTH, hparams.n_ff_exp(), "must be > 0");
+
+    const uint32_t n_rot = hparams.n_rot_full;
+    need(n_rot > 0 && n_rot % 2 == 0 && n_rot <= hparams.n_embd_head_k_full, LLM_KV_ROPE_DIMENSION_COUNT, n_rot,
+            ("must be even and in 2 .. attention.key_length (" + std::to_string(hparams.n_embd_head_k_full) + ")").c_str());
+    int64_t sections = 0;
+    for (int i = 0; i < 4; ++i) {
+        need(hparams.rope_sections[i] >= 0, LLM_KV_ROPE_DIMENSION_SECTIONS, (uint64_t) hparams.rope_sections[i],
+                "must hold non-negative sections");
+        sections += hparams.rope_sections[i];
+    }
+    need(2 * sections == n_rot, LLM_KV_ROPE_DIMENSION_SECTIONS, (uint64_t) sections,
+            ("is the sum of the sections; it must be rope.dimension_count / 2 = " + std::to_string(n_rot / 2)).c_str());
+    if (!(std::isfinite(hparams.rope_freq_base_train) && hparams.rope_freq_base_train > 0.0f)) {
+        clover_bad_key(ml, LLM_KV_ROPE_FREQ_BASE, "= " + std::to_string(hparams.rope_freq_base_train) + " must be a positive number");
+    }
+    if (!(std::isfinite(hparams.f_norm_rms_eps) && hparams.f_norm_rms_eps > 0.0f && hparams.f_norm_rms_eps < 1.0f)) {
+        clover_bad_key(ml, LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, "= " + std::to_string(hparams.f_norm_rms_eps) +
+                " must be a positive number below 1");
+    }
+
+    need(hparams.ssm_d_conv > 0, LLM_KV_SSM_CONV_KERNEL, hparams.ssm_d_conv, "must be > 0");
+    need(hparams.ssm_d_state > 0, LLM_KV_SSM_STATE_SIZE, hparams.ssm_d_state, "must be > 0");
+    need(hparams.ssm_dt_rank > 0, LLM_KV_SSM_TIME_STEP_RANK, hparams.ssm_dt_rank, "must be > 0");
+    need(hparams.ssm_n_group > 0 && hparams.ssm_dt_rank % hparams.ssm_n_group == 0, LLM_KV_SSM_GROUP_COUNT,
+            hparams.ssm_n_group, "(key heads) must be > 0 and divide ssm.time_step_rank (value heads)");
+    need(hparams.ssm_d_inner == hparams.ssm_d_state * hparams.ssm_dt_rank, LLM_KV_SSM_INNER_SIZE, hparams.ssm_d_inner,
+            ("must be ssm.state_size * ssm.time_step_rank = " +
+             std::to_string(hparams.ssm_d_state * hparams.ssm_dt_rank)).c_str());
+}
+
+// The types of the trunk's tensors that llama.cpp's loader does not check: these are F32 operands of binary ops,
+// norms and ssm_conv, whose CPU kernels abort on anything else at the first decode. Matrix weights may be F32,
+// F16, BF16 or quantized; an integer type would abort in the first mat-mul or get_rows.
+static void clover_check_tensor_types(const llama_model_loader & ml) {
+    static const char * const f32_suffixes[] = {
+        "norm.weight", ".bias", "ssm_a", "ssm_conv1d.weight",
+    };
+    for (const auto & it : ml.weights_map) {
+        const std::string & name = it.first;
+        const ggml_tensor * t    = it.second.tensor;
+        bool must_f32 = false;
+        for (const char * suffix : f32_suffixes) {
+            const size_t n = std::strlen(suffix);
+            must_f32 |= name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
+        }
+        if (must_f32 && t->type != GGML_TYPE_F32) {
+            throw std::runtime_error("clover: tensor '" + name + "' must be F32, got " + ggml_type_name(t->type));
+        }
+        const bool matrix_ok = t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_BF16 ||
+                               ggml_is_quantized(t->type);
+        if (!matrix_ok) {
+            throw std::runtime_error("clover: tensor '" + name + "' has type " + ggml_type_name(t->type) +
+                    "; weights must be F32, F16, BF16 or a quantized type");
+        }
     }
 }
 
 void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
+    clover_check_tensor_types(ml);
+
     llama_model_qwen35moe::load_arch_tensors(ml);
 
     LLAMA_LOAD_LOCALS;

@@ -216,6 +216,12 @@ static bool clover_cli_on_tokens(const llama_token * tokens, int32_t n_tokens, v
 }
 
 int main(int argc, char ** argv) {
+#ifndef _WIN32
+    // ggml's abort hook attaches gdb for a backtrace, which can hang for minutes under a supervisor; ggml reads this
+    // again when it aborts, so setting it here (unless the user chose) is enough. A malformed GGUF is refused
+    // before any abort anyway.
+    setenv("GGML_NO_BACKTRACE", "1", 0);
+#endif
     std::string model_path;
     std::string prompt;
     bool        have_prompt = false;
