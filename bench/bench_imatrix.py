@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Does masked calibration help? (issue 6). Not a unit test.
+"""Does masked calibration help? (docs/quantize.md). Not a unit test.
 
     .venv/bin/python bench/bench_imatrix.py [--workdir build/bench-imatrix] [--chunks 24]
 
@@ -93,16 +93,22 @@ def main() -> int:
     lines = ["# Importance matrix: masked vs AR-only calibration (`bench/bench_imatrix.py`)", "",
              f"Trained demo model (f16 reference), {args.chunks} calibration chunks of 512 tokens from the training "
              f"split, evaluated on {len(docs)} held-out files ({len(ref_c)} causal rows, {len(ref_b)} masked "
-             "block rows).", "",
-             "| type / imatrix | KL causal | KL block | top-1 causal | top-1 block |", "|---|---:|---:|---:|---:|"]
+             "block rows)."]
+    save_kl_table("bench_imatrix", lines, rows)
+    return 0
+
+
+def save_kl_table(stem: str, header: list[str], rows: dict[str, dict[str, float]]) -> None:
+    """bench/results/{stem}.md (``header``, then one table row per key) and {stem}.json (``rows``)."""
+    lines = [*header, "", "| type / imatrix | KL causal | KL block | top-1 causal | top-1 block |",
+             "|---|---:|---:|---:|---:|"]
     for key, r in rows.items():
         lines.append(f"| {key} | {r['kl_causal']:.3e} | {r['kl_block']:.3e} | {r['top1_causal']:.3f} | "
                      f"{r['top1_block']:.3f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_imatrix.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "bench_imatrix.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """``clover-convert``: convert a Clover Hugging Face checkpoint to GGUF (architecture ``clover``).
 
-    clover-convert MODEL_DIR [OUT.gguf | --outfile OUT.gguf] [--outtype f32|f16|bf16|q8_0|auto]
-        [--split-max-size N(K|M|G)] [--split-max-tensors N] [--dry-run] [--metadata FILE] [--threads N]
+    clover-convert MODEL_DIR [OUT.gguf | --outfile OUT.gguf] [--outtype f32|f16|bf16|q8_0|auto|TYPE]
+        [--imatrix FILE] [--split-max-size N(K|M|G)] [--split-max-tensors N] [--dry-run] [--metadata FILE]
+        [--threads N]
+
+TYPE is one of clover-quantize's types (Q4_K_M, Q8_0, IQ4_XS, ...): the checkpoint is converted and
+quantized in one pass (clover_convert.onepass), with the file clover-quantize would write.
 
 Bad input or an output that cannot be written ends with a one-line message and exit code 2, and leaves
 no output file behind. An output that is not a regular file (a device such as /dev/null, a directory) or
@@ -16,12 +20,18 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import NoReturn, Sequence, TextIO
 
 from clover_ref import safe_output
 from clover_ref.errors import CloverInputError
 
-from .converter import ConvertOptions, ConvertResult, convert
+from clover_quantize.importance import ImatrixError
+from clover_quantize.inspect import InputError
+from clover_quantize.run import QuantizeError
+from clover_quantize.types import FILE_TYPES
+
+from .converter import ConvertOptions, ConvertResult, OptionError, convert, quantization_type
+from .ggml_native import NativeQuantError
 from .output import OutputError
 from .tensor_plan import OutType
 
@@ -45,16 +55,37 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, as every other bad input
+        print(f"{PROG}: error: {' '.join(message.split())} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+QUANT_TYPES = [t.name for t in FILE_TYPES if t.name not in ("F32", "F16", "BF16")]
+
+
+def out_type(text: str) -> str:
+    if text in [t.label for t in OutType] + ["auto"] or quantization_type(text) is not None:
+        return text
+    raise argparse.ArgumentTypeError(f"unknown type {text!r}: choose one of "
+                                     f"{', '.join([t.label for t in OutType] + ['auto'] + QUANT_TYPES)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Convert a Clover Hugging Face checkpoint to GGUF "
-                                     "(architecture 'clover'), streaming with bounded memory.")
+    parser = _Parser(prog=PROG, description="Convert a Clover Hugging Face checkpoint to GGUF "
+                     "(architecture 'clover'), streaming with bounded memory; or convert and quantize it in one "
+                     "pass (--outtype Q4_K_M and the other clover-quantize types).")
     parser.add_argument("model", type=Path, help="the Hugging Face checkpoint directory")
     parser.add_argument("outfile_arg", type=Path, nargs="?", metavar="OUT.gguf",
                         help="output file (same as --outfile)")
     parser.add_argument("--outfile", type=Path, help="output file or directory; default: "
                         "{Name}-{SizeLabel}-{Type}.gguf in the model directory; '{ftype}' is replaced by the type")
-    parser.add_argument("--outtype", default="auto", choices=[t.label for t in OutType] + ["auto"],
-                        help="tensor type of the weights (default auto: bf16 for BF16 sources, f16 for F16/F32)")
+    parser.add_argument("--outtype", default="auto", type=out_type, metavar="TYPE",
+                        help="f32, f16, bf16, q8_0 (the converter's own), auto (default: bf16 for BF16 sources, "
+                             "f16 for F16/F32), or a clover-quantize type, written in one pass: "
+                             + ", ".join(QUANT_TYPES) + " (Q8_0 in capitals is llama.cpp's Q8_0 mix)")
+    parser.add_argument("--imatrix", type=Path, metavar="FILE",
+                        help="importance matrix for a quantization type (as clover-quantize --imatrix)")
     parser.add_argument("--split-max-size", type=split_size, default=0, metavar="N(K|M|G)",
                         help="start a new shard before a shard would exceed this size")
     parser.add_argument("--split-max-tensors", type=positive_int, default=0, metavar="N",
@@ -66,9 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "region (full size, almost no disk), for planning tools such as "
                              "`clover-quantize --dry-run`; never run it")
     parser.add_argument("--metadata", type=Path, metavar="FILE", help="JSON file overriding general.* keys")
-    parser.add_argument("--threads", type=positive_int, default=min(2, os.cpu_count() or 1), metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="threads that read and encode chunks ahead of the writer; each adds one chunk "
-                             "(about 100 MiB) of memory (default: min(2, CPUs))")
+                             "(about 100 MiB) of memory (default: min(2, CPUs)); with a quantization type, the "
+                             "threads that quantize each chunk's rows (default: all CPUs; memory does not grow)")
+    parser.add_argument("--allow-nonfinite", action="store_true",
+                        help="convert weights that hold NaN or inf (a warning names each tensor and the count); "
+                             "without it they are an error")
     return parser
 
 
@@ -90,11 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.skeleton and not args.dry_run:
         build_parser().error("--skeleton goes with --dry-run")
     _log_warnings_to_stderr()
+    quant = quantization_type(args.outtype)
+    threads = args.threads or ((os.cpu_count() or 1) if quant is not None else min(2, os.cpu_count() or 1))
     options = ConvertOptions(
         model_dir=args.model, outfile=args.outfile or args.outfile_arg, outtype=args.outtype,
         split_max_size=args.split_max_size, split_max_tensors=args.split_max_tensors, dry_run=args.dry_run,
         skeleton=args.skeleton,
-        metadata=args.metadata, threads=args.threads,
+        metadata=args.metadata, threads=threads, allow_nonfinite=args.allow_nonfinite, imatrix=args.imatrix,
     )
     try:
         with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary directory
@@ -105,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except safe_output.Terminated as exc:
         print(f"{PROG}: {exc} (no partial output is left)", file=sys.stderr)
         return safe_output.exit_status(exc)
-    except (CloverInputError, OutputError) as exc:
+    except (CloverInputError, OptionError, OutputError, ImatrixError, InputError, QuantizeError, NativeQuantError) as exc:
         return _fail(str(exc))
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
@@ -118,6 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         for path in result.paths:
             print(path)
+        if result.quantized is not None:
+            plan, t = result.quantized.plan, result.quantized.timings
+            print(f"{PROG}: {plan.file_type.name}: {plan.src_bytes / 2**20:.1f} MiB -> {plan.dst_bytes / 2**20:.1f} "
+                  f"MiB ({plan.bits_per_weight:.2f} bpw) in {t.wall:.1f} s (thread-seconds: read {t.read:.1f}, "
+                  f"convert {t.convert:.1f}, quantize {t.quantize:.1f}, write {t.write:.1f}; {t.threads} threads)",
+                  file=sys.stderr)
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -15,9 +14,13 @@ from gguf.utility import model_weight_count_rounded_notation
 from tqdm import tqdm
 
 from clover_ref.config import CONFIG_FILE, CloverConfig
-from clover_ref.errors import CloverInputError
+from clover_ref.errors import CloverInputError, missing_path_reason, read_json
+
+from clover_quantize.importance import load_imatrix
+from clover_quantize.types import FileType, UnknownTypeError, file_type
 
 from .model_keys import ARCH, add_model_keys
+from .onepass import OnePassResult, write_header_and_hole, write_quantized
 from .output import AtomicOutput, OutputError, check_free_space, check_outputs, resolve_output_path, shard_paths
 from .safetensors_index import CheckpointIndex, index_checkpoint
 from .streaming import ChunkPipeline, StreamedTensor
@@ -41,7 +44,9 @@ class ConvertOptions:
     skeleton: bool = False  # with dry_run: write the header and a sparse, all-zero data region (for planning)
     metadata: Path | None = None
     threads: int = 2
+    allow_nonfinite: bool = False  # NaN/inf weights: a warning per tensor instead of an error
     progress: bool | None = None  # None: a progress bar only when stderr is a terminal
+    imatrix: Path | None = None  # with a quantization type (clover-quantize's --imatrix)
 
 
 @dataclass
@@ -51,6 +56,29 @@ class ConvertResult:
     paths: list[Path]  # the written files, or the files a dry run would write
     shard_sizes: list[tuple[int, int]]  # (tensor count, tensor bytes) per file
     metadata: Metadata | None = None  # the general.* keys written
+    quantized: OnePassResult | None = None  # a quantization type: llama.cpp's plan and the time split
+
+
+def quantization_type(label: str) -> FileType | None:
+    """The clover-quantize type an ``--outtype`` names (case-insensitive), or None for a conversion type.
+    ``q8_0`` in lower case stays the converter's own Q8_0 (as convert_hf_to_gguf writes it); ``Q8_0`` is
+    llama.cpp's Q8_0 mix, as clover-quantize writes it."""
+    if label in {t.label for t in OutType} or label == "auto":
+        return None
+    try:
+        ft = file_type(label)
+    except UnknownTypeError:
+        return None
+    return None if ft.name in ("F32", "F16", "BF16") else ft
+
+
+def source_out_type(index: CheckpointIndex) -> OutType:
+    """The precision of the checkpoint's matrices (the first one's dtype): what the two-step route converts
+    to before quantizing, so that nothing is rounded twice."""
+    for source in index.tensors.values():
+        if len(source.shape) >= 2:
+            return {"BF16": OutType.BF16, "F16": OutType.F16, "F32": OutType.F32}[source.dtype]
+    return OutType.BF16
 
 
 def resolve_out_type(label: str, index: CheckpointIndex | None, raw_config: dict[str, Any]) -> OutType:
@@ -69,12 +97,7 @@ def resolve_out_type(label: str, index: CheckpointIndex | None, raw_config: dict
 def _load_metadata_override(path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CloverInputError(path, f"cannot be read ({exc.strerror or exc})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CloverInputError(path, f"is not valid JSON ({exc})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise CloverInputError(path, "must hold a JSON object of general.* keys")
     return data
@@ -125,12 +148,17 @@ def convert(options: ConvertOptions) -> ConvertResult:
     when the output cannot be written; either way no output file is left behind."""
     model_dir = options.model_dir.resolve()
     if not model_dir.is_dir():
-        raise CloverInputError(options.model_dir, "is not a directory (expected a Hugging Face checkpoint)")
+        raise CloverInputError(options.model_dir, missing_path_reason(options.model_dir)
+                               or "is not a directory (expected a Hugging Face checkpoint)")
     config = CloverConfig.load(model_dir)
-    raw_config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    raw_config = read_json(model_dir / CONFIG_FILE)
     metadata_override = _load_metadata_override(options.metadata)
+    quant = quantization_type(options.outtype)
+    _check_quantization_options(options, quant)
     index = _index_weights(model_dir, options.dry_run)
-    out_type = resolve_out_type(options.outtype, index, raw_config)
+    imatrix = load_imatrix(options.imatrix) if options.imatrix is not None else None
+    out_type = source_out_type(index) if quant is not None and index is not None else \
+        resolve_out_type(options.outtype, index, raw_config)
     plan = build_plan(config, out_type, index)
     if options.dry_run and not (model_dir / TOKENIZER_FILE).exists():
         log.warning("%s has no %s: the plan leaves out the tokenizer keys", model_dir, TOKENIZER_FILE)
@@ -140,7 +168,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
     writer = GGUFWriter(None, ARCH, split_max_tensors=options.split_max_tensors,
                         split_max_size=options.split_max_size)
-    pipeline = None if options.dry_run else ChunkPipeline(plan, options.threads)
+    pipeline = None if options.dry_run or quant is not None else \
+        ChunkPipeline(plan, options.threads, options.allow_nonfinite)
     try:
         for tensor in plan.tensors:
             if pipeline is None:
@@ -156,18 +185,23 @@ def convert(options: ConvertOptions) -> ConvertResult:
         if tokenizer is not None:
             add_tokenizer_keys(writer, tokenizer)
 
+        type_name = quant.name if quant is not None else out_type.ggml_type.name
         default_stem = naming_convention(metadata.name, metadata.basename, metadata.finetune, metadata.version,
-                                         metadata.size_label, out_type.ggml_type.name)
-        final_path = resolve_output_path(model_dir, options.outfile, default_stem, out_type.ggml_type.name)
+                                         metadata.size_label, type_name)
+        final_path = resolve_output_path(model_dir, options.outfile, default_stem, type_name)
         shard_sizes = [(len(shard), sum(ti.nbytes for ti in shard.values())) for shard in writer.tensors]
         paths = shard_paths(final_path, len(writer.tensors))
         result = ConvertResult(plan, out_type, paths, shard_sizes, metadata)
         if options.dry_run and not options.skeleton:
             return result
-        inputs = _inputs(model_dir, index, options.metadata)
+        inputs = _inputs(model_dir, index, options.metadata) + ([imatrix.path] if imatrix is not None else [])
         check_outputs(paths, inputs)  # before any work: never a device, a directory or an input
         if options.dry_run:
             result.paths = _write_skeleton(writer, plan, final_path, inputs)
+            return result
+        if quant is not None:
+            result.quantized = write_quantized(writer, plan, final_path, inputs, quant, imatrix,
+                                               options.threads, options.progress, options.allow_nonfinite)
             return result
         assert pipeline is not None
         _write(writer, pipeline, plan, final_path, options.progress, inputs)
@@ -176,6 +210,28 @@ def convert(options: ConvertOptions) -> ConvertResult:
         if pipeline is not None:
             pipeline.close()
         writer.close()
+
+
+class OptionError(ValueError):
+    """Options that do not go together; the message names them."""
+
+
+def _check_quantization_options(options: ConvertOptions, quant: FileType | None) -> None:
+    if quant is None:
+        if options.imatrix is not None:
+            raise OptionError(f"--imatrix {options.imatrix} goes with a quantization type (--outtype Q4_K_M, ...), "
+                              f"not --outtype {options.outtype}")
+        return
+    if options.split_max_size or options.split_max_tensors:
+        raise OptionError(f"--outtype {quant.name} writes one file: split it afterwards "
+                          "(llama-gguf-split), or convert with --split-max-* and run clover-quantize --keep-split")
+    if options.dry_run:
+        raise OptionError(f"--dry-run plans a conversion, not --outtype {quant.name}: plan with "
+                          "`clover-convert --dry-run --skeleton` and `clover-quantize SKELETON --dry-run TYPE`")
+    if quant.needs_imatrix and options.imatrix is None:
+        raise OptionError(f"--outtype {quant.name} needs an importance matrix: pass --imatrix FILE, "
+                          "or choose a K-quant such as Q4_K_M (docs/quantize.md: an imatrix without a "
+                          "full-precision GGUF)")
 
 
 def _inputs(model_dir: Path, index: CheckpointIndex | None, metadata: Path | None) -> list[Path]:
@@ -192,15 +248,7 @@ def _write_skeleton(writer: GGUFWriter, plan: ConversionPlan, final_path: Path, 
     ``clover-quantize --dry-run`` see the exact model (its weights are zeros: never run it)."""
     with AtomicOutput(final_path, inputs) as output:
         try:
-            writer.write_header_to_file(path=output.temp_path)
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            assert writer.fout is not None
-            for fout, tensors in zip(writer.fout, writer.tensors):
-                writer.write_padding(fout, fout.tell())
-                data = sum(GGUFWriter.ggml_pad(ti.nbytes, writer.data_alignment) for ti in tensors.values())
-                fout.truncate(fout.tell() + data)
-            writer.close()
+            write_header_and_hole(writer, output.temp_path)
             return output.publish(len(writer.tensors))
         except OSError as exc:
             raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None

@@ -8,6 +8,7 @@ up to ``threads`` chunks are read and encoded ahead in worker threads while the 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,8 @@ from clover_ref.errors import CloverInputError
 
 from .encoding import RAW_DTYPES, encode_chunk, to_float32
 from .tensor_plan import ConversionPlan, SourceSpan, TensorPlan
+
+log = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 16 * 1024 * 1024
 
@@ -103,21 +106,47 @@ class SourceReader:
         self._fds.clear()
 
 
-def encode(reader: SourceReader, chunk: Chunk) -> np.ndarray:
+def count_nonfinite(raw: np.ndarray, dtype: str) -> int:
+    """NaN and infinite values among raw source values (BF16 as its bits: the exponent all ones)."""
+    if dtype == "BF16":
+        return int(np.count_nonzero((raw & 0x7F80) == 0x7F80))
+    return int(raw.size - np.count_nonzero(np.isfinite(raw)))
+
+
+def encode(reader: SourceReader, chunk: Chunk) -> tuple[np.ndarray, int]:
+    """The GGUF bytes of ``chunk`` and the number of non-finite source values in it."""
     raw, dtype = reader.read(chunk.spans)
     t = chunk.tensor
-    return encode_chunk(raw, dtype, chunk.rows, t.row_length, t.transform, t.column_order, t.ggml_type)
+    return (encode_chunk(raw, dtype, chunk.rows, t.row_length, t.transform, t.column_order, t.ggml_type),
+            count_nonfinite(raw, dtype))
+
+
+def check_finite(plan: ConversionPlan, tensor: TensorPlan, nonfinite: int, allow: bool) -> None:
+    """NaN or inf weights: refused (CloverInputError naming the tensor and the count) unless allowed, then a
+    warning. The check counts source values, before any transform."""
+    if not nonfinite:
+        return
+    names = sorted({span.hf_name for span in tensor.spans})
+    source = plan.sources[names[0]].path
+    what = (f"tensor '{names[0]}'" if len(names) == 1 else f"tensors {', '.join(repr(n) for n in names)}") + \
+        f" (GGUF {tensor.name}) hold{'s' if len(names) == 1 else ''} {nonfinite} non-finite value" + \
+        ("s" if nonfinite != 1 else "") + " (NaN or inf)"
+    if not allow:
+        raise CloverInputError(source, f"{what}; --allow-nonfinite converts it anyway")
+    log.warning("%s: %s", source, what)
 
 
 class ChunkPipeline:
     """Encodes the chunks of all tensors in file order, up to ``threads`` chunks ahead of the writer."""
 
-    def __init__(self, plan: ConversionPlan, threads: int) -> None:
+    def __init__(self, plan: ConversionPlan, threads: int, allow_nonfinite: bool = False) -> None:
+        self._plan = plan
+        self._allow_nonfinite = allow_nonfinite
         self._reader = SourceReader(plan)
         self._jobs = (chunk for tensor in plan.tensors for chunk in iter_chunks(tensor))
         self._threads = max(1, threads)
         self._executor = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
-        self._pending: deque[tuple[Chunk, Future[np.ndarray]]] = deque()
+        self._pending: deque[tuple[Chunk, Future[tuple[np.ndarray, int]]]] = deque()
         self.on_bytes: Callable[[int], None] = lambda n: None  # progress callback, bytes written
 
     def _refill(self) -> None:
@@ -128,7 +157,7 @@ class ChunkPipeline:
                 return
             self._pending.append((chunk, self._executor.submit(encode, self._reader, chunk)))
 
-    def next_chunk(self) -> tuple[Chunk, np.ndarray]:
+    def next_chunk(self) -> tuple[Chunk, tuple[np.ndarray, int]]:
         if self._executor is None:
             chunk = next(self._jobs)
             return chunk, encode(self._reader, chunk)
@@ -138,16 +167,22 @@ class ChunkPipeline:
         self._refill()
         return chunk, data
 
+    def _check_finite(self, tensor: TensorPlan, nonfinite: int) -> None:
+        check_finite(self._plan, tensor, nonfinite, self._allow_nonfinite)
+
     def write_tensor(self, tensor: TensorPlan, fp: IO[bytes]) -> None:
         """Write every chunk of ``tensor`` (the next tensor in file order) and check the byte count."""
         written = 0
+        nonfinite = 0
         while written < tensor.nbytes:
-            chunk, data = self.next_chunk()
+            chunk, (data, bad) = self.next_chunk()
             if chunk.tensor is not tensor:
                 raise RuntimeError(f"chunk of {chunk.tensor.name} arrived while writing {tensor.name}")
             fp.write(memoryview(np.ascontiguousarray(data)).cast("B"))
             written += data.nbytes
+            nonfinite += bad
             self.on_bytes(data.nbytes)
+        self._check_finite(tensor, nonfinite)
         if written != tensor.nbytes:
             raise RuntimeError(f"tensor {tensor.name} produced {written} bytes, expected {tensor.nbytes}")
 

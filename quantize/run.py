@@ -176,11 +176,10 @@ class _Params:
 QUANTIZED_BY = "clover-quantize"
 
 
-def _output_kv(L: Any, imatrix: Imatrix | None) -> Any:
-    """Keys written into the output (llama-quantize applies kv_overrides to it): general.quantized_by
-    (gguf's Keys.General.QUANTIZED_BY, which model hubs show), and the quantize.imatrix.* keys llama-quantize
-    records when an imatrix is used."""
-    items: list[tuple[str, str | int]] = [("general.quantized_by", QUANTIZED_BY)]
+def output_keys(imatrix: Imatrix | None, quantized_by: str = QUANTIZED_BY) -> list[tuple[str, str | int]]:
+    """Keys written into a quantized output: general.quantized_by (gguf's Keys.General.QUANTIZED_BY, which
+    model hubs show), and the quantize.imatrix.* keys llama-quantize records when an imatrix is used."""
+    items: list[tuple[str, str | int]] = [("general.quantized_by", quantized_by)]
     if imatrix is not None:
         items.append(("quantize.imatrix.file", str(imatrix.path)))
         if imatrix.datasets:
@@ -188,6 +187,12 @@ def _output_kv(L: Any, imatrix: Imatrix | None) -> Any:
         items.append(("quantize.imatrix.entries_count", len(imatrix.entries)))
         if imatrix.chunk_count:
             items.append(("quantize.imatrix.chunks_count", imatrix.chunk_count))
+    return items
+
+
+def _output_kv(L: Any, imatrix: Imatrix | None) -> Any:
+    """output_keys as llama_model_kv_override entries (llama-quantize applies kv_overrides to its output)."""
+    items = output_keys(imatrix)
     arr = (L.llama_model_kv_override * (len(items) + 1))()
     for i, (key, value) in enumerate(items):
         arr[i].key = key.encode()[:127]
