@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""The full-size quantization plan of Clover-35B-A3B (issue 6). Not a unit test.
+"""The full-size quantization plan of Clover-35B-A3B (docs/quantize.md). Not a unit test.
 
-    .venv/bin/python bench/plan_35b.py [--workdir build/plan-35b] [--ctx 32768] [--skip-memory]
+    .venv/bin/python bench/plan_35b.py [--workdir build/plan-35b] [--ctx 32768] [--parallel N] [--skip-memory]
 
 1. Writes the 35b-shape config and tokenizer (`clover-ref init --config-only`: the real 35B-A3B dims, 40
    layers, 256 experts, vocab 248320) and, from the converter's `--dry-run --skeleton`, a bf16 GGUF with
    the real header whose 64.6 GiB of data is a sparse hole (a few MB on disk).
 2. For every clover-quantize type: llama.cpp's own per-tensor plan (`clover-quantize --dry-run` on the
    skeleton) and the resulting file size; the full per-tensor Q4_K_M plan goes to a text file.
-3. The memory of a context at --ctx tokens as llama.cpp allocates it for the engine (2 sequences,
+3. The memory of a context at --ctx tokens as llama.cpp allocates it for the engine (2 sequences per slot,
    unified KV, n_rs_seq = B_max - 1) for B_max = 8, 16 and 32, read from llama.cpp's own log on the
    skeleton: KV cache, recurrent state (with the rollback snapshots) and compute buffer. Plus the weights
    of each type, that is the total a CPU-only run needs, against a 24 GB (22.35 GiB) machine.
@@ -17,7 +17,13 @@
    (clover_cpp.offload.device_bytes), the context of step 3 (B_max 8) on the GPU, and the bytes that cross
    PCIe per pass (see PASS_RULE).
 
-Results: bench/results/plan_35b.md, plan_35b.json and plan_35b_q4_k_m.txt.
+5. `--rpc-split`: Q8_0 across two 24 GB machines through llama.cpp's RPC backend (docs/distributed.md): -ngl 99
+   with two rpc-server devices of equal free memory, placed by llama.cpp's layer split (llama_model_base::
+   load_tensors: layer il of the n_layer + 1 goes to the device whose cumulative share first exceeds
+   il / (n_layer + 1)), the context of step 3 (from plan_35b.json) with each layer's KV or recurrent state on its
+   device. Writes bench/results/plan_35b_rpc.{md,json} only.
+
+Results: bench/results/plan_35b.md, plan_35b.json and plan_35b_q4_k_m.txt (plan_35b_np<N>.* with --parallel N).
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def make_skeleton(workdir: Path) -> Path:
     return skeleton
 
 
-def plans(skeleton: Path) -> dict[str, dict]:
+def plans(skeleton: Path, types: list[str] = TYPES) -> dict[str, dict]:
     from clover_quantize.cli import print_plan
     from clover_quantize.inspect import read_input
     from clover_quantize.run import QuantizeOptions, plan_quantization
@@ -76,7 +82,7 @@ def plans(skeleton: Path) -> dict[str, dict]:
 
     model = read_input(skeleton)
     out: dict[str, dict] = {}
-    for name in TYPES:
+    for name in types:
         plan = plan_quantization(QuantizeOptions(input=skeleton, file_type=file_type(name), dry_run=True), model)
         out[name] = {"bytes": plan.dst_bytes, "gib": plan.dst_bytes / GIB, "bpw": plan.bits_per_weight,
                      "by_type": {k: {"tensors": n, "bytes": b} for k, (n, b) in plan.types_by_count().items()},
@@ -98,8 +104,9 @@ _SIZES = {
 }
 
 
-def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int]) -> dict[int, dict[str, float]]:
-    """MiB of each context buffer llama.cpp allocates for the engine's context on the 35B, per B_max."""
+def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int], parallel: int = 1) -> dict[int, dict[str, float]]:
+    """MiB of each context buffer llama.cpp allocates for the engine's context on the 35B, per B_max, with
+    ``parallel`` slots (2 sequences each; n_ctx is the total, shared as in llama-server)."""
     from clover_cpp import native
 
     model = native.load_model(skeleton)
@@ -110,7 +117,7 @@ def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int]) -> dict[i
             with native.log_listener(lambda _level, line: lines.append(line)):
                 # the engine's settings (tools/clover/clover.cpp): n_ubatch = max(B + 1, 512), n_rs_seq = B - 1
                 ctx = native.create_context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=max(b + 1, 512),
-                                            n_rs_seq=b - 1, n_threads=2)
+                                            n_rs_seq=b - 1, n_threads=2, n_seq_max=2 * parallel)
                 ctx.close()
             sizes = {k: sum(float(m.group(1)) for ln in lines for m in [rx.search(ln)] if m)
                      for k, rx in _SIZES.items()}
@@ -164,7 +171,7 @@ def offload_report(off: dict, n_ctx: int) -> list[str]:
              "which the engine's load check keeps too, and a desktop's few hundred MiB; check with nvidia-smi). "
              "Weights are placed by llama.cpp's "
              "rules (`clover_cpp.offload.device_bytes`: token_embd stays in host memory, every other tensor on the "
-             "GPU unless an override matches, here --n-cpu-moe's `blk\.<i>\.ffn_(up|down|gate|gate_up)_(ch|)exps` "
+             r"GPU unless an override matches, here --n-cpu-moe's `blk\.<i>\.ffn_(up|down|gate|gate_up)_(ch|)exps` "
              f"for i < N). GPU context = KV + recurrent state + compute of the engine's context at {n_ctx:,d} tokens, "
              f"B_max {b_maxes} ({ctx_gib} GiB, the table above; llama.cpp puts each layer's "
              "KV and recurrent state with the layer, here all on the GPU; the compute buffer measured on the CPU "
@@ -196,7 +203,82 @@ def offload_report(off: dict, n_ctx: int) -> list[str]:
     return lines
 
 
-def write_report(plan: dict[str, dict], memory: dict[int, dict[str, float]], n_ctx: int, offload: dict) -> None:
+def layer_split_device(il: int, n_layer: int, shares: list[float]) -> int:
+    """llama.cpp's layer split with -ngl >= n_layer + 1: the device of layer il (il = n_layer is the output)."""
+    total, cum = sum(shares), 0.0
+    for dev, share in enumerate(shares):
+        cum += share / total
+        if il / (n_layer + 1) < cum:
+            return dev
+    return len(shares) - 1
+
+
+def rpc_split(tensor_bytes: dict[str, int], memory: dict[str, dict[str, float]], n_layer: int,
+              attention_layers: set[int]) -> dict:
+    """Q8_0 on two equal rpc-server devices: bytes of weights and context on each, and what stays on the host."""
+    shares = [1.0, 1.0]
+    weights = [0, 0]
+    host = 0
+    layers: list[list[int]] = [[], []]
+    for il in range(n_layer + 1):
+        layers[layer_split_device(il, n_layer, shares)].append(il)
+    for name, nbytes in tensor_bytes.items():
+        if name.startswith("token_embd"):
+            host += nbytes
+            continue
+        m = re.match(r"^blk\.(\d+)\.", name)
+        il = int(m.group(1)) if m else n_layer
+        weights[layer_split_device(il, n_layer, shares)] += nbytes
+    sides = []
+    n_attn, n_gdn = len(attention_layers), n_layer - len(attention_layers)
+    for dev in range(2):
+        blk = [il for il in layers[dev] if il < n_layer]
+        attn = sum(1 for il in blk if il in attention_layers)
+        by_b = {}
+        for b, m in memory.items():
+            ctx = (m["kv"] * attn / n_attn + m["rs"] * (len(blk) - attn) / n_gdn + m["compute"]) * MIB
+            by_b[b] = {"context": int(ctx), "total": int(weights[dev] + ctx)}
+        sides.append({"layers": f"{layers[dev][0]}-{layers[dev][-1]}" + (" + output" if n_layer in layers[dev] else ""),
+                      "attention_layers": attn, "weights": weights[dev], "by_b_max": by_b})
+    out_mib = max(m["output"] for m in memory.values()) if memory else 0.0
+    return {"sides": sides, "host_weights": host, "host_output_buffer": int(out_mib * MIB),
+            "machine_bytes": MACHINE_BYTES}
+
+
+def rpc_report(r: dict, n_ctx: int) -> list[str]:
+    lines = ["# Clover-35B-A3B Q8_0 on two 24 GB machines (llama.cpp RPC)", "",
+             "From `bench/plan_35b.py --rpc-split`: the Q8_0 per-tensor plan (`clover-quantize --dry-run` on the "
+             "35b-shape skeleton) placed by llama.cpp's layer split with -ngl 99 over two rpc-server devices of equal "
+             "free memory (41 layers: 40 blocks + the output layer); each side's context is its layers' share of the "
+             f"KV cache and recurrent state at {n_ctx:,d} tokens (bench/results/plan_35b.md) plus a whole compute "
+             "buffer (measured for the full graph on one device: an upper bound for each side's).", "",
+             "| side | layers | attention layers | weights GiB | context GiB, B_max 8 / 16 / 32 | "
+             "total GiB, B_max 8 / 16 / 32 | fits 22.35 GiB (B_max 8 / 16 / 32) |", "|---|---|---:|---:|---|---|---|"]
+    for i, side in enumerate(r["sides"]):
+        ctx = " / ".join(f"{v['context'] / GIB:.2f}" for v in side["by_b_max"].values())
+        tot = " / ".join(f"{v['total'] / GIB:.2f}" for v in side["by_b_max"].values())
+        fits = " / ".join("yes" if v["total"] < r["machine_bytes"] * 0.9 else
+                          ("tight" if v["total"] < r["machine_bytes"] else "no") for v in side["by_b_max"].values())
+        lines.append(f"| rpc-server {i} | {side['layers']} | {side['attention_layers']} | {side['weights'] / GIB:.2f} "
+                     f"| {ctx} | {tot} | {fits} |")
+    lines += ["", f"The client (clover-cpp) keeps the input embedding ({r['host_weights'] / GIB:.2f} GiB, mmapped) and "
+              f"the logits buffer ({r['host_output_buffer'] / MIB:.0f} MiB) in its own memory: on the machine that "
+              "also runs rpc-server 0, add those and the Python process (about 1 GiB). 24 GB = 22.35 GiB before the "
+              "OS; 'tight' means above 90 % of it. An rpc-server on a CPU holds its weights in RAM (not mmapped): "
+              "they cross the network once at load (rpc-server -c caches them on the server's disk for the next "
+              "load).", ""]
+    return lines
+
+
+def attention_layer_ids(skeleton: Path) -> set[int]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(skeleton, "r")
+    return {int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.") and ".attn_q." in t.name}
+
+
+def write_report(plan: dict[str, dict], memory: dict[int, dict[str, float]], n_ctx: int, offload: dict,
+                 parallel: int = 1, report: str = "plan_35b") -> None:
     lines = ["# Clover-35B-A3B: quantized sizes and memory at full size", "",
              "From `bench/plan_35b.py`: llama.cpp's own per-tensor plans (`clover-quantize --dry-run`) on a "
              "skeleton GGUF of the real 35b-shape (40 layers, 256 experts top-8 + shared, vocab 248,320; "
@@ -208,9 +290,11 @@ def write_report(plan: dict[str, dict], memory: dict[int, dict[str, float]], n_c
     lines += ["", "Tensor bytes only; the header adds about 6 MB (the vocabulary). The full Q4_K_M per-tensor "
               "plan is in `plan_35b_q4_k_m.txt`.", ""]
     if memory:
-        lines += [f"## Memory at a {n_ctx:,d}-token context (CPU, engine settings)", "",
-                  "KV cache (10 attention layers, f16), recurrent state (30 GDN layers, 2 sequences, "
-                  "n_rs_seq = B_max - 1 rollback snapshots) and compute buffer, as llama.cpp allocates them; "
+        slots = (f"{parallel} slots (`-np {parallel}`: {2 * parallel} sequences, each slot {n_ctx // parallel:,d} "
+                 "positions of the shared KV cache)") if parallel > 1 else "one slot (2 sequences)"
+        lines += [f"## Memory at a {n_ctx:,d}-token context (CPU, engine settings, {slots})", "",
+                  f"KV cache (10 attention layers, f16), recurrent state (30 GDN layers, {2 * parallel} sequences, "
+                  "n_rs_seq = B_max - 1 rollback snapshots each) and compute buffer, as llama.cpp allocates them; "
                   "total = Q4_K_M weights + these.", "",
                   "| B_max | KV MiB | recurrent MiB | compute MiB | context GiB | Q4_K_M total GiB | "
                   "IQ4_XS total GiB | fits 24 GB (Q4_K_M) |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -226,27 +310,44 @@ def write_report(plan: dict[str, dict], memory: dict[int, dict[str, float]], n_c
                   "instead of failing, at a large cost in speed.", ""]
     if offload:
         lines += offload_report(offload, n_ctx)
-    (RESULTS / "plan_35b.md").write_text("\n".join(lines))
+    (RESULTS / f"{report}.md").write_text("\n".join(lines))
     plans_out = {k: {kk: vv for kk, vv in v.items() if kk != "tensor_bytes"} for k, v in plan.items()}
-    (RESULTS / "plan_35b.json").write_text(json.dumps({"plans": plans_out, "memory_mib": memory, "n_ctx": n_ctx,
-                                                       "offload_24gb": offload}, indent=1))
+    (RESULTS / f"{report}.json").write_text(json.dumps({"plans": plans_out, "memory_mib": memory, "n_ctx": n_ctx,
+                                                      "parallel": parallel, "offload_24gb": offload}, indent=1))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=REPO / "build" / "plan-35b")
     parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--parallel", "-np", type=int, default=1, help="slots (2 sequences each; --ctx is shared "
+                        "among them, as llama-server divides -c); results go to plan_35b_np<N>.md for N > 1")
     parser.add_argument("--skip-memory", action="store_true", help="only the plans (the memory step maps the "
                         "64 GiB skeleton and takes about a minute)")
+    parser.add_argument("--rpc-split", action="store_true", help="only step 5 (Q8_0 on two machines over RPC), with "
+                        "the context memory of bench/results/plan_35b.json")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     skeleton = make_skeleton(args.workdir)
+    if args.rpc_split:
+        saved = json.loads((RESULTS / "plan_35b.json").read_text())
+        memory = saved["memory_mib"]
+        q8 = plans(skeleton, ["Q8_0"])["Q8_0"]
+        n_layer = int(saved["offload_24gb"]["meta"]["block_count"])
+        r = rpc_split(q8["tensor_bytes"], memory, n_layer, attention_layer_ids(skeleton))
+        (RESULTS / "plan_35b_rpc.md").write_text("\n".join(rpc_report(r, saved["n_ctx"])))
+        (RESULTS / "plan_35b_rpc.json").write_text(json.dumps(r, indent=1))
+        print("\n".join(rpc_report(r, saved["n_ctx"])))
+        return 0
     plan = plans(skeleton)
-    memory = {} if args.skip_memory else context_memory(skeleton, args.ctx, [8, 16, 32])
+    if args.parallel < 1:
+        parser.error("--parallel must be at least 1")
+    memory = {} if args.skip_memory else context_memory(skeleton, args.ctx, [8, 16, 32], args.parallel)
     offload = offload_rows(skeleton, plan, memory) if memory else {}
-    write_report(plan, memory, args.ctx, offload)
-    print(f"wrote {RESULTS / 'plan_35b.md'}")
+    name = "plan_35b" if args.parallel == 1 else f"plan_35b_np{args.parallel}"
+    write_report(plan, memory, args.ctx, offload, args.parallel, name)
+    print(f"wrote {RESULTS / (name + '.md')}")
     return 0
 
 

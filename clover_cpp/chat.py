@@ -27,7 +27,6 @@ from .model import EngineError, Model, Stats
 from .native import NativeError
 from .output_parser import OutputParser, TextEvent, opens_reasoning
 from .text_stream import TextPipeline
-from .worker import default_max_block_size
 
 HELP = """commands:
   /think on|off           reasoning (enable_thinking) for the next answers
@@ -531,7 +530,7 @@ def run_chat(args: argparse.Namespace) -> int:
         template = load_template(model.llama_model, args.model, args.chat_template)
         if template is None:
             raise ValueError(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")
-        max_block = args.max_block_size or default_max_block_size(model)
+        max_block = model.max_block_size  # the engine's resolution of --max-block-size
         if args.block_size is not None and args.block_size > max_block:
             raise ValueError(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
         try:

@@ -135,6 +135,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
     serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    serve.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                       help="slots: requests decoded at once, their passes batched (default 1); -c is divided among "
+                            "them, as in llama-server (docs/serve.md, \"Slots\")")
     sec = serve.add_argument_group("security (docs/serve.md, \"Security\")")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help="accept requests to /v1 only with 'Authorization: Bearer KEY' (repeatable; /health stays open)")
@@ -335,7 +338,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise BadInput(f"--port must be in 0..65535, got {args.port}")
     _at_least(("--max-body-bytes", args.max_body_bytes, 0), ("--max-messages", args.max_messages, 0),
-              ("--max-prompt-chars", args.max_prompt_chars, 0), ("--max-queue", args.max_queue, 0))
+              ("--max-prompt-chars", args.max_prompt_chars, 0), ("--max-queue", args.max_queue, 0),
+              ("-np/--parallel", args.parallel, 1))
     if not args.template_timeout >= 0:
         raise BadInput(f"--template-timeout must be >= 0, got {args.template_timeout}")
     for key in args.api_key:

@@ -72,6 +72,7 @@ class clover_engine_params(ctypes.Structure):
         ("main_gpu", ctypes.c_int32),
         ("tensor_split", ctypes.c_char_p),
         ("fit_margin_mib", ctypes.c_int32),
+        ("n_parallel", ctypes.c_int32),
     ]
 
 
@@ -170,12 +171,17 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
                                                    ctypes.c_char_p, ctypes.c_size_t]),
     "clover_check_fit": (ctypes.c_int32, [ctypes.POINTER(clover_device_memory), ctypes.c_int32, ctypes.c_int32,
                                           ctypes.c_char_p, ctypes.c_size_t]),
+    "clover_rpc_add_servers": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
     "clover_engine_info": (ctypes.POINTER(clover_model_info), [clover_engine_p]),
     "clover_engine_model": (ctypes.c_void_p, [clover_engine_p]),
     "clover_engine_context": (ctypes.c_void_p, [clover_engine_p]),
     "clover_engine_reset": (None, [clover_engine_p]),
+    "clover_engine_slot": (clover_engine_p, [clover_engine_p, ctypes.c_int32]),
+    "clover_engine_n_parallel": (ctypes.c_int32, [clover_engine_p]),
+    "clover_engine_pass_stats": (None, [clover_engine_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]),
     "clover_engine_n_past": (ctypes.c_int32, [clover_engine_p]),
     "clover_engine_n_ctx": (ctypes.c_int32, [clover_engine_p]),
+    "clover_engine_max_block_size": (ctypes.c_int32, [clover_engine_p]),
     "clover_engine_n_threads": (ctypes.c_int32, [clover_engine_p]),
     "clover_default_n_threads": (ctypes.c_int32, []),
     "clover_generate": (ctypes.c_int32, [clover_engine_p, llama_token_p, ctypes.c_int32,
@@ -251,8 +257,14 @@ def read_model_info(path: str) -> clover_model_info:
     """The clover settings of a GGUF file, read without loading the weights."""
     info = clover_model_info()
     err = ctypes.create_string_buffer(1024)
-    if lib().clover_read_model_info(str(path).encode(), ctypes.byref(info), err, len(err)) != 0:
-        raise NativeError(f"{path}: {err.value.decode('utf-8', 'replace') or 'cannot read the clover settings'}")
+    L = lib()
+    with native.logged_errors() as logged:  # gguf's reason for a damaged file is only logged
+        rc = L.clover_read_model_info(str(path).encode(), ctypes.byref(info), err, len(err))
+    if rc != 0:
+        msg = err.value.decode("utf-8", "replace") or "cannot read the clover settings"
+        reasons = native.error_reasons(logged)
+        where = "" if str(path) in msg else f"{path}: "  # libclover's messages name the file themselves
+        raise NativeError(f"{where}{msg}" + (f": {reasons}" if reasons else ""))
     return info
 
 

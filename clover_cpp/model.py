@@ -403,8 +403,8 @@ class Generation:
 
 
 def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n_gpu_layers: int | None = None,
-                  n_batch: int = 0, use_extra_bufts: bool = True,
-                  offload: Offload | None = None) -> tuple[engine.clover_engine_params, list[bytes]]:
+                  n_batch: int = 0, use_extra_bufts: bool = True, offload: Offload | None = None,
+                  n_parallel: int = 1) -> tuple[engine.clover_engine_params, list[bytes]]:
     """The clover_engine_params Model(...) loads with (Model's arguments), and the strings they point to (keep them
     alive until the load returns)."""
     params = engine.lib().clover_engine_default_params()
@@ -422,6 +422,9 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
         n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
     params.n_gpu_layers = int(n_gpu_layers)
     params.use_extra_bufts = bool(use_extra_bufts)
+    if n_parallel < 1:
+        raise ValueError(f"n_parallel must be at least 1, got {n_parallel}")
+    params.n_parallel = int(n_parallel)
     keep = (offload or Offload()).apply(params)
     return params, keep
 
@@ -432,36 +435,74 @@ class Model(native.NativeHandle):
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
                  n_gpu_layers: int | None = None, n_batch: int = 0, use_extra_bufts: bool = True,
                  offload: Offload | None = None, cache_ram_mib: float = 0,
-                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> None:
+                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, n_parallel: int = 1) -> None:
         """``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
         (llama.cpp's ``--no-repack``). ``offload``: llama.cpp's -ot, --cpu-moe, --n-cpu-moe, -sm, -mg, -ts
-        (clover_cpp/offload.py). ``cache_ram_mib`` / ``checkpoint_every``: the prefix cache (``set_cache``)."""
+        (clover_cpp/offload.py). ``cache_ram_mib`` / ``checkpoint_every``: the prefix cache (``set_cache``).
+        ``n_parallel``: slots sharing the context (``slot(i)``); ``n_ctx`` is divided among them."""
         L = engine.lib()
         self.path = str(path)
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such file")
         params, keep = engine_params(n_ctx=n_ctx, n_threads=n_threads, max_block_size=max_block_size,
                                      n_gpu_layers=n_gpu_layers, n_batch=n_batch, use_extra_bufts=use_extra_bufts,
-                                     offload=offload)
+                                     offload=offload, n_parallel=n_parallel)
         err = ctypes.create_string_buffer(2048)
-        self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))
+        with native.logged_errors() as logged:  # gguf's and the loader's reasons are only logged
+            self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))
         if not self.ptr:
             msg = err.value.decode("utf-8", "replace").strip() or "unknown error"
-            raise EngineError(f"cannot load {self.path}: {msg}")
+            reasons = native.error_reasons(logged)
+            if reasons and msg.startswith("llama.cpp could not load"):
+                msg = "llama.cpp refused it"  # the reason says what; the path is already in the line
+            msg = msg.removeprefix(f"'{self.path}': ")
+            raise EngineError(f"cannot load {self.path}: {msg}" + (f": {reasons}" if reasons else ""))
         del keep
         self.info = ModelInfo.from_c(L.clover_engine_info(self.ptr).contents)
         self._llama_model = L.clover_engine_model(self.ptr)
         self._vocab = native.llama().llama_model_get_vocab(self._llama_model)
         self._active: Generation | None = None
         self._lock = threading.Lock()
+        self._owner: Model | None = None  # set on slot views: the Model that owns the engine
         if cache_ram_mib:
-            self.set_cache(cache_ram_mib, checkpoint_every)
+            for i in range(self.n_parallel):
+                self.slot(i).set_cache(cache_ram_mib / self.n_parallel, checkpoint_every)
 
     # ---------------------------------------------------------------------------------- plumbing
     def _handle(self) -> int:
-        if not self.ptr:
+        if not self.ptr or (self._owner is not None and not self._owner.ptr):
             raise EngineError("the model is closed")
         return self.ptr
+
+    # ---------------------------------------------------------------------------------- slots
+    @property
+    def n_parallel(self) -> int:
+        """Slots of the engine (``n_parallel`` at load)."""
+        owner = self._owner or self
+        return int(engine.lib().clover_engine_n_parallel(owner._handle()))
+
+    def slot(self, i: int) -> "Model":
+        """Slot ``i`` (0 is this model): a Model with its own history, prefix cache and generations on the shared
+        context. Drive each slot from one thread at a time; different slots may run on different threads at once,
+        and the engine batches their passes (docs/serve.md, "Slots"). The owning Model frees every slot."""
+        if self._owner is not None:
+            return self._owner.slot(i)
+        if i == 0:
+            return self
+        ptr = engine.lib().clover_engine_slot(self._handle(), int(i))
+        if not ptr:
+            raise ValueError(f"slot {i} is out of range: the model has {self.n_parallel} slots")
+        view = Model.__new__(Model)
+        view.__dict__.update(self.__dict__)
+        view.ptr, view._owner, view._active, view._lock = ptr, self, None, threading.Lock()
+        return view
+
+    def pass_stats(self) -> tuple[int, int]:
+        """(passes, llama_decode rounds) the slots have run: more passes than rounds means passes of several slots
+        ran batched together. (0, 0) with one slot."""
+        passes, rounds = ctypes.c_int64(), ctypes.c_int64()
+        engine.lib().clover_engine_pass_stats((self._owner or self)._handle(), ctypes.byref(passes), ctypes.byref(rounds))
+        return int(passes.value), int(rounds.value)
 
     def last_error(self) -> str:
         msg = engine.lib().clover_engine_last_error(self._handle())
@@ -482,6 +523,12 @@ class Model(native.NativeHandle):
         """The positions a history may use (``n_ctx`` resolved). llama.cpp's context can be larger: it is made
         at least n_batch long."""
         return int(engine.lib().clover_engine_n_ctx(self._handle()))
+
+    @property
+    def max_block_size(self) -> int:
+        """The largest block size this engine accepts, as the engine resolved it at load (``max_block_size``, or by
+        default the largest of clover.block_size and the calibrated sizes)."""
+        return int(engine.lib().clover_engine_max_block_size(self._handle()))
 
     @property
     def llama_n_ctx(self) -> int:
@@ -626,10 +673,15 @@ class Model(native.NativeHandle):
         return CacheInfo(**{name: int(getattr(c, name)) for name, _ in c._fields_})
 
     # ---------------------------------------------------------------------------------- sessions
+    def _single_slot(self, what: str) -> None:
+        if self._owner is not None or self.n_parallel != 1:
+            raise EngineError(f"{what} needs a model loaded with one slot (n_parallel=1)")
+
     def history_state(self) -> bytes:
         """The history's sequence state: ``llama_state_seq_get_data`` on sequence 0 with flags 0 (the attention
         KV entries and the recurrent state of positions [0, n_past)). With the tokens those positions hold,
         ``restore_history`` puts it back, in this engine or another one on the same GGUF."""
+        self._single_slot("saving a session")
         self.close_active()
         L = native.llama()
         ctx = self.llama_context
@@ -650,6 +702,7 @@ class Model(native.NativeHandle):
         """Replace the history with ``state`` (``history_state``) holding ``tokens``: the next prompt that extends
         them prefills only the rest (``reuse_prefix``). No tokens: a fresh history. On failure the engine is reset
         and ``EngineError`` raised."""
+        self._single_slot("restoring a session")
         if len(tokens) + 1 > self.n_ctx:  # checked first: the history is still intact
             raise EngineError(f"a history of {len(tokens)} tokens does not fit the context size {self.n_ctx}")
         self.close_active()
@@ -673,7 +726,8 @@ class Model(native.NativeHandle):
 
     def _free(self, ptr: Any) -> None:
         self.close_active()
-        engine.lib().clover_engine_free(ptr)
+        if self._owner is None:  # a slot view's engine is freed by its owner
+            engine.lib().clover_engine_free(ptr)
 
     def __enter__(self) -> "Model":
         return self

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,10 +56,42 @@ def tokenize(vocab: Any, text: str, add_special: bool = False, parse_special: bo
     return [int(t) for t in toks[:n]]
 
 
+def installed_lib_dir() -> Path | None:
+    """``llama_cpp/lib`` of an installed wheel of this project (setup.py puts libclover there), else None. Found
+    without importing llama_cpp, which would bind its library path."""
+    import importlib.util  # noqa: PLC0415
+
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    d = Path(spec.origin).parent / "lib"
+    return d if any((d / f"libclover{ext}").exists() for ext in (".so", ".dylib")) else None
+
+
 def lib_dir() -> Path:
-    """Folder holding libllama.so (``$CLOVER_NATIVE_LIB`` overrides build/native/lib)."""
+    """Folder holding libllama.so: ``$CLOVER_NATIVE_LIB``, else a checkout's build/native/lib (``make native``),
+    else the libraries an installed wheel carries (``pip install .``: llama_cpp/lib)."""
     env = os.environ.get("CLOVER_NATIVE_LIB")
-    return Path(env) if env else DEFAULT_LIB_DIR
+    if env:
+        return Path(env)
+    if DEFAULT_LIB_DIR.exists():
+        return DEFAULT_LIB_DIR
+    return installed_lib_dir() or DEFAULT_LIB_DIR
+
+
+def _load_backend_modules(llama_cpp: ModuleType, d: Path) -> None:
+    """A portable build (GGML_BACKEND_DL, what wheels carry) has ggml's CPU backend as run-time modules
+    (libggml-cpu-<level>.so) in ``d``; ggml looks for them only beside the executable (python) and in the working
+    directory, so load them from ``d``, the best variant for this CPU first. A build that links its backends has
+    them registered already, and this does nothing."""
+    lib = llama_cpp.llama_cpp._lib  # dlsym through libllama reaches libggml's symbols too
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    if lib.ggml_backend_reg_count() == 0:
+        lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+        lib.ggml_backend_load_all_from_path(str(d).encode())
 
 
 def native_available() -> tuple[bool, str]:
@@ -94,6 +127,10 @@ def llama() -> ModuleType:
     global _llama, _log_cb
     if _llama is not None:
         return _llama
+    # ggml's abort hook attaches gdb to the process for a backtrace; under a supervisor (tests, serve) that hung
+    # for minutes and left orphans. A native abort then only prints its one GGML_ASSERT line. ggml reads this
+    # when the library loads (its terminate handler) and when it aborts, so set it before the import.
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     d = lib_dir()
     if not (d / "libllama.so").exists() and not (d / "libllama.dylib").exists():
         raise NativeError(f"native library not found in {d}: run `make native` or set CLOVER_NATIVE_LIB")
@@ -127,6 +164,7 @@ def llama() -> ModuleType:
 
     _log_cb = _cb
     llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+    _load_backend_modules(llama_cpp, d)
     llama_cpp.llama_backend_init()
     _llama = llama_cpp
     return llama_cpp
@@ -169,6 +207,47 @@ def log_listener(on_line: Callable[[int, str], None]) -> Iterator[None]:
         joiner.flush()
 
 
+# "llama_model_load: error loading model: error loading model hyperparameters: X" -> "X"
+_LOG_PREFIX = re.compile(r"^(?:\w+: |error loading model(?: [a-z ]+)?: )+")
+_GENERIC = ("failed to load model", "error loading model", "failed to read", "failed to initialize")
+
+
+def error_reasons(lines: Sequence[str]) -> str:
+    """llama.cpp's logged error lines, each without its function prefixes, deduplicated, joined with "; ":
+    the reason a load failed (gguf's and the model loader's messages are only logged)."""
+    out: list[str] = []
+    for line in lines:
+        text = line.strip()
+        reason = _LOG_PREFIX.sub("", text).strip() or text
+        if reason.rstrip(":").lower() in _GENERIC and len(lines) > 1:
+            continue
+        out.append(reason)
+    return "; ".join(dict.fromkeys(r for r in out if r))
+
+
+@contextmanager
+def logged_errors() -> Iterator[list[str]]:
+    """The ERROR-level lines llama.cpp logs inside the ``with`` block, in a list filled as they come."""
+    lines: list[str] = []
+    with log_listener(lambda level, line: lines.append(line) if level == 4 else None):
+        yield lines
+
+
+def check_model(path: str | os.PathLike[str]) -> None:
+    """Load ``path`` as llama.cpp would, without reading or allocating the weights (``no_alloc``): every check of
+    the loader and of the model's architecture runs. Raises NativeError with llama.cpp's reason."""
+    L = llama()
+    params = L.llama_model_default_params()
+    params.no_alloc = True
+    params.load_mode = L.LLAMA_LOAD_MODE_NONE  # the no_alloc pass maps nothing (llama.cpp asserts otherwise)
+    params.n_gpu_layers = 0
+    with logged_errors() as errors:
+        ptr = L.llama_model_load_from_file(str(path).encode(), params)
+    if not ptr:
+        raise NativeError(f"{path}: llama.cpp cannot load it: {error_reasons(errors) or 'unknown error'}")
+    L.llama_model_free(ptr)
+
+
 def recent_log() -> str:
     """The last lines llama.cpp logged (load errors are only reported there)."""
     return "".join(_log_lines)
@@ -206,12 +285,11 @@ class Model(NativeHandle):
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = use_extra_bufts
         params.use_mmap = True
-        _log_lines.clear()
         self.path = str(path)
-        self.ptr = L.llama_model_load_from_file(self.path.encode(), params)
+        with logged_errors() as errors:
+            self.ptr = L.llama_model_load_from_file(self.path.encode(), params)
         if not self.ptr:
-            errors = [ln.strip() for ln in _log_lines if "error" in ln.lower()]
-            raise NativeError(f"failed to load {self.path}: " + (" | ".join(errors) or "unknown error"))
+            raise NativeError(f"failed to load {self.path}: {error_reasons(errors) or 'unknown error'}")
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
 
@@ -237,10 +315,13 @@ class Context(NativeHandle):
 
     def __init__(self, model: Model, n_ctx: int = 1024, n_batch: int = 512, n_ubatch: int = 64,
                  n_rs_seq: int = 0, n_threads: int | None = None,
-                 eval_callback: tuple[Any, Any] | None = None, flash_attn: bool | None = None) -> None:
+                 eval_callback: tuple[Any, Any] | None = None, flash_attn: bool | None = None,
+                 op_offload: bool = True, n_seq_max: int = 2) -> None:
         """``eval_callback``: an optional (ggml_backend_sched_eval_callback, user data) pair set as
         ``cb_eval`` / ``cb_eval_user_data`` (e.g. libclover's importance-matrix collector); it is kept
-        referenced for the context's lifetime. ``flash_attn``: None = llama.cpp's auto, else on or off."""
+        referenced for the context's lifetime. ``flash_attn``: None = llama.cpp's auto, else on or off.
+        ``op_offload``: llama.cpp's default (True) lets the scheduler run large batches of host-resident weights
+        on a GPU device when the build has one; False keeps a CPU-only model (n_gpu_layers 0) on the CPU."""
         L = llama()
         p = L.llama_context_default_params()
         self._eval_callback = eval_callback  # the C side holds only raw pointers
@@ -250,9 +331,10 @@ class Context(NativeHandle):
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = n_ubatch
-        p.n_seq_max = 2
+        p.n_seq_max = n_seq_max  # the engine's layout: 2 per slot (history, scratch)
         p.kv_unified = True
         p.n_rs_seq = n_rs_seq
+        p.op_offload = op_offload
         if flash_attn is not None:  # enum llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
             p.flash_attn_type = 1 if flash_attn else 0
         threads = n_threads or int(os.environ.get("CLOVER_THREADS") or 0) or default_threads()

@@ -1,10 +1,11 @@
 """Where the weights go: llama.cpp's offload options for the engine (docs/native.md, "A 35B on one 24 GB GPU").
 
 ``Offload`` carries ``-ot/--override-tensor``, ``--cpu-moe``, ``--n-cpu-moe``, ``-sm/--split-mode``,
-``-mg/--main-gpu``, ``-ts/--tensor-split`` and ``--fit-target`` with llama.cpp's names, syntax and meanings;
-``apply`` writes them into ``clover_engine_params``, and libclover resolves them into ``llama_model_params``
-(``clover_engine_describe_offload`` shows the result). Bad values are refused by libclover at load with a
-message naming the option.
+``-mg/--main-gpu``, ``-ts/--tensor-split``, ``--fit-target`` and ``--rpc`` with llama.cpp's names, syntax and
+meanings; ``apply`` writes them into ``clover_engine_params``, and libclover resolves them into
+``llama_model_params`` (``clover_engine_describe_offload`` shows the result). Bad values are refused by libclover
+at load with a message naming the option. ``--rpc`` registers remote devices (rpc-server) with ggml's backend
+registry before the load (``clover_rpc_add_servers``), so ``-ngl`` layers go to them (docs/distributed.md).
 
 ``device_bytes`` is the planner of ``bench/plan_35b.py``: which device llama.cpp puts each weight on, from the
 tensor list and the options (llama_model_base::load_tensors: the input layer on the CPU, the last
@@ -40,11 +41,14 @@ class Offload:
     main_gpu: int = 0
     tensor_split: str | None = None  # "3,1"
     fit_target_mib: int = DEFAULT_FIT_TARGET_MIB  # < 0: no fit check at load
+    rpc: str | None = None  # "host:port,host:port": rpc-server endpoints, registered for the process
 
     def apply(self, params: ctypes.Structure) -> list[bytes]:
         """Write into a clover_engine_params; returns the encoded strings, which the caller keeps alive until the
         load returns (ctypes also keeps a reference in the struct)."""
         keep: list[bytes] = []
+        if self.rpc:
+            add_rpc_servers(self.rpc)
 
         def text(value: str | None) -> bytes | None:
             if not value:
@@ -79,6 +83,19 @@ class Offload:
         return out
 
 
+def add_rpc_servers(servers: str) -> int:
+    """llama.cpp's --rpc: register the rpc-server endpoints ("host:port,...") as devices of this process (each
+    endpoint once); the number of devices added. ValueError with libclover's message when an endpoint is malformed,
+    unreachable, or the build has no RPC backend."""
+    from . import engine  # noqa: PLC0415 - engine loads the native library; offload's planner needs none
+
+    err = ctypes.create_string_buffer(1024)
+    n = engine.lib().clover_rpc_add_servers(servers.encode(), err, len(err))
+    if n < 0:
+        raise ValueError(err.value.decode("utf-8", "replace"))
+    return int(n)
+
+
 def add_offload_args(p: argparse.ArgumentParser) -> None:
     """llama.cpp's flags, names and meanings (common/arg.cpp)."""
     p.add_argument("-ot", "--override-tensor", action="append", default=None, metavar="REGEX=BUFT[,...]",
@@ -95,6 +112,9 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
                    help="the GPU for the model (split-mode none) or for intermediate results and KV (row)")
     p.add_argument("-fitt", "--fit-target", type=int, default=DEFAULT_FIT_TARGET_MIB, metavar="MiB",
                    help="memory each GPU must keep free; a load whose plan leaves less is refused (-1: no check)")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                   help="offload to rpc-server backends (llama.cpp's --rpc; with -ngl); rpc-server has no "
+                   "authentication: keep it on localhost or a trusted network (docs/distributed.md)")
 
 
 def offload_from_args(args: argparse.Namespace) -> Offload:
@@ -105,7 +125,8 @@ def offload_from_args(args: argparse.Namespace) -> Offload:
         raise ValueError(f"-mg/--main-gpu must be >= 0, got {args.main_gpu}")
     return Offload(override_tensor=",".join(args.override_tensor) if args.override_tensor else None,
                    n_cpu_moe=args.n_cpu_moe, cpu_moe=args.cpu_moe, split_mode=args.split_mode,
-                   main_gpu=args.main_gpu, tensor_split=args.tensor_split, fit_target_mib=args.fit_target)
+                   main_gpu=args.main_gpu, tensor_split=args.tensor_split, fit_target_mib=args.fit_target,
+                   rpc=getattr(args, "rpc", None))
 
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")

@@ -38,7 +38,7 @@ from .openai_schema import (APIError, ChatCompletionRequest, CompletionRequest, 
 from .output_parser import Event, OutputParser, TextEvent, ToolCallEvent, collect
 from .prepare import Defaults, Prepared, Preparer
 from .text_stream import TextPipeline
-from .worker import EngineWorker, Job, default_max_block_size
+from .worker import EngineWorker, Job
 
 log = logging.getLogger("clover_cpp.server")
 DISCONNECT_POLL_S = 0.25
@@ -595,11 +595,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from .cli import model_kwargs
 
-    model = Model(args.model, **model_kwargs(args))
+    model = Model(args.model, **model_kwargs(args), n_parallel=args.parallel)
     try:
-        model.set_cache(args.cache_ram, args.checkpoint_every)  # prefix reuse (docs/serve.md)
+        for i in range(model.n_parallel):  # prefix reuse (docs/serve.md): the budget is shared among the slots
+            model.slot(i).set_cache(args.cache_ram / model.n_parallel, args.checkpoint_every)
         template = load_template(model.llama_model, args.model, args.chat_template)
-        max_block = args.max_block_size or default_max_block_size(model)
+        max_block = model.max_block_size  # the engine's resolution of --max-block-size
         if args.block_size is not None and args.block_size > max_block:
             raise ValueError(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
         model_id = args.alias or Path(args.model).name.removesuffix(".gguf")

@@ -1,8 +1,11 @@
-"""One engine, one queue: generation jobs run one at a time on a single worker thread.
+"""One engine, one queue: generation jobs run on the engine's slots, one worker thread per slot.
 
-Each job keeps the longest prefix of the engine's history that its prompt starts with and that a
-checkpoint can restore (``Model.reuse_prefix``; docs/serve.md, "Prefix reuse"), and prefills the rest, so
-two requests never interleave a history. ``GenParams.cache_prompt=False`` starts from a fresh history.
+With one slot (the default) jobs run one at a time. With ``n_parallel`` slots up to that many run at once, each
+on its own slot (history and scratch sequence), and the engine batches their passes (docs/serve.md, "Slots").
+A job takes the free slot whose last conversation shares the longest prefix with its prompt (llama-server's
+slot choice by prompt similarity), keeps the longest prefix of that slot's history that its prompt starts with
+and that a checkpoint can restore (``Model.reuse_prefix``; docs/serve.md, "Prefix reuse"), and prefills the
+rest, so two requests never interleave a history. ``GenParams.cache_prompt=False`` starts from a fresh history.
 Committed blocks travel to the asyncio side through an ``asyncio.Queue``. ``Job.cancel()`` makes the engine
 stop at its next callback (a committed block, or a LowConfidence step in diffusion/spec); a job
 cancelled while still waiting never starts.
@@ -40,11 +43,6 @@ class GenParams:
 _DONE = object()
 
 
-def default_max_block_size(model: Model) -> int:
-    """The engine's default ``max_block_size``: the largest of clover.block_size and the calibrated sizes."""
-    return max((model.info.block_size, *model.info.calibrated_block_sizes))
-
-
 class Job:
     """A queued or running generation. Await ``next_block()`` until it returns None."""
 
@@ -56,6 +54,8 @@ class Job:
         self.checkpoint_hint = checkpoint_hint
         self.stats: Stats | None = None
         self.cached_tokens = 0  # prompt tokens taken from the engine's history instead of prefilled
+        self.generated: list[int] = []
+        self.slot = -1  # the engine slot that ran it
         self.error: BaseException | None = None
         self.started = False
         self.finished = False
@@ -82,6 +82,7 @@ class Job:
     def _on_tokens(self, block: list[int]) -> bool:
         if self._cancel.is_set():
             return False
+        self.generated.extend(block)
         self._put(list(block))
         return True
 
@@ -127,18 +128,32 @@ class Job:
             pass
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class EngineWorker:
-    """The single engine thread and its counters (reported by /health)."""
+    """The engine's slots, a thread for each, and the counters reported by /health."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-engine")
+        self.n_slots = model.n_parallel
+        self._slots = [model.slot(i) for i in range(self.n_slots)]
+        self._free = list(range(self.n_slots))
+        self._slot_tokens: list[list[int]] = [[] for _ in range(self.n_slots)]  # each slot's last conversation
+        self._slot_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=self.n_slots, thread_name_prefix="clover-engine")
         self._jobs: list[Job] = []
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
         self.recent: deque[dict[str, Any]] = deque(maxlen=16)  # the latest finished jobs, newest last
-        self.prefix_cache: dict[str, int] = dataclasses.asdict(model.cache_info())  # as of the last job
+        self.prefix_cache: dict[str, int] = self._cache_info()  # as of the last job
 
     def submit(self, prompt_ids: list[int], params: GenParams, checkpoint_hint: int = 0) -> Job:
         job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_hint)
@@ -146,12 +161,37 @@ class EngineWorker:
         self._executor.submit(self._run, job)
         return job
 
+    def _take_slot(self, prompt_ids: list[int]) -> int:
+        """The free slot whose last conversation shares the longest prefix with the prompt (the least recently
+        used among ties: ``_free`` keeps release order). A worker thread always finds one: there are as many
+        threads as slots."""
+        with self._slot_lock:
+            best = max(self._free, key=lambda i: _common_prefix(self._slot_tokens[i], prompt_ids))
+            self._free.remove(best)
+            return best
+
+    def _release_slot(self, i: int, tokens: list[int]) -> None:
+        with self._slot_lock:
+            self._slot_tokens[i] = tokens
+            self._free.append(i)
+
+    def _cache_info(self) -> dict[str, int]:
+        """The slots' prefix caches, summed."""
+        infos = [dataclasses.asdict(s.cache_info()) for s in self._slots]
+        out = {k: sum(d[k] for d in infos) for k in infos[0]}
+        if self.n_slots > 1:  # one checkpoint's size is the same in every slot
+            out["checkpoint_bytes"] = max(d["checkpoint_bytes"] for d in infos)
+        return out
+
     def _run(self, job: Job) -> None:
         start = time.perf_counter()
+        slot = self._take_slot(job.prompt_ids)
+        job.slot = slot
         try:
-            job.run(self.model)
+            job.run(self._slots[slot])
         finally:
-            self.prefix_cache = dataclasses.asdict(self.model.cache_info())  # read on the engine thread
+            self._release_slot(slot, job.prompt_ids + job.generated)
+            self.prefix_cache = self._cache_info()
             self._jobs.remove(job)
             s = job.stats
             if job.error is not None:
@@ -166,19 +206,23 @@ class EngineWorker:
                 "generated_tokens": s.generated_tokens if s else 0,
                 "stop_reason": s.stop_reason if s else ("cancelled" if job.cancelled else "error"),
                 "mode": job.params.mode,
+                "slot": slot,
                 "seconds": round(time.perf_counter() - start, 4),
             })
 
     @property
-    def running(self) -> bool:
-        return any(j.started and not j.finished for j in list(self._jobs))
+    def running(self) -> int:
+        """Jobs decoding now (at most one per slot)."""
+        return sum(1 for j in list(self._jobs) if j.started and not j.finished)
 
     @property
     def waiting(self) -> int:
         return sum(1 for j in list(self._jobs) if not j.started)
 
     def health(self) -> dict[str, Any]:
-        return {"running": self.running, "waiting": self.waiting, "completed": self.completed,
+        passes, rounds = self.model.pass_stats()
+        return {"slots": self.n_slots, "running": self.running, "waiting": self.waiting, "completed": self.completed,
+                "batched_passes": passes, "batch_rounds": rounds,
                 "cancelled": self.cancelled, "failed": self.failed, "recent": list(self.recent),
                 "prefix_cache": self.prefix_cache}
 

@@ -1,4 +1,4 @@
-"""`clover-cpp serve` (issue 7): a live server on the tiny GGUF driven by the official `openai` client.
+"""`clover-cpp serve` (docs/serve.md): a live server on the tiny GGUF driven by the official `openai` client.
 
 Every answer is compared with the reference: the checkpoint's chat template rendered by clover_ref,
 tokenized by its tokenizer.json and decoded greedily by clover_ref.decode on a fresh history. The output
@@ -26,7 +26,8 @@ from chat_support import Reference, child_env, cli_command
 from clover_cpp.output_parser import (OutputParser, TextEvent, ToolCallEvent, collect, opens_reasoning,
                                       parse_output, parse_tool_call)
 from clover_cpp.text_stream import Detokenizer, StopMatcher
-from native_support import clover_convert, require_engine
+from engine_support import run_concurrently
+from native_support import clover_convert, require_engine, stop_process
 
 MODEL_ID = "tiny"
 THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -176,12 +177,7 @@ def _serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True
         yield url, proc, log_path
         assert proc.poll() is None or not alive_at_end, f"the server died:\n{log_path.read_text()[-3000:]}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -384,31 +380,22 @@ def test_eight_concurrent_clients(client: Any, ref: Reference, server: str) -> N
         opts = {"diffusion": {"block_size": 8, "threshold": 0.006}, "spec": {"block_size": 8}}.get(mode, {})
         messages = [{"role": "user", "content": f"Client {i}: write a loop that counts to {3 + i}."}]
         cases.append((messages, mode, opts, i % 2 == 1))
-    results: dict[int, Any] = {}
-    errors: list[BaseException] = []
 
-    def run(i: int) -> None:
+    def run(i: int) -> tuple[str | None, list[int]]:
         messages, mode, opts, stream = cases[i]
         extra = {"mode": mode, "return_token_ids": True, **opts, **THINK_OFF}
-        try:
-            if stream:
-                chunks = list(client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20,
-                                                             temperature=0, stream=True, extra_body=extra))
-                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-                last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
-                results[i] = (text, last.choices[0].model_extra["token_ids"])
-            else:
-                resp = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20,
-                                                      temperature=0, extra_body=extra)
-                results[i] = (resp.choices[0].message.content, _token_ids(resp)[1])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        if stream:
+            chunks = list(client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20,
+                                                         temperature=0, stream=True, extra_body=extra))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+            return text, last.choices[0].model_extra["token_ids"]
+        resp = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20,
+                                              temperature=0, extra_body=extra)
+        return resp.choices[0].message.content, _token_ids(resp)[1]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    results = run_concurrently(run, 8)
+    errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors
     for i, (messages, mode, opts, _) in enumerate(cases):
         want = ref.chat(messages, mode, 20, thinking=False, **opts)
@@ -417,6 +404,37 @@ def test_eight_concurrent_clients(client: Any, ref: Reference, server: str) -> N
         assert text == want.parsed.content, f"client {i} ({mode})"
     after = _get(server + "/health")
     assert after["completed"] - before["completed"] == 8 and after["failed"] == 0
+
+
+def test_parallel_slots_serve_concurrent_clients(tiny_gguf: Path, ref: Reference) -> None:
+    """`--parallel 3`: six clients at once, mixed modes and streaming; each answer equals the reference's, the
+    slots' passes were batched (/health), and -c is divided among the slots as in llama-server."""
+    from openai import OpenAI
+
+    with _serve(tiny_gguf, tiny_gguf.parent, "--parallel", "3", "-c", "6144", "--max-block-size", "32") as (url, _, _):
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        assert client.models.list().data[0].model_extra["clover"]["n_ctx"] == 2048
+        cases = [([{"role": "user", "content": f"Client {i}: write a loop that counts to {3 + i}."}],
+                  ("ar", "ar", "spec", "diffusion", "auto", "ar")[i]) for i in range(6)]
+        opts = {"diffusion": {"block_size": 8, "threshold": 0.006}, "spec": {"block_size": 8}}
+
+        def run(i: int) -> tuple[str | None, list[int]]:
+            messages, mode = cases[i]
+            resp = client.chat.completions.create(
+                model=MODEL_ID, messages=messages, max_tokens=20, temperature=0,
+                extra_body={"mode": mode, "return_token_ids": True, **opts.get(mode, {}), **THINK_OFF})
+            return resp.choices[0].message.content, _token_ids(resp)[1]
+
+        results = run_concurrently(run, len(cases))
+        health = _get(url + "/health")
+    for i, (messages, mode) in enumerate(cases):
+        assert not isinstance(results[i], BaseException), f"client {i} ({mode}): {results[i]!r}"
+        want = ref.chat(messages, "ar" if mode == "auto" else mode, 20, thinking=False, **opts.get(mode, {}))
+        assert results[i][1] == want.tokens, f"client {i} ({mode})"
+        assert results[i][0] == want.parsed.content, f"client {i} ({mode})"
+    assert health["slots"] == 3 and health["completed"] == 6 and health["failed"] == 0, health
+    assert health["batched_passes"] > health["batch_rounds"] > 0, health
+    assert sorted({r["slot"] for r in health["recent"]}) == [0, 1, 2], health["recent"]
 
 
 def _answer(client: Any, messages: list[dict[str, Any]], mode: str, thinking: bool,

@@ -293,13 +293,13 @@ struct clover_scratch {
     int32_t         pos;
 
     explicit clover_scratch(clover_engine * e) : eng(e), batch(llama_batch_init(e->max_block_size + 8, 0, 1)), pos(e->n_past) {
-        llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, -1, -1);
-        llama_memory_seq_cp(eng->mem, CLOVER_SEQ_HISTORY, CLOVER_SEQ_SCRATCH, -1, -1);
+        llama_memory_seq_rm(eng->mem, eng->seq_scratch, -1, -1);
+        llama_memory_seq_cp(eng->mem, eng->seq_hist, eng->seq_scratch, -1, -1);
     }
 
     ~clover_scratch() {
         llama_batch_free(batch);
-        llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, -1, -1);
+        llama_memory_seq_rm(eng->mem, eng->seq_scratch, -1, -1);
     }
 
     // a causal pass of w tokens with all rows, then a rollback keeping its first position (as a verification
@@ -310,13 +310,13 @@ struct clover_scratch {
             batch.token[j]     = tok;
             batch.pos[j]       = pos + j;
             batch.n_seq_id[j]  = 1;
-            batch.seq_id[j][0] = CLOVER_SEQ_SCRATCH;
+            batch.seq_id[j][0] = eng->seq_scratch;
             batch.logits[j]    = 1;
         }
         const double t0 = clover_now_ms();
         const int32_t rc = llama_decode(eng->ctx, batch);
         const double ms = clover_now_ms() - t0;
-        if (rc != 0 || (w > 1 && !llama_memory_seq_rm(eng->mem, CLOVER_SEQ_SCRATCH, pos + 1, -1))) {
+        if (rc != 0 || (w > 1 && !llama_memory_seq_rm(eng->mem, eng->seq_scratch, pos + 1, -1))) {
             eng->last_error = clover_format("a pass failed while measuring pass costs (code %d)", rc);
             return -1.0;
         }

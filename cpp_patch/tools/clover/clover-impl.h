@@ -6,14 +6,46 @@
 #include "clover.h"
 #include "llama.h"
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <list>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
 
-inline constexpr llama_seq_id CLOVER_SEQ_HISTORY = 0;
-inline constexpr llama_seq_id CLOVER_SEQ_SCRATCH = 1;
+struct clover_engine;
+
+// A pass one slot waits to run (clover-parallel.cpp): the slot's batch, causal or a block window
+struct clover_pass_req {
+    clover_engine * eng   = nullptr;
+    bool            block = false;
+    bool            done  = false;
+    int32_t         rc    = 0;
+};
+
+// What the slots of one context share when n_parallel > 1: the lock that serializes their use of the context,
+// and the queue where their passes meet. A slot holds `mu` while it runs engine code; it waits on `cv` (and so
+// releases `mu`) only for its pass. A round starts when every slot inside clover_generate has queued a pass and
+// no slot is waiting to take the lock (a generation never yields it otherwise).
+struct clover_shared {
+    std::mutex                    mu;
+    std::condition_variable       cv;
+    std::atomic<int32_t>          n_entering{0};  // slots blocked on `mu` at the start of a C API call
+    int32_t                       n_generating = 0;
+    std::deque<clover_pass_req *> pending;
+    llama_batch                   batch    = {};  // the combined batch of a round
+    bool                          has_costs = false;  // auto mode's cost table, measured by the first slot that needs it
+    clover_pass_costs             costs     = {};
+    int32_t                       n_ubatch = 0;
+    std::atomic<int64_t>          n_passes{0};  // read without the lock (/health must not wait for a prefill)
+    std::atomic<int64_t>          n_rounds{0};
+
+    ~clover_shared() { llama_batch_free(batch); }
+};
 
 // a copy of the history's recurrent state after its first n_past positions (clover-cache.cpp)
 struct clover_checkpoint {
@@ -29,6 +61,18 @@ struct clover_engine {
     llama_memory_t      mem   = nullptr;
 
     clover_model_info info = {};
+
+    // this slot's sequences (slot i: 2i and 2i + 1)
+    llama_seq_id seq_hist    = 0;
+    llama_seq_id seq_scratch = 1;
+
+    // n_parallel > 1: the shared queue and lock (null with one slot); slot 0 owns the model, the context and the
+    // other slots, which borrow them
+    std::shared_ptr<clover_shared>              shared;
+    std::vector<std::unique_ptr<clover_engine>> slots;  // slots 1 .. n_parallel - 1, on slot 0 only
+    std::unique_lock<std::mutex>              * lock = nullptr;  // held while this slot runs engine code
+    std::vector<float>                          rows;      // logits this slot's last pass got in a round
+    std::vector<int32_t>                        row_of;    // batch row -> index in rows, or -1
 
     int32_t n_ctx          = 0;  // logical context size (llama.cpp may pad its own)
     int32_t n_batch        = 0;
@@ -115,7 +159,7 @@ std::string clover_format(const char * fmt, ...);
 double      clover_now_ms();
 void        clover_hist_add(int32_t * hist, int32_t value);
 
-// a block pass reads a scratch copy of the history (seq 1); the history (seq 0) is never written
+// a block pass reads a scratch copy of the history (seq_scratch); the history (seq_hist) is never written
 bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
 const float * clover_get_row(clover_engine * eng, int32_t i);
 
@@ -134,6 +178,52 @@ int32_t clover_cache_next_due(const clover_engine * eng);            // the next
 void    clover_cache_forget_after(clover_engine * eng, int32_t keep);  // drop checkpoints past the history
 bool    clover_cache_rewind(clover_engine * eng);                    // back to the latest checkpoint
 void    clover_cache_forget_all(clover_engine * eng);                // no checkpoint, hint or rewind left
+
+// slots (clover-parallel.cpp)
+bool clover_make_slots(clover_engine * eng, int32_t n_parallel, int32_t n_ubatch, std::string & err);
+// with a shared context: queue the slot's batch (eng->batch; a block window when `block`) and return after a round
+// ran it; its logits are then read with clover_get_row. The caller holds the slot's lock (clover_slot_guard).
+int32_t clover_parallel_pass(clover_engine * eng, bool block);
+// run a block window (the batch on seq_scratch) for one slot: copy the history to the scratch sequence, decode
+// without the causal mask, drop the scratch sequence
+int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * hist,
+                                 const llama_seq_id * scratch, int32_t n_slots);
+
+// Holds a slot's share of the engine for one C API call (no-op with one slot); `generating` marks the slot as one
+// whose passes a round waits for.
+class clover_slot_guard {
+  public:
+    clover_slot_guard(clover_engine * eng, bool generating);
+    ~clover_slot_guard();
+    clover_slot_guard(const clover_slot_guard &) = delete;
+    clover_slot_guard & operator=(const clover_slot_guard &) = delete;
+
+  private:
+    clover_engine *              eng_;
+    bool                         generating_;
+    std::unique_lock<std::mutex> lock_;
+};
+
+// Releases a slot's share of the engine while a callback runs (other slots go on with their bookkeeping; a round
+// still waits for this slot's next pass); no-op with one slot.
+class clover_callback_scope {
+  public:
+    explicit clover_callback_scope(clover_engine * eng) : lock_(eng->lock) {
+        if (lock_) {
+            lock_->unlock();
+        }
+    }
+    ~clover_callback_scope() {
+        if (lock_) {
+            lock_->lock();
+        }
+    }
+    clover_callback_scope(const clover_callback_scope &) = delete;
+    clover_callback_scope & operator=(const clover_callback_scope &) = delete;
+
+  private:
+    std::unique_lock<std::mutex> * lock_;
+};
 
 // auto mode (clover-auto.cpp)
 bool clover_run_auto(clover_run & run);
@@ -160,6 +250,10 @@ struct clover_offload {
 bool    clover_offload_resolve(const clover_engine_params & p, int32_t n_layer, clover_offload & out, std::string & err);
 // <arch>.block_count of a GGUF, or -1 with a message
 int32_t clover_gguf_n_layer(const char * path, std::string & err);
+// false with a message naming -np when the host entry's context and compute buffers exceed its free memory less
+// the margin
+bool    clover_check_host_fit(const std::vector<clover_device_memory> & devs, int32_t margin_mib, int32_t n_parallel,
+                              std::string & err);
 // per-device memory of a load with these params, from llama.cpp's no_alloc dry run; the host entry is last
 bool    clover_plan_memory(const char * path, const llama_model_params & mparams, const llama_context_params & cparams,
                            std::vector<clover_device_memory> & out, std::string & err);

@@ -16,11 +16,23 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <regex>
+#include <set>
 #include <string>
 #include <vector>
+
+#ifndef _WIN32
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <cerrno>
+#include <fcntl.h>
+#endif
 
 static constexpr int64_t CLOVER_MIB = 1024 * 1024;
 
@@ -34,6 +46,13 @@ static std::map<std::string, ggml_backend_buffer_type_t> clover_buft_names() {
         }
     }
     return out;
+}
+
+// the CPU device's buffer type, looked up in the registry: ggml_backend_cpu_buffer_type() is a symbol of ggml-cpu,
+// which a GGML_BACKEND_DL build loads at run time instead of linking
+static ggml_backend_buffer_type_t clover_cpu_buft() {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    return cpu ? ggml_backend_dev_buffer_type(cpu) : nullptr;
 }
 
 static int32_t clover_n_gpu_devices() {
@@ -105,10 +124,10 @@ bool clover_offload_resolve(const clover_engine_params & p, int32_t n_layer, clo
         return false;
     }
     if (p.cpu_moe) {  // llama.cpp's llm_ffn_exps_cpu_override()
-        add(LLM_FFN_EXPS_REGEX, ggml_backend_cpu_buffer_type());
+        add(LLM_FFN_EXPS_REGEX, clover_cpu_buft());
     }
     for (int32_t il = 0; il < p.n_cpu_moe; ++il) {  // llama.cpp's llm_add_n_cpu_ffn_overrides()
-        add(llm_ffn_block_regex(il, LLM_FFN_EXPS_REGEX), ggml_backend_cpu_buffer_type());
+        add(llm_ffn_block_regex(il, LLM_FFN_EXPS_REGEX), clover_cpu_buft());
     }
     if (!out.overrides.empty()) {
         out.overrides.push_back({ nullptr, nullptr });
@@ -254,7 +273,150 @@ bool clover_plan_memory(const char * path, const llama_model_params & mparams, c
     return true;
 }
 
+// MemAvailable of /proc/meminfo (what can be allocated without swapping; the page cache of mmapped weights
+// counts as available), or `fallback` where there is none: ggml's CPU device reports all physical memory as free
+static int64_t clover_host_available(int64_t fallback) {
+    FILE * f = fopen("/proc/meminfo", "r");
+    if (!f) {
+        return fallback;
+    }
+    char line[256];
+    long long kib = -1;
+    while (fgets(line, sizeof(line), f)) {
+        if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) {
+            break;
+        }
+    }
+    fclose(f);
+    return kib >= 0 ? (int64_t) kib * 1024 : fallback;
+}
+
+bool clover_check_host_fit(const std::vector<clover_device_memory> & devs, int32_t margin_mib, int32_t n_parallel,
+                           std::string & err) {
+    for (const clover_device_memory & d : devs) {
+        if (!d.is_host) {
+            continue;  // the weights are mmapped (the page cache holds them); the context and compute buffers are not
+        }
+        const int64_t avail = clover_host_available(d.free);
+        const int64_t need  = d.context + d.compute;
+        const int64_t have  = avail - (int64_t) std::max(margin_mib, 0) * CLOVER_MIB;
+        if (need > have) {
+            err = clover_format("%d slots do not fit host memory: their context needs %.0f MiB (KV cache and recurrent "
+                                "state %.0f, compute %.0f MiB), %.0f MiB are available, %d MiB of it kept free "
+                                "(fit_margin_mib, --fit-target); use fewer slots (-np), a smaller -c or --max-block-size",
+                                n_parallel, need / (double) CLOVER_MIB, d.context / (double) CLOVER_MIB,
+                                d.compute / (double) CLOVER_MIB, avail / (double) CLOVER_MIB, std::max(margin_mib, 0));
+            return false;
+        }
+    }
+    return true;
+}
+
+// ggml-rpc aborts the process when it cannot connect (rpc_dispatcher::start), so each endpoint is probed first: ""
+// when a TCP connection to host:port opens within timeout_ms, else why not
+static std::string clover_rpc_probe(const std::string & endpoint, int timeout_ms) {
+#ifdef _WIN32
+    (void) endpoint; (void) timeout_ms;
+    return "";
+#else
+    const size_t colon = endpoint.rfind(':');
+    const std::string host = endpoint.substr(0, colon);
+    const std::string port = endpoint.substr(colon + 1);
+    addrinfo hints = {};
+    hints.ai_family   = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo * res = nullptr;
+    if (const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+        return clover_format("cannot resolve '%s' (%s)", host.c_str(), gai_strerror(rc));
+    }
+    std::string why = "no address";
+    for (addrinfo * ai = res; ai; ai = ai->ai_next) {
+        const int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+        if (fd < 0) {
+            why = strerror(errno);
+            continue;
+        }
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) | O_NONBLOCK);
+        int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+        if (rc != 0 && errno == EINPROGRESS) {
+            pollfd pfd = { fd, POLLOUT, 0 };
+            rc = poll(&pfd, 1, timeout_ms) == 1 ? 0 : -1;
+            int so_error = rc == 0 ? 0 : ETIMEDOUT;
+            socklen_t len = sizeof(so_error);
+            if (rc == 0) {
+                getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &len);
+            }
+            errno = so_error;
+            rc = so_error == 0 ? 0 : -1;
+        }
+        why = rc == 0 ? "" : strerror(errno);
+        close(fd);
+        if (rc == 0) {
+            break;
+        }
+    }
+    freeaddrinfo(res);
+    return why;
+#endif
+}
+
 extern "C" {
+
+int32_t clover_rpc_add_servers(const char * servers, char * err, size_t err_size) {
+    static std::mutex mutex;
+    static std::set<std::string> added;  // the backend registry has no removal: never register an endpoint twice
+    const auto fail = [&](const std::string & msg) {
+        if (err && err_size > 0) {
+            snprintf(err, err_size, "--rpc: %s", msg.c_str());
+        }
+        return -1;
+    };
+    if (!servers || !*servers) {
+        return fail("no RPC servers given (host:port[,host:port...])");
+    }
+    const std::vector<std::string> endpoints = clover_split(servers, ",");
+    for (const std::string & ep : endpoints) {
+        const size_t colon = ep.rfind(':');
+        if (colon == std::string::npos || colon == 0 || colon + 1 == ep.size() ||
+            ep.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
+            return fail(clover_format("'%s' is not host:port", ep.c_str()));
+        }
+    }
+    ggml_backend_reg_t rpc_reg = ggml_backend_reg_by_name("RPC");
+    if (!rpc_reg) {
+        ggml_backend_load_all();  // a GGML_BACKEND_DL build loads ggml-rpc as a module
+        rpc_reg = ggml_backend_reg_by_name("RPC");
+    }
+    if (!rpc_reg) {
+        return fail("this build has no RPC backend (build with -DGGML_RPC=ON)");
+    }
+    typedef ggml_backend_reg_t (*add_server_t)(const char * endpoint);
+    const auto add_server = (add_server_t) ggml_backend_reg_get_proc_address(rpc_reg, "ggml_backend_rpc_add_server");
+    if (!add_server) {
+        return fail("the RPC backend has no ggml_backend_rpc_add_server");
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    int32_t n_added = 0;
+    for (const std::string & ep : endpoints) {
+        if (added.count(ep)) {
+            continue;
+        }
+        if (const std::string why = clover_rpc_probe(ep, 5000); !why.empty()) {
+            return fail(clover_format("cannot connect to an rpc-server at %s: %s", ep.c_str(), why.c_str()));
+        }
+        ggml_backend_reg_t reg = add_server(ep.c_str());
+        if (!reg || ggml_backend_reg_dev_count(reg) == 0) {
+            return fail(clover_format("cannot reach an rpc-server at %s", ep.c_str()));
+        }
+        ggml_backend_register(reg);
+        added.insert(ep);
+        n_added += (int32_t) ggml_backend_reg_dev_count(reg);
+    }
+    if (err && err_size > 0) {
+        err[0] = '\0';
+    }
+    return n_added;
+}
 
 int32_t clover_check_fit(const struct clover_device_memory * devs, int32_t n_devs, int32_t margin_mib,
                          char * err, size_t err_size) {

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -76,6 +77,10 @@ void clover_hist_add(int32_t * hist, int32_t value) {
 // GGUF metadata (typed)
 //
 
+// the largest block size a GGUF may declare: the model's loader (src/models/clover.cpp) and the converter
+// (reference/config.py MAX_BLOCK_SIZE) refuse the same
+static constexpr int CLOVER_MAX_GGUF_BLOCK_SIZE = 256;
+
 static bool clover_gguf_int(const gguf_context * gctx, const char * key, int64_t & out) {
     const int64_t id = gguf_find_key(gctx, key);
     if (id < 0) {
@@ -115,6 +120,10 @@ static bool clover_gguf_num_array(const gguf_context * gctx, const char * key, s
     const size_t n    = gguf_get_arr_n(gctx, id);
     const auto   type = gguf_get_arr_type(gctx, id);
     out.clear();
+    // gguf_get_arr_data asserts on arrays of strings (and nested arrays): check the element type first
+    if (type == GGUF_TYPE_STRING || type == GGUF_TYPE_ARRAY || type == GGUF_TYPE_BOOL) {
+        return false;
+    }
     if (n == 0) {
         return true;
     }
@@ -137,6 +146,51 @@ static bool clover_gguf_num_array(const gguf_context * gctx, const char * key, s
     return true;
 }
 
+// why gguf_init_from_file refused a file: it cannot be opened, it is no GGUF at all, or it is a damaged GGUF (gguf's
+// own reason is in llama.cpp's log, which the caller may add)
+static std::string clover_gguf_open_error(const char * path) {
+    FILE * f = std::fopen(path, "rb");
+    if (!f) {
+        return clover_format("cannot open '%s': %s", path, std::strerror(errno));
+    }
+    char magic[4] = {};
+    const size_t n = std::fread(magic, 1, sizeof(magic), f);
+    std::fclose(f);
+    if (n != sizeof(magic) || std::memcmp(magic, "GGUF", 4) != 0) {
+        return clover_format("'%s' is not a GGUF file (it does not start with the GGUF magic)", path);
+    }
+    return clover_format("'%s' is a damaged GGUF file: its header, metadata or tensor infos cannot be read", path);
+}
+
+// The data section must end where the file ends (after the last tensor's alignment padding, which GGUF writers
+// add): a header whose tensor count or tensor infos do not match the file would otherwise load with every
+// weight read from the wrong bytes.
+static bool clover_check_data_size(const char * path, const gguf_context * gctx, std::string & err) {
+    FILE * f = std::fopen(path, "rb");
+    if (!f || std::fseek(f, 0, SEEK_END) != 0) {
+        if (f) {
+            std::fclose(f);
+        }
+        err = clover_format("cannot read '%s': %s", path, std::strerror(errno));
+        return false;
+    }
+    const long file_size = std::ftell(f);
+    std::fclose(f);
+    const size_t align = gguf_get_alignment(gctx);
+    size_t end = gguf_get_data_offset(gctx);
+    for (int64_t i = 0; i < gguf_get_n_tensors(gctx); ++i) {
+        end = std::max(end, gguf_get_data_offset(gctx) + gguf_get_tensor_offset(gctx, i) + gguf_get_tensor_size(gctx, i));
+    }
+    const size_t padded = align > 0 ? (end + align - 1) / align * align : end;
+    if (file_size < 0 || ((size_t) file_size != end && (size_t) file_size != padded)) {
+        err = clover_format("'%s': the tensor data of the %lld tensors in its header ends at byte %zu, but the file has %ld bytes: "
+                "the tensor count or the tensor infos do not match the file", path,
+                (long long) gguf_get_n_tensors(gctx), padded, file_size);
+        return false;
+    }
+    return true;
+}
+
 static bool clover_read_info(const char * path, clover_model_info & info, std::string & err) {
     info = {};
     if (!path) {
@@ -146,7 +200,11 @@ static bool clover_read_info(const char * path, clover_model_info & info, std::s
     gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
     gguf_context * gctx = gguf_init_from_file(path, gparams);
     if (!gctx) {
-        err = clover_format("cannot read GGUF file '%s' (missing or not a GGUF file)", path);
+        err = clover_gguf_open_error(path);
+        return false;
+    }
+    if (!clover_check_data_size(path, gctx, err)) {
+        gguf_free(gctx);
         return false;
     }
 
@@ -161,19 +219,29 @@ static bool clover_read_info(const char * path, clover_model_info & info, std::s
 
     bool ok = false;
     do {
+        if (arch != "clover") {
+            err = clover_format("'%s': general.architecture is '%s', not 'clover' (clover-convert makes clover GGUF files)",
+                    path, arch.c_str());
+            break;
+        }
         int64_t v = 0;
         if (!clover_gguf_int(gctx, key("block_size").c_str(), v)) {
             err = clover_format("'%s': missing or non-integer %s", path, key("block_size").c_str());
             break;
         }
-        if (v < 1 || v > 1 << 20) {
-            err = clover_format("'%s': invalid %s = %lld", path, key("block_size").c_str(), (long long) v);
+        if (v < 1 || v > CLOVER_MAX_GGUF_BLOCK_SIZE) {
+            err = clover_format("'%s': %s = %lld must be in 1 .. %d", path, key("block_size").c_str(), (long long) v,
+                    CLOVER_MAX_GGUF_BLOCK_SIZE);
             break;
         }
         info.block_size = (int32_t) v;
 
         if (!clover_gguf_float(gctx, key("diffusion.threshold").c_str(), info.threshold)) {
             err = clover_format("'%s': missing or non-float %s", path, key("diffusion.threshold").c_str());
+            break;
+        }
+        if (!(info.threshold >= 0.0f && info.threshold <= 1.0f)) {  // NaN fails too
+            err = clover_format("'%s': %s = %g must be in [0, 1]", path, key("diffusion.threshold").c_str(), (double) info.threshold);
             break;
         }
 
@@ -195,6 +263,13 @@ static bool clover_read_info(const char * path, clover_model_info & info, std::s
         std::vector<double> thresholds;
         const bool has_sizes      = clover_gguf_num_array(gctx, key("diffusion.calibrated_block_sizes").c_str(), sizes);
         const bool has_thresholds = clover_gguf_num_array(gctx, key("diffusion.calibrated_thresholds").c_str(), thresholds);
+        const int64_t sizes_id      = gguf_find_key(gctx, key("diffusion.calibrated_block_sizes").c_str());
+        const int64_t thresholds_id = gguf_find_key(gctx, key("diffusion.calibrated_thresholds").c_str());
+        if ((sizes_id >= 0 && !has_sizes) || (thresholds_id >= 0 && !has_thresholds)) {
+            err = clover_format("'%s': %s must be an array of numbers", path,
+                    key(sizes_id >= 0 && !has_sizes ? "diffusion.calibrated_block_sizes" : "diffusion.calibrated_thresholds").c_str());
+            break;
+        }
         if (has_sizes != has_thresholds || sizes.size() != thresholds.size()) {
             err = clover_format("'%s': %s and %s differ in length", path,
                     key("diffusion.calibrated_block_sizes").c_str(), key("diffusion.calibrated_thresholds").c_str());
@@ -204,16 +279,20 @@ static bool clover_read_info(const char * path, clover_model_info & info, std::s
             err = clover_format("'%s': %zu calibrated block sizes, at most %d are supported", path, sizes.size(), CLOVER_MAX_CALIBRATED);
             break;
         }
-        bool bad = false;
-        for (size_t i = 0; i < sizes.size(); ++i) {
-            if (sizes[i] < 1 || sizes[i] > (1 << 20)) {
-                bad = true;
+        std::string bad;
+        for (size_t i = 0; i < sizes.size() && bad.empty(); ++i) {
+            if (!(sizes[i] >= 1 && sizes[i] <= CLOVER_MAX_GGUF_BLOCK_SIZE) || sizes[i] != std::floor(sizes[i])) {
+                bad = clover_format("%s holds %g; block sizes must be integers in 1 .. %d",
+                        key("diffusion.calibrated_block_sizes").c_str(), sizes[i], CLOVER_MAX_GGUF_BLOCK_SIZE);
+            } else if (!(thresholds[i] >= 0.0 && thresholds[i] <= 1.0)) {
+                bad = clover_format("%s holds %g; thresholds must be in [0, 1]",
+                        key("diffusion.calibrated_thresholds").c_str(), thresholds[i]);
             }
             info.calibrated_block_sizes[i] = (int32_t) sizes[i];
             info.calibrated_thresholds[i]  = (float) thresholds[i];
         }
-        if (bad) {
-            err = clover_format("'%s': invalid calibrated block size", path);
+        if (!bad.empty()) {
+            err = clover_format("'%s': %s", path, bad.c_str());
             break;
         }
         info.n_calibrated = (int32_t) sizes.size();
@@ -244,7 +323,7 @@ static void clover_batch_fill(llama_batch & batch, const llama_token * tokens, i
 }
 
 static bool clover_decode(clover_engine * eng, const char * what) {
-    const int32_t rc = llama_decode(eng->ctx, eng->batch);
+    const int32_t rc = eng->shared ? clover_parallel_pass(eng, false) : llama_decode(eng->ctx, eng->batch);
     if (rc != 0) {
         eng->last_error = clover_format("llama_decode failed in the %s (code %d)", what, rc);
         return false;
@@ -259,7 +338,7 @@ static bool clover_causal(clover_engine * eng, const llama_token * tokens, int32
         eng->last_error = clover_format("internal error: a causal pass of %d tokens exceeds the batch (%d)", n, eng->batch_cap);
         return false;
     }
-    clover_batch_fill(eng->batch, tokens, n, eng->n_past, CLOVER_SEQ_HISTORY, rows);
+    clover_batch_fill(eng->batch, tokens, n, eng->n_past, eng->seq_hist, rows);
     if (!clover_decode(eng, what)) {
         return false;
     }
@@ -270,7 +349,7 @@ static bool clover_causal(clover_engine * eng, const llama_token * tokens, int32
 
 // forget history positions [keep, n_past): the recurrent state rolls back within n_rs_seq positions
 static bool clover_rollback(clover_engine * eng, int32_t keep) {
-    if (keep < eng->n_past && !llama_memory_seq_rm(eng->mem, CLOVER_SEQ_HISTORY, keep, -1)) {
+    if (keep < eng->n_past && !llama_memory_seq_rm(eng->mem, eng->seq_hist, keep, -1)) {
         eng->last_error = clover_format("rollback of positions %d .. %d refused (n_rs_seq = %u)",
                 keep, eng->n_past - 1, llama_n_rs_seq(eng->ctx));
         return false;
@@ -289,8 +368,9 @@ bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, 
         eng->last_error = clover_format("internal error: a block window of %d exceeds max_block_size %d", n, eng->max_block_size);
         return false;
     }
-    clover_batch_fill(eng->batch, window.data(), n, eng->n_past, CLOVER_SEQ_SCRATCH, rows);
-    const int32_t rc = clover_block_decode(eng->ctx, &eng->batch);
+    clover_batch_fill(eng->batch, window.data(), n, eng->n_past, eng->seq_scratch, rows);
+    const int32_t rc = eng->shared ? clover_parallel_pass(eng, true)
+                                   : clover_block_decode_seqs(eng->ctx, eng->batch, &eng->seq_hist, &eng->seq_scratch, 1);
     if (rc != 0) {
         eng->last_error = clover_format("llama_decode failed in the block pass (code %d)", rc);
         return false;
@@ -305,7 +385,12 @@ bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, 
 
 // float32 logits of batch row i (NULL with last_error set when llama.cpp has none)
 const float * clover_get_row(clover_engine * eng, int32_t i) {
-    const float * logits = llama_get_logits_ith(eng->ctx, i);
+    const float * logits = nullptr;
+    if (!eng->shared) {
+        logits = llama_get_logits_ith(eng->ctx, i);
+    } else if (i >= 0 && i < (int32_t) eng->row_of.size() && eng->row_of[i] >= 0) {
+        logits = eng->rows.data() + (size_t) eng->row_of[i] * eng->n_vocab;  // copied out by the round
+    }
     if (!logits) {
         eng->last_error = clover_format("llama_get_logits_ith(%d) returned no logits", i);
     }
@@ -460,7 +545,12 @@ static bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n)
     }
     run.n_out += n;
     run.stats->n_generated = run.n_out;
-    if (run.on_tokens && !run.on_tokens(tokens, n, run.user_data)) {
+    bool go_on = true;
+    if (run.on_tokens) {
+        clover_callback_scope unlocked(run.eng);
+        go_on = run.on_tokens(tokens, n, run.user_data);
+    }
+    if (!go_on) {
         run.cancelled = true;
         return false;
     }
@@ -548,7 +638,12 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
         for (size_t j = 0; j < canvas.size(); ++j) {
             view[j] = canvas[j] == CLOVER_EMPTY ? eng->info.mask_token_id : canvas[j];
         }
-        if (!run.on_step(view.data(), (int32_t) view.size(), run.user_data)) {
+        bool go_on = true;
+        {
+            clover_callback_scope unlocked(eng);
+            go_on = run.on_step(view.data(), (int32_t) view.size(), run.user_data);
+        }
+        if (!go_on) {
             run.cancelled = true;
             return false;
         }
@@ -938,11 +1033,19 @@ static bool clover_dispatch(clover_run & run) {
         case CLOVER_MODE_DIFFUSION: return clover_run_diffusion(run);
         case CLOVER_MODE_SPEC:      return clover_run_spec(run);
         default:
+            if (!run.eng->has_costs && run.eng->shared && run.eng->shared->has_costs) {
+                run.eng->costs     = run.eng->shared->costs;  // slots share one context: one table serves all
+                run.eng->has_costs = true;
+            }
             if (!run.eng->has_costs) {
                 if (!clover_measure_costs(run.eng, run.eng->costs)) {
                     return false;
                 }
                 run.eng->has_costs = true;
+                if (run.eng->shared) {
+                    run.eng->shared->costs     = run.eng->costs;
+                    run.eng->shared->has_costs = true;
+                }
             }
             run.stats->costs = run.eng->costs;
             return clover_run_auto(run);
@@ -975,6 +1078,8 @@ struct clover_load_plan {
     int32_t              max_block = 0;
     int32_t              n_ctx     = 0;
     int32_t              n_batch   = 0;
+    int32_t              n_ubatch  = 0;
+    int32_t              n_parallel = 1;
     clover_offload       offload;
     llama_model_params   mparams = {};
     llama_context_params cparams = {};
@@ -992,6 +1097,11 @@ static bool clover_make_load_plan(const char * path, const clover_engine_params 
     }
     if (params.n_ctx < 0 || params.n_batch < 0 || params.max_block_size < 0 || params.n_threads < 0) {
         err = "engine params must not be negative";
+        return false;
+    }
+    const int32_t n_parallel = params.n_parallel > 0 ? params.n_parallel : 1;  // 0 = one slot
+    if (n_parallel > 256) {
+        err = clover_format("n_parallel %d must be in 1 .. 256", params.n_parallel);
         return false;
     }
     int32_t max_block = params.max_block_size;
@@ -1031,7 +1141,7 @@ static bool clover_make_load_plan(const char * path, const clover_engine_params 
     cparams.n_ctx      = std::max(n_ctx, n_batch);  // llama.cpp caps n_batch at n_ctx; the engine enforces n_ctx itself
     cparams.n_batch    = n_batch;
     cparams.n_ubatch   = n_ubatch;
-    cparams.n_seq_max  = 2;
+    cparams.n_seq_max  = 2 * n_parallel;  // a history and a scratch sequence per slot
     cparams.kv_unified = true;
     cparams.n_rs_seq   = max_block - 1;
     cparams.no_perf    = true;
@@ -1039,8 +1149,14 @@ static bool clover_make_load_plan(const char * path, const clover_engine_params 
     cparams.n_threads       = n_threads;
     cparams.n_threads_batch = n_threads;
 
-    plan.max_block = max_block;
-    plan.n_ctx     = n_ctx;
+    if (n_ctx / n_parallel < 2) {
+        err = clover_format("n_ctx %d leaves no room for %d slots (each slot gets n_ctx / n_parallel)", n_ctx, n_parallel);
+        return false;
+    }
+    plan.max_block  = max_block;
+    plan.n_ctx      = n_ctx / n_parallel;  // per slot, as llama-server divides -c among its -np slots
+    plan.n_ubatch   = n_ubatch;
+    plan.n_parallel = n_parallel;
     plan.n_batch   = n_batch;
     return true;
 }
@@ -1051,14 +1167,9 @@ int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch
     if (!ctx || !batch) {
         return -1;
     }
-    llama_memory_t mem = llama_get_memory(ctx);
-    llama_memory_seq_rm(mem, CLOVER_SEQ_SCRATCH, -1, -1);
-    llama_memory_seq_cp(mem, CLOVER_SEQ_HISTORY, CLOVER_SEQ_SCRATCH, -1, -1);
-    llama_set_causal_attn(ctx, false);
-    const int32_t rc = llama_decode(ctx, *batch);
-    llama_set_causal_attn(ctx, true);
-    llama_memory_seq_rm(mem, CLOVER_SEQ_SCRATCH, -1, -1);
-    return rc;
+    const llama_seq_id hist = 0;  // a single-slot engine's sequences
+    const llama_seq_id scratch = 1;
+    return clover_block_decode_seqs(ctx, *batch, &hist, &scratch, 1);
 }
 
 struct clover_engine_params clover_engine_default_params(void) {
@@ -1076,6 +1187,7 @@ struct clover_engine_params clover_engine_default_params(void) {
     p.main_gpu        = 0;
     p.tensor_split    = nullptr;
     p.fit_margin_mib  = 1024;
+    p.n_parallel      = 1;
     return p;
 }
 
@@ -1124,21 +1236,28 @@ struct clover_engine * clover_engine_load(const char * path, struct clover_engin
     const int32_t n_ctx     = plan.n_ctx;
     const int32_t n_batch   = plan.n_batch;
 
-    // a plan that does not fit a GPU is refused here, with the numbers, instead of failing in an allocation
-    if (params.fit_margin_mib >= 0 && params.n_gpu_layers != 0 && clover_has_gpu()) {
+    // a plan that does not fit a GPU, or slots whose context does not fit host memory, is refused here, with the
+    // numbers, instead of failing in an allocation (or, on the host, being killed when the memory is touched)
+    const bool check_gpu  = params.n_gpu_layers != 0 && clover_has_gpu();
+    const bool check_host = plan.n_parallel > 1;
+    if (params.fit_margin_mib >= 0 && (check_gpu || check_host)) {
         std::vector<clover_device_memory> devs;
         if (!clover_plan_memory(path, plan.mparams, plan.cparams, devs, msg)) {
             clover_set_err(err, err_size, msg);
             return nullptr;
         }
-        if (clover_check_fit(devs.data(), (int32_t) devs.size(), params.fit_margin_mib, err, err_size) != 0) {
+        if (check_gpu && clover_check_fit(devs.data(), (int32_t) devs.size(), params.fit_margin_mib, err, err_size) != 0) {
+            return nullptr;
+        }
+        if (check_host && !clover_check_host_fit(devs, params.fit_margin_mib, plan.n_parallel, msg)) {
+            clover_set_err(err, err_size, msg);
             return nullptr;
         }
     }
 
     llama_model * model = llama_model_load_from_file(path, plan.mparams);
     if (!model) {
-        clover_set_err(err, err_size, clover_format("failed to load model '%s' (see llama.cpp's log)", path));
+        clover_set_err(err, err_size, clover_format("llama.cpp could not load '%s'", path));
         return nullptr;
     }
 
@@ -1155,7 +1274,7 @@ struct clover_engine * clover_engine_load(const char * path, struct clover_engin
     llama_context * ctx = llama_init_from_model(model, plan.cparams);
     if (!ctx) {
         llama_model_free(model);
-        clover_set_err(err, err_size, "failed to create the llama context (see llama.cpp's log)");
+        clover_set_err(err, err_size, "llama.cpp could not create the context");
         return nullptr;
     }
     if ((int32_t) llama_n_rs_seq(ctx) < max_block - 1) {
@@ -1188,6 +1307,11 @@ struct clover_engine * clover_engine_load(const char * path, struct clover_engin
         if (llama_vocab_is_eog(vocab, t)) {
             eng->eog_ids.push_back(t);
         }
+    }
+    if (!clover_make_slots(eng, plan.n_parallel, plan.n_ubatch, msg)) {
+        clover_engine_free(eng);
+        clover_set_err(err, err_size, msg);
+        return nullptr;
     }
     clover_set_err(err, err_size, "");
     return eng;
@@ -1242,6 +1366,10 @@ void clover_engine_free(struct clover_engine * engine) {
     if (!engine) {
         return;
     }
+    for (auto & slot : engine->slots) {
+        llama_batch_free(slot->batch);
+    }
+    engine->slots.clear();
     llama_batch_free(engine->batch);
     if (engine->ctx) {
         llama_free(engine->ctx);
@@ -1256,6 +1384,28 @@ const struct clover_model_info * clover_engine_info(const struct clover_engine *
     return engine ? &engine->info : nullptr;
 }
 
+struct clover_engine * clover_engine_slot(struct clover_engine * engine, int32_t i) {
+    if (!engine || i < 0 || i > (int32_t) engine->slots.size()) {
+        return nullptr;
+    }
+    return i == 0 ? engine : engine->slots[i - 1].get();
+}
+
+int32_t clover_engine_n_parallel(const struct clover_engine * engine) {
+    return engine ? 1 + (int32_t) engine->slots.size() : 0;
+}
+
+void clover_engine_pass_stats(const struct clover_engine * engine, int64_t * n_passes, int64_t * n_rounds) {
+    const bool shared = engine && engine->shared;
+    if (shared) {
+        *n_passes = engine->shared->n_passes.load();
+        *n_rounds = engine->shared->n_rounds.load();
+    } else {
+        *n_passes = 0;
+        *n_rounds = 0;
+    }
+}
+
 struct llama_model * clover_engine_model(struct clover_engine * engine) {
     return engine ? engine->model : nullptr;
 }
@@ -1268,8 +1418,14 @@ void clover_engine_reset(struct clover_engine * engine) {
     if (!engine) {
         return;
     }
+    clover_slot_guard guard(engine, false);
     llama_set_causal_attn(engine->ctx, true);
-    llama_memory_clear(engine->mem, true);
+    if (engine->shared) {  // this slot's sequences only
+        llama_memory_seq_rm(engine->mem, engine->seq_hist, -1, -1);
+        llama_memory_seq_rm(engine->mem, engine->seq_scratch, -1, -1);
+    } else {
+        llama_memory_clear(engine->mem, true);
+    }
     engine->n_past   = 0;
     engine->has_seed = false;
     engine->seed     = 0;
@@ -1283,6 +1439,10 @@ int32_t clover_engine_n_past(const struct clover_engine * engine) {
 
 int32_t clover_engine_n_ctx(const struct clover_engine * engine) {
     return engine ? engine->n_ctx : 0;
+}
+
+int32_t clover_engine_max_block_size(const struct clover_engine * engine) {
+    return engine ? engine->max_block_size : 0;
 }
 
 int32_t clover_engine_n_threads(const struct clover_engine * engine) {
@@ -1301,6 +1461,7 @@ int32_t clover_generate(struct clover_engine * engine, const llama_token * promp
         return -1;
     }
     clover_engine * eng = engine;
+    clover_slot_guard guard(eng, true);
     eng->last_error.clear();
     clover_stats local_stats;
     if (!stats) {
@@ -1356,6 +1517,7 @@ int32_t clover_engine_measure_costs(struct clover_engine * engine, struct clover
     if (!engine) {
         return -1;
     }
+    clover_slot_guard guard(engine, false);
     clover_pass_costs costs;
     if (!clover_measure_costs(engine, costs)) {
         return -1;

@@ -1,9 +1,12 @@
 // Clover decoding engine: ar, LowConfidence block diffusion and self-speculative decoding
 // (shared/clover-spec.md section 4) on top of libllama. A plain C API, so Python binds it with ctypes.
 //
-// One engine owns one model and one llama_context (n_seq_max = 2, kv_unified, n_rs_seq = max_block_size - 1):
-// sequence 0 holds the committed history, sequence 1 is the scratch sequence of block passes.
-// Successive clover_generate calls continue the same history (multi-turn chat) until clover_engine_reset.
+// One engine owns one model and one llama_context (kv_unified, n_rs_seq = max_block_size - 1) with n_parallel
+// slots (default 1). Slot i owns sequence 2i (the committed history) and 2i + 1 (the scratch sequence of its
+// block passes). Successive clover_generate calls on a slot continue its history (multi-turn chat) until
+// clover_engine_reset. With n_parallel > 1, calls on different slots may run on different threads at once: their
+// passes meet in rounds, and same-kind, same-size passes of several slots run as one llama_decode
+// (clover-parallel.cpp, docs/serve.md "Slots").
 
 #pragma once
 
@@ -84,6 +87,7 @@ struct clover_engine_params {
     const char * tensor_split;     // -ts: "3,1": proportions per GPU (',' or '/'); NULL or "" = by free memory
     int32_t      fit_margin_mib;   // with layers on a GPU, refuse a load whose plan leaves less free on a device
                                    // (llama.cpp's --fit-target, default 1024); < 0 = no check
+    int32_t      n_parallel;       // slots (llama-server's -np; 0 = 1); n_ctx is shared: each slot gets n_ctx / n_parallel
 };
 
 // One device's share of a load, from llama.cpp's no_alloc dry run (clover_engine_plan_memory), in bytes.
@@ -173,8 +177,23 @@ int32_t clover_engine_plan_memory(const char * path, struct clover_engine_params
 // with the numbers ("needs X MiB on CUDA0 ..., Y GiB free"). clover_engine_load applies it with fit_margin_mib.
 int32_t clover_check_fit(const struct clover_device_memory * devs, int32_t n_devs, int32_t margin_mib,
                          char * err, size_t err_size);
+// llama.cpp's --rpc (common/arg.cpp add_rpc_devices): register a device for every "host:port" of the comma-separated
+// list with the backend registry (ggml-rpc, an rpc-server at that address), so the next loads see them as GPU
+// devices and offload -ngl layers to them (split by -ts, by default by free memory). Registration is for the
+// process; an endpoint already added is skipped. Returns the number of devices added, or -1 with a message (a
+// build without GGML_RPC, an empty entry, an unreachable server).
+int32_t clover_rpc_add_servers(const char * servers, char * err, size_t err_size);
 
 const struct clover_model_info * clover_engine_info(const struct clover_engine * engine);
+
+// Slot i of an engine loaded with n_parallel slots (slot 0 is the engine itself), or NULL when out of range. A slot
+// takes every clover_engine_* and clover_generate call; it is owned (and freed) by the engine. One thread at a
+// time per slot; different slots may be driven from different threads.
+struct clover_engine * clover_engine_slot(struct clover_engine * engine, int32_t i);
+int32_t clover_engine_n_parallel(const struct clover_engine * engine);
+// Passes run by the engine's slots, and the llama_decode rounds they ran in (n_passes > n_rounds: passes of
+// several slots were batched together). Both 0 with a single slot.
+void    clover_engine_pass_stats(const struct clover_engine * engine, int64_t * n_passes, int64_t * n_rounds);
 struct llama_model   * clover_engine_model  (struct clover_engine * engine);
 struct llama_context * clover_engine_context(struct clover_engine * engine);
 
@@ -185,6 +204,8 @@ int32_t clover_engine_n_past(const struct clover_engine * engine);
 // The engine's context size: the positions a history may use (params.n_ctx resolved; llama.cpp's own context may
 // be larger, as it is made at least n_batch).
 int32_t clover_engine_n_ctx(const struct clover_engine * engine);
+// the largest block size this engine accepts (max_block_size as resolved at load)
+int32_t clover_engine_max_block_size(const struct clover_engine * engine);
 // The threads the engine's context decodes with (the resolved n_threads).
 int32_t clover_engine_n_threads(const struct clover_engine * engine);
 
