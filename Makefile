@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean native bench
+.PHONY: setup test test-fast lint demo clean native bench
 
 setup: $(STAMP) native
 
@@ -22,8 +22,11 @@ native: $(STAMP)
 		CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install $$(python3 scripts/llama_sdist.py unpack)
 	$(BIN)/python scripts/install_lib_path.py $(VENV) $(CURDIR)/build/native/lib
 
-# Rebuilt only when pyproject.toml changes. torch is pinned and installed first, so pip takes the
-# CPU wheel already on disk instead of resolving a bare `torch`.
+# Rebuilt only when pyproject.toml changes. The base install has no torch; the [test] extra brings it through
+# [reference] (docs/install.md). torch is pinned and installed first, so pip takes the CPU wheel already on disk
+# instead of resolving a bare `torch`. The editable install skips setup.py's native build: `make native` builds
+# for this CPU (-march=native) into build/native, while `pip install .` builds a portable one into its wheel; both
+# use the same cache ($CLOVER_CACHE, ccache).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
@@ -31,8 +34,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e '.[test]'
 	touch $@
 
-test: setup
+test: setup lint
 	CLOVER_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# ruff's rule set is in pyproject.toml ([tool.ruff]).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# The pure-Python edit loop: no native build, the native and slow tests skipped.
+test-fast: $(STAMP) lint
+	CLOVER_SKIP_NATIVE=1 $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The main job, on the shipped default model (models/clover-demo, see its README): convert it to an f16 GGUF,
 # quantize that to Q4_K_M with clover-quantize, then continue a code prompt with the native engine in ar,

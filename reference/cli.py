@@ -103,9 +103,19 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def require_torch() -> None:
+    """clover-ref runs the PyTorch reference; the base install (convert, quantize, cpp) comes without torch."""
+    try:
+        import torch  # noqa: F401, PLC0415
+    except ImportError:
+        raise ValueError("clover-ref needs PyTorch, which the base install leaves out: "
+                         "pip install 'clover-toolkit[reference]'") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        require_torch()
         return run_init(args) if args.command == "init" else run_generate(args)
     except (CloverInputError, ValueError) as exc:
         message = " ".join(str(exc).splitlines())  # always exactly one line

@@ -4,6 +4,7 @@
 #   scripts/build_native.sh                 # CPU build of $TARGETS
 #   GPU=cuda scripts/build_native.sh        # adds -DGGML_CUDA=ON
 #   scripts/build_native.sh --key           # print the build key, CPU target and features; build nothing
+#   PORTABLE=1 scripts/build_native.sh      # a build for other CPUs (wheels): llama.cpp's release recipe
 #
 # Inputs (all optional):
 #   cpp_patch/clover.patch   a `patch -p1` diff against vendor/llama.cpp (paths like a/src/llama-arch.cpp),
@@ -13,8 +14,14 @@
 #                            Top-level files of cpp_patch/ (SDIST_SHA256, clover.patch, notes) are not copied.
 # Environment:
 #   CLOVER_CACHE (~/.cache/clover)  sdist cache and build folders, outside the clone
-#   GPU=cpu|cuda, TARGETS ("llama llama-quantize clover llama-clover"), JOBS (nproc), EXTRA_CMAKE_FLAGS (word-split),
+#   GPU=cpu|cuda, TARGETS ("llama llama-quantize clover llama-clover" and llama.cpp's own tools, see below), JOBS (nproc), EXTRA_CMAKE_FLAGS (word-split),
 #   KEEP_BUILDS (4; older build folders are deleted, 0 keeps all)
+#   PORTABLE=1   GGML_NATIVE=OFF, GGML_BACKEND_DL=ON, GGML_CPU_ALL_VARIANTS=ON: one ggml-cpu module per x86 level,
+#                the best one for the CPU chosen at run time (what `pip install .` builds; -march=native stays the
+#                default for a developer's own build)
+#   CMAKE_ARGS   extra CMake flags, as llama-cpp-python reads them (CMAKE_ARGS="-DGGML_CUDA=on" pip install .)
+#   CLOVER_NATIVE_OUT (build/native)  where lib/, bin/ and BUILD_INFO are published
+#   PYTHON (python3)  runs scripts/llama_sdist.py (setup.py passes its own interpreter)
 #
 # Each build lives in $CLOVER_CACHE/build/<key>/{src,build}; key = sha256 of every cpp_patch file, the
 # CMake flags and what -march=native resolves to on this CPU, so an unchanged patch on the same CPU reuses its
@@ -28,27 +35,38 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${CLOVER_CACHE:-$HOME/.cache/clover}
 PATCH_DIR=$ROOT/cpp_patch
 PATCH_FILE=$PATCH_DIR/clover.patch
-OUT=$ROOT/build/native
+OUT=${CLOVER_NATIVE_OUT:-$ROOT/build/native}
 GPU=${GPU:-cpu}
-TARGETS=${TARGETS:-llama llama-quantize clover llama-clover}
+# llama.cpp's own tools from the patched tree (docs/llama-cpp-tools.md says what each does with a clover
+# GGUF) and the RPC server for multi-machine offload (docs/distributed.md; this tree names it ggml-rpc-server,
+# publish() links it as rpc-server too, the name llama.cpp's docs use).
+TOOL_TARGETS="llama-server llama-cli llama-bench llama-perplexity ggml-rpc-server"
+TARGETS=${TARGETS:-llama llama-quantize clover llama-clover $TOOL_TARGETS}
 JOBS=${JOBS:-$(nproc)}
 KEEP_BUILDS=${KEEP_BUILDS:-4}
 
 # llama-quantize lives in tools/ and links llama-common, hence COMMON=ON and TOOLS=ON.
 # LLAMA_CURL is deprecated in this version (only a warning); LLAMA_OPENSSL replaces it.
+# SERVER=ON adds llama-server and llama-cli (which is built on the server's code); the web UI is neither built
+# (npm) nor downloaded (LLAMA_USE_PREBUILT_UI fetches it from the HF hub at build time), so the server answers
+# the API only. GGML_RPC=ON adds the RPC backend (ggml-rpc) to libggml and the rpc-server tool.
 CMAKE_FLAGS=(
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON
     -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
-    -DLLAMA_OPENSSL=OFF
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_RPC=ON
 )
+if [[ ${PORTABLE:-0} == 1 ]]; then
+    # RUNPATH $ORIGIN instead of the build folder's absolute path: the libraries and tools move into a wheel
+    CMAKE_FLAGS+=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON)
+fi
 case $GPU in
     cpu) ;;
     cuda) CMAKE_FLAGS+=(-DGGML_CUDA=ON) ;;
     *) echo "error: GPU must be cpu or cuda, got '$GPU'" >&2; exit 2 ;;
 esac
 # shellcheck disable=SC2206  # word splitting is intended
-CMAKE_FLAGS+=(${EXTRA_CMAKE_FLAGS:-})
+CMAKE_FLAGS+=(${EXTRA_CMAKE_FLAGS:-} ${CMAKE_ARGS:-})
 
 # -DGGML_NATIVE=ON compiles for the build machine's CPU (-march=native), but neither the CMake flags nor
 # ccache's hash say which CPU that was (ccache issue 824), so a build folder or a ccache reused on another CPU
@@ -135,6 +153,9 @@ publish() {  # $1 = cmake build dir; links libs and tool binaries into build/nat
     mkdir -p "$OUT/lib" "$OUT/bin"
     find "$1/bin" -maxdepth 1 -name '*.so*' -exec ln -s {} "$OUT/lib/" \;
     find "$1/bin" -maxdepth 1 -type f -perm -u+x ! -name '*.so*' -exec ln -s {} "$OUT/bin/" \;
+    if [[ -e $1/bin/ggml-rpc-server ]]; then
+        ln -s "$1/bin/ggml-rpc-server" "$OUT/bin/rpc-server"
+    fi
 }
 
 prune() {  # keep the $KEEP_BUILDS most recently used build folders
@@ -153,7 +174,7 @@ main() {
         print_key
         return
     fi
-    sdist=$(python3 "$ROOT/scripts/llama_sdist.py" unpack)
+    sdist=$("${PYTHON:-python3}" "$ROOT/scripts/llama_sdist.py" unpack)
     key=$(build_key)
     keydir=$CACHE/build/$key
     bld=$keydir/build
