@@ -38,7 +38,7 @@ export PYTHONPATH=/tmp/site:/tmp/pkgs:$R/tests PYTHONUNBUFFERED=1
 PY3=$(python3 -c "import sys; print(sys.executable)")
 mkdir -p .venv/bin && rm -f .venv/bin/python && printf '#!/bin/sh\nexec %s "$@"\n' "$PY3" > .venv/bin/python && chmod +x .venv/bin/python
 
-# -- 0. build: libllama, libclover, llama-clover, test-backend-ops
+# -- 0. build: libllama, libclover, llama-clover, llama-quantize (the benchmark quantizes), test-backend-ops
 B=/tmp/b
 if [[ ! -e $B/bin/libclover.so ]]; then
     mkdir -p /tmp/src && tar -xJf .devrun/src.tar.xz -C /tmp/src
@@ -49,12 +49,12 @@ if [[ ! -e $B/bin/libclover.so ]]; then
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF "${GPU_FLAGS[@]}" \
         > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 4; }
     t configured
-    timeout "${BUILD_LIMIT:-200}" cmake --build $B -j "$(nproc)" --target llama clover llama-clover test-backend-ops \
+    timeout "${BUILD_LIMIT:-200}" cmake --build $B -j "$(nproc)" --target llama clover llama-clover llama-quantize test-backend-ops \
         > "$OUT/build.log" 2>&1
     rc=$?; t "build rc=$rc"; [[ $rc == 0 ]] || { tail -20 "$OUT/build.log"; exit 5; }
 fi
 mkdir -p /tmp/nat/lib /tmp/nat/bin
-ln -sf $B/bin/*.so* /tmp/nat/lib/; ln -sf $B/bin/llama-clover /tmp/nat/bin/
+ln -sf $B/bin/*.so* /tmp/nat/lib/; ln -sf $B/bin/llama-clover $B/bin/llama-quantize /tmp/nat/bin/
 export CLOVER_NATIVE_LIB=/tmp/nat/lib CLOVER_REQUIRE_NATIVE=1 CLOVER_NATIVE_QUIET=1
 
 # -- models: the shipped small ones, mid made here (too large to carry)
