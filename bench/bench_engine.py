@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the native Clover decoding engine (issue 5). Not a unit test.
+"""Benchmark the native Clover decoding engine (docs/decoding.md). Not a unit test.
 
     .venv/bin/python bench/bench_engine.py [--workdir build/bench-engine] [--models tiny,mid] [--threads N]
 
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # native_support / test_convert_support helpers (twin, converters)
+sys.path.insert(0, str(REPO / "tests"))  # native_support / convert_support helpers (twin, converters)
 RESULTS = REPO / "bench" / "results"
 
 DECODE_TOKENS = {"tiny": 128, "mid": 32}
@@ -50,7 +50,7 @@ def prepare(name: str, work: Path, stock: bool = True) -> dict[str, Path]:
     """Checkpoint, clover GGUFs (f32, q8_0) and (with ``stock``) the stock twin GGUFs (f32, q8_0)."""
     from clover_ref.factory import init_checkpoint
     from native_support import clover_convert, quantize
-    from test_convert_support import make_qwen_twin, vendored_convert
+    from convert_support import make_qwen_twin, vendored_convert
 
     d = work / name
     ckpt = d / "checkpoint"

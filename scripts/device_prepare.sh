@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, "tests")
 from clover_ref.factory import init_checkpoint
 from native_support import clover_convert
-from test_convert_support import make_qwen_twin, vendored_convert
+from convert_support import make_qwen_twin, vendored_convert
 
 work = Path("build/devrun-models")
 if not (work / "tiny" / "config.json").exists():

@@ -1,5 +1,5 @@
 """Helpers for the native engine tests (tests/test_engine.py): a tracing reference session and the
-near-tie rule of issue 5.
+near-tie rule (docs/decoding.md).
 
 Native and reference logits differ by float rounding, so a token comparison may diverge only where the
 decision at the first differing step was a near-tie: the reference's top-2 logit gap, or for a fill
@@ -13,7 +13,8 @@ of d moves ln(conf) by at most 2d, and since confidences are below 1 this is str
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,3 +208,23 @@ class Ledger:
         allowed = self.compared // 20
         assert len(self.near_ties) <= allowed, \
             f"{len(self.near_ties)} near-tie divergences in {self.compared} cases (allowed {allowed}): {self.near_ties}"
+
+
+def run_concurrently(fn: Callable[[int], Any], n: int, timeout: float = 300) -> list[Any]:
+    """fn(0) .. fn(n - 1) on n threads started together; each result, or the exception it raised."""
+    results: list[Any] = [None] * n
+    barrier = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+            results[i] = fn(i)
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return results

@@ -22,7 +22,10 @@ MEASURED: dict[str, Any] = {}
 
 
 def require_native() -> None:
-    """Skip (with the reason) when the native runtime is missing; fail instead with CLOVER_REQUIRE_NATIVE=1."""
+    """Skip (with the reason) when the native runtime is missing; fail instead with CLOVER_REQUIRE_NATIVE=1.
+    CLOVER_SKIP_NATIVE=1 (`make test-fast`) skips every native test, built or not."""
+    if os.environ.get("CLOVER_SKIP_NATIVE") == "1" and os.environ.get("CLOVER_REQUIRE_NATIVE") != "1":
+        pytest.skip("CLOVER_SKIP_NATIVE=1: the pure-Python tests only (make test-fast)")
     from clover_cpp import native
 
     ok, reason = native.native_available()
@@ -45,6 +48,16 @@ def skip_or_fail(reason: str) -> None:
     if os.environ.get("CLOVER_REQUIRE_NATIVE") == "1":
         pytest.fail(f"CLOVER_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
     pytest.skip(f"{reason} (set CLOVER_REQUIRE_NATIVE=1 to make this a failure)")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds (servers started by tests)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def record(name: str, value: Any) -> None:

@@ -1,4 +1,4 @@
-"""`clover-cpp chat` (issue 7) driven through a pseudo-terminal with pexpect.
+"""`clover-cpp chat` (docs/serve.md) driven through a pseudo-terminal with pexpect.
 
 A two-turn conversation with /think toggling, /mode, /block and /stats, each answer checked against the
 reference (the conversation rendered with the checkpoint's template, decoded greedily by clover_ref);

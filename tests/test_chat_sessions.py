@@ -48,7 +48,6 @@ class App:
         from clover_cpp import Model
         from clover_cpp.chat import ChatApp, Settings
         from clover_cpp.chat_template import load_template
-        from clover_cpp.worker import default_max_block_size
 
         self.model = Model(gguf, n_ctx=n_ctx, n_threads=1, cache_ram_mib=64)
         self.out = io.StringIO()
@@ -62,7 +61,7 @@ class App:
                 return turn
 
         self.app = Recording(self.model, load_template(self.model.llama_model, str(gguf), None),
-                             Settings(mode="ar", max_tokens=12), default_max_block_size(self.model), self.out)
+                             Settings(mode="ar", max_tokens=12), self.model.max_block_size, self.out)
 
     def said(self, line: str) -> str:
         """Run a line (a message or a /command); returns what the app printed."""

@@ -1,4 +1,4 @@
-"""clover-convert round trips (issue 3): every GGUF tensor equals the Hugging Face tensor under the documented
+"""clover-convert round trips (spec 5, docs/gguf-format.md): every GGUF tensor equals the Hugging Face tensor under the documented
 transform, and every metadata key the spec names is present with the right value and type."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from clover_ref.checkpoint import save_model
 from clover_ref.config import CloverConfig
 from clover_ref.factory import init_checkpoint, init_checkpoint_streaming, preset_config, random_model
 from clover_ref.tokenizer import MASK_TOKEN, special_token_ids
-from test_convert_support import (VENV_PYTHON, assert_tensor_matches, convert, expected_gguf, expected_type, fields,
+from convert_support import (VENV_PYTHON, assert_tensor_matches, convert, expected_gguf, expected_type, fields,
                                   hf_state, run_convert, tensor_values)
 
 V = gguf.GGUFValueType
@@ -151,7 +151,7 @@ def test_nested_sharded_and_fused_layouts_convert_identically(tiny_checkpoint: P
 
 
 def test_vision_and_mtp_tensors_are_skipped_with_a_warning(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
-    from test_convert_support import copy_checkpoint, rewrite_weights
+    from convert_support import copy_checkpoint, rewrite_weights
 
     model = copy_checkpoint(tiny_checkpoint, tmp_path / "tiny")
 
@@ -178,7 +178,7 @@ def test_f32_and_f16_sources(tmp_path: Path, capsys, source_dtype: str, auto_typ
 
 
 def test_auto_is_bf16_for_bf16_sources_and_default_name(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
-    from test_convert_support import copy_checkpoint
+    from convert_support import copy_checkpoint
 
     model = copy_checkpoint(tiny_checkpoint, tmp_path / "tiny")
     code, out, err = run_convert(capsys, model)
@@ -205,7 +205,7 @@ def test_metadata_override(tiny_checkpoint: Path, tmp_path: Path, capsys) -> Non
 
 
 def test_licence_and_base_model_from_the_model_card(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
-    from test_convert_support import copy_checkpoint
+    from convert_support import copy_checkpoint
 
     model = copy_checkpoint(tiny_checkpoint, tmp_path / "Clover-Tiny-Preview")
     (model / "README.md").write_text("---\nlicense: apache-2.0\nbase_model: Qwen/Qwen3.6-35B-A3B\n---\n# Clover\n")

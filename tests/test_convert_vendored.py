@@ -1,4 +1,4 @@
-"""Equality with llama.cpp's own converter (issue 3).
+"""Equality with llama.cpp's own converter (docs/gguf-format.md).
 
 The same checkpoint without the Clover tensors and keys is a plain Qwen3.5-MoE checkpoint. The vendored
 convert_hf_to_gguf.py of the pinned sdist, run with its own gguf-py, turns it into a ``qwen35moe`` GGUF.
@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
-from test_convert_support import CLOVER_KEYS, convert, fields, make_qwen_twin, vendored_convert
+from convert_support import CLOVER_KEYS, convert, fields, make_qwen_twin, vendored_convert
 
 CLOVER_TENSOR_SUFFIXES = ("ssm_conv1d_right.weight", "ssm_hist.weight", "ssm_hist.bias", "ssm_blk_scale.weight")
 # general.size_label counts parameters, and ours has the Clover tensors too

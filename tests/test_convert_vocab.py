@@ -12,7 +12,7 @@ import transformers
 
 from clover_ref.config import CloverConfig
 from clover_ref.tokenizer import NON_SPECIAL_TOKENS, SPECIAL_TOKENS
-from test_convert_support import copy_checkpoint, fields, run_convert
+from convert_support import copy_checkpoint, fields, run_convert
 
 T = gguf.TokenType
 

@@ -1,4 +1,4 @@
-"""Native decoding engine (libclover through clover_cpp.Model) against the PyTorch reference (issue 5).
+"""Native decoding engine (libclover through clover_cpp.Model) against the PyTorch reference (spec 4, docs/decoding.md).
 
 Greedy parity in all three modes with the near-tie rule of tests/engine_support.py, spec == ar, the
 engine's invariants, multi-turn, prefix consistency, spec drafts after rollback, and the CLI. Without

@@ -1,4 +1,4 @@
-"""`clover-cpp imatrix` (issue 6, importance matrix): libclover's collector and masked calibration.
+"""`clover-cpp imatrix` (importance matrix, docs/native.md): libclover's collector and masked calibration.
 
 On the tiny preset (f32 GGUF, 3 GDN + 1 attention layer, 8 experts top-2, B = 8): the file reads back with
 gguf-py in llama.cpp's imatrix layout, the stock llama-quantize uses it, the sums equal an independent numpy

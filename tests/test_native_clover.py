@@ -1,4 +1,4 @@
-"""Native tests of the `clover` architecture in the patched llama.cpp (issue 4).
+"""Native tests of the `clover` architecture in the patched llama.cpp (spec 3, docs/native.md).
 
 Through llama-cpp-python's low-level API and clover_cpp.native. Parity bounds are relative to
 max(1, max|reference logit|). Every measured difference is written to build/native-parity.json.
@@ -170,7 +170,7 @@ def test_block_rows_subset(tiny: Bundle) -> None:
 # ------------------------------------------------------------------------------------------ stock qwen35moe
 @pytest.fixture(scope="module")
 def stock_tiny(tiny: Bundle, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_convert_support import make_qwen_twin, vendored_convert
+    from convert_support import make_qwen_twin, vendored_convert
 
     tmp = tmp_path_factory.mktemp("stock")
     twin = make_qwen_twin(tiny.checkpoint, tmp / tiny.checkpoint.name)

@@ -17,7 +17,7 @@ import pytest
 
 from clover_ref import safe_output
 from native_support import VENV_PYTHON, clover_convert, require_native
-from test_convert_support import copy_checkpoint, run_convert
+from convert_support import copy_checkpoint, run_convert
 
 
 def _digest(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""clover-quantize (issue 6): plans equal what is written, the Clover type rules, the quantized files run in
+"""clover-quantize (docs/quantize.md): plans equal what is written, the Clover type rules, the quantized files run in
 all three modes, quality against f16 (KL divergence and top-1 of causal and block logits), and the errors.
 
 Everything runs the patched llama.cpp (llama_model_quantize through llama-cpp-python): no mocks.
@@ -26,7 +26,7 @@ from clover_quantize.types import FILE_TYPES, file_type
 QUANT_TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_M", "IQ4_NL",
                "IQ4_XS", "F16", "BF16"]
 
-# Tensors that stay F32 in every file (issue 6): the four clover tensors, norms, ssm_a, dt, conv, router and
+# Tensors that stay F32 in every file (docs/quantize.md): the four clover tensors, norms, ssm_a, dt, conv, router and
 # the shared-expert gate.
 ALWAYS_F32 = re.compile(r"(ssm_conv1d_right|ssm_hist\.|ssm_blk_scale|_norm\.weight|ssm_a$|ssm_dt\.|"
                         r"ssm_conv1d\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight)")

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from clover_convert.cli import main
-from clover_ref.config import CLOVER_FIELDS, CloverConfig
+from clover_ref.config import CloverConfig, qwen_twin_config
 from clover_ref.layout import canonical_name, is_clover_tensor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ def _reorder_v_heads(t: torch.Tensor, dim: int, n_k: int, r: int, head_dim: int)
 
 def expected_gguf(state: dict[str, torch.Tensor], c: CloverConfig) -> Iterator[tuple[str, np.ndarray]]:
     """(GGUF name, float32 values in numpy order) for every tensor, under the documented transforms."""
-    n_k, n_v, r = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_num_value_heads // c.linear_num_key_heads
+    n_k, r = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
     hv, qk = c.linear_value_head_dim, 2 * c.key_dim
 
     def heads(t: torch.Tensor, head_dim: int, dim: int = 0) -> torch.Tensor:
@@ -198,10 +198,7 @@ def edit_config(model_dir: Path, **changes: Any) -> None:
 def make_qwen_twin(src: Path, dst: Path) -> Path:
     """The same weights without the Clover tensors, with a plain Qwen3.5-MoE config: what llama.cpp converts."""
     dst.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
-    for key in CLOVER_FIELDS:
-        config.pop(key, None)
-    config.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
+    config = qwen_twin_config(json.loads((src / "config.json").read_text()))
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(src / name, dst / name)
