@@ -48,10 +48,22 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def pip_command() -> list[str]:
+    """How to run pip with this interpreter. Inside pip's isolated build environment (`pip install .` runs
+    setup.py's build hook there) the interpreter's own site-packages, where pip lives, are hidden, and
+    ``python -m pip`` fails with "No module named pip"; ``-I`` (no PYTHON* variables, no user site) shows them
+    again. PIP_* variables and pip.conf still apply, so the download uses the same index."""
+    for flags in ([], ["-I"]):
+        probe = subprocess.run([sys.executable, *flags, "-c", "import pip"], capture_output=True)
+        if probe.returncode == 0:
+            return [sys.executable, *flags, "-m", "pip"]
+    raise SystemExit(f"error: {sys.executable} has no pip to download {PACKAGE}=={VERSION} with; "
+                     f"put {PACKAGE}-{VERSION}.tar.gz into {cache_dir()} or install pip")
+
+
 def download(cache: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-           f"{PACKAGE}=={VERSION}", "-d", str(cache)]
+    cmd = [*pip_command(), "download", "--no-binary", ":all:", "--no-deps", f"{PACKAGE}=={VERSION}", "-d", str(cache)]
     subprocess.run(cmd, check=True, stdout=sys.stderr)
 
 
