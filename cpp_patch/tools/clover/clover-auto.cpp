@@ -259,7 +259,7 @@ bool clover_run_auto(clover_run & run) {
         run.stats->auto_rounds[kind]++;
         run.stats->auto_drafted  += round.n_compared;
         run.stats->auto_accepted += round.n_accepted;
-        clover_hist_add(run.stats->accepted_lengths, round.m);
+        clover_histogram_add(run.stats->accepted_lengths, round.m);
         if (kind == CLOVER_DRAFT_BLOCK) {
             st.block_rate.add(round);
             st.width = 0;
@@ -294,7 +294,7 @@ struct clover_scratch {
 
     explicit clover_scratch(clover_engine * e) : eng(e), batch(llama_batch_init(e->max_block_size + 8, 0, 1)), pos(e->n_past) {
         llama_memory_seq_rm(eng->mem, eng->seq_scratch, -1, -1);
-        llama_memory_seq_cp(eng->mem, eng->seq_hist, eng->seq_scratch, -1, -1);
+        llama_memory_seq_cp(eng->mem, eng->seq_history, eng->seq_scratch, -1, -1);
     }
 
     ~clover_scratch() {

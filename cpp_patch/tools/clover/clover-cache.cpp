@@ -38,7 +38,7 @@ bool clover_cache_save(clover_engine * eng) {
     if (eng->cache_max_bytes <= 0 || eng->n_past <= 0) {
         return false;
     }
-    const size_t size = llama_state_seq_get_size_ext(eng->ctx, eng->seq_hist, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+    const size_t size = llama_state_seq_get_size_ext(eng->ctx, eng->seq_history, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
     eng->cache_stats.checkpoint_bytes = (int64_t) size;
     // a checkpoint at the same position is replaced
     eng->checkpoints.erase(std::remove_if(eng->checkpoints.begin(), eng->checkpoints.end(),
@@ -50,7 +50,7 @@ bool clover_cache_save(clover_engine * eng) {
     cp.n_past   = eng->n_past;
     cp.last_use = ++eng->cache_clock;
     cp.state.resize(size);
-    if (llama_state_seq_get_data_ext(eng->ctx, cp.state.data(), size, eng->seq_hist,
+    if (llama_state_seq_get_data_ext(eng->ctx, cp.state.data(), size, eng->seq_history,
                                      LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) != size) {
         return false;
     }
@@ -95,13 +95,13 @@ void clover_cache_forget_all(clover_engine * eng) {
 
 // restore the checkpoint and cut the KV entries past it; false leaves a history to be reset
 static bool clover_cache_restore(clover_engine * eng, clover_checkpoint & cp) {
-    const size_t read = llama_state_seq_set_data_ext(eng->ctx, cp.state.data(), cp.state.size(), eng->seq_hist,
+    const size_t read = llama_state_seq_set_data_ext(eng->ctx, cp.state.data(), cp.state.size(), eng->seq_history,
                                                      LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
     if (read != cp.state.size()) {
         return false;
     }
     // the recurrent part now ends at cp.n_past - 1, so only attention entries are removed here
-    if (!llama_memory_seq_rm(eng->mem, eng->seq_hist, cp.n_past, -1)) {
+    if (!llama_memory_seq_rm(eng->mem, eng->seq_history, cp.n_past, -1)) {
         return false;
     }
     cp.last_use   = ++eng->cache_clock;
@@ -194,8 +194,8 @@ int32_t clover_engine_set_history(struct clover_engine * engine, const llama_tok
         }
     }
     if (err.empty()) {
-        const llama_pos pmin = llama_memory_seq_pos_min(eng->mem, eng->seq_hist);
-        const llama_pos pmax = llama_memory_seq_pos_max(eng->mem, eng->seq_hist);
+        const llama_pos pmin = llama_memory_seq_pos_min(eng->mem, eng->seq_history);
+        const llama_pos pmax = llama_memory_seq_pos_max(eng->mem, eng->seq_history);
         // a hybrid memory's pos_min is the recurrent part's (its one cell sits at the last position)
         const bool match = n_tokens == 0 ? pmax < 0 : (pmin >= 0 && pmax == n_tokens - 1);
         const bool scratch_empty = llama_memory_seq_pos_max(eng->mem, eng->seq_scratch) < 0;

@@ -3,6 +3,7 @@
 // reads the result exactly as it reads the stock tool's file.
 
 #include "clover-imatrix.h"
+#include "clover-log.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -41,15 +42,6 @@ struct clover_imatrix {
     std::vector<char> ids_data;   // host copy of the expert ids of a MUL_MAT_ID
 };
 
-static std::string clover_imatrix_format(const char * fmt, ...) {
-    char buf[512];
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(buf, sizeof(buf), fmt, args);
-    va_end(args);
-    return buf;
-}
-
 // "CUDA0#blk.0.attn_k.weight#0" (a scheduler copy) -> "blk.0.attn_k.weight"
 static std::string clover_imatrix_weight_name(const char * name) {
     const char * p = strchr(name, '#');
@@ -75,7 +67,7 @@ static void clover_imatrix_fail(clover_imatrix * im, const std::string & msg) {
     if (im->error.empty()) {
         im->error = msg;
         im->failed.store(true);
-        fprintf(stderr, "clover_imatrix: error: %s\n", msg.c_str());
+        clover_log(GGML_LOG_LEVEL_ERROR, "clover_imatrix: error: %s\n", msg.c_str());
     }
 }
 
@@ -111,7 +103,7 @@ static void clover_imatrix_collect_id(clover_imatrix * im, const ggml_tensor * t
     const int64_t n_tokens = src1->ne[2];
 
     if (ids->ne[1] != n_tokens || ggml_nrows(src1) != src1->ne[1] * src1->ne[2] || ids->type != GGML_TYPE_I32) {
-        clover_imatrix_fail(im, clover_imatrix_format("%s: unsupported MUL_MAT_ID layout", wname.c_str()));
+        clover_imatrix_fail(im, clover_format("%s: unsupported MUL_MAT_ID layout", wname.c_str()));
         return;
     }
 
@@ -122,7 +114,7 @@ static void clover_imatrix_collect_id(clover_imatrix * im, const ggml_tensor * t
         e.sums.assign(ne0 * n_as, 0.0);
         e.counts.assign(n_as, 0);
     } else if (e.sums.size() != (size_t) (ne0 * n_as) || e.counts.size() != (size_t) n_as) {
-        clover_imatrix_fail(im, clover_imatrix_format("%s: inconsistent size (%zu x %zu, now %lld x %lld)",
+        clover_imatrix_fail(im, clover_format("%s: inconsistent size (%zu x %zu, now %lld x %lld)",
                 wname.c_str(), e.sums.size() / std::max<size_t>(1, e.counts.size()), e.counts.size(),
                 (long long) ne0, (long long) n_as));
         return;
@@ -133,7 +125,7 @@ static void clover_imatrix_collect_id(clover_imatrix * im, const ggml_tensor * t
         for (int64_t row = 0; row < n_tokens; ++row) {
             const int32_t ex = *(const int32_t *) (ids_data + row * ids->nb[1] + idx * ids->nb[0]);
             if (ex < 0 || ex >= n_as) {
-                clover_imatrix_fail(im, clover_imatrix_format("%s: expert id %d out of range", wname.c_str(), ex));
+                clover_imatrix_fail(im, clover_format("%s: expert id %d out of range", wname.c_str(), ex));
                 return;
             }
             const int64_t i11 = idx % src1->ne[1];
@@ -148,7 +140,7 @@ static void clover_imatrix_collect_id(clover_imatrix * im, const ggml_tensor * t
     }
     for (int64_t ex = 0; ex < n_as; ++ex) {
         if (touched[ex] && !clover_imatrix_finite(e.sums.data() + ex * ne0, ne0)) {
-            clover_imatrix_fail(im, clover_imatrix_format("%s: non-finite activations", wname.c_str()));
+            clover_imatrix_fail(im, clover_format("%s: non-finite activations", wname.c_str()));
             return;
         }
     }
@@ -168,7 +160,7 @@ static void clover_imatrix_collect_dense(clover_imatrix * im, const ggml_tensor 
         e.sums.assign(ne0 * n_mat, 0.0);
         e.counts.assign(1, 0);
     } else if (e.sums.size() != (size_t) (ne0 * n_mat) || e.counts.size() != 1) {
-        clover_imatrix_fail(im, clover_imatrix_format("%s: inconsistent size (%zu values, now %lld)",
+        clover_imatrix_fail(im, clover_format("%s: inconsistent size (%zu values, now %lld)",
                 wname.c_str(), e.sums.size(), (long long) (ne0 * n_mat)));
         return;
     }
@@ -188,7 +180,7 @@ static void clover_imatrix_collect_dense(clover_imatrix * im, const ggml_tensor 
     e.counts[0] += ggml_nrows(src1) / n_mat;
 
     if (!clover_imatrix_finite(e.sums.data(), e.sums.size())) {
-        clover_imatrix_fail(im, clover_imatrix_format("%s: non-finite activations", wname.c_str()));
+        clover_imatrix_fail(im, clover_format("%s: non-finite activations", wname.c_str()));
     }
 }
 
@@ -226,7 +218,7 @@ bool clover_imatrix_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) 
         return true;
     }
     if (src1->type != GGML_TYPE_F32 || src1->nb[0] != ggml_element_size(src1)) {
-        clover_imatrix_fail(im, clover_imatrix_format("%s: input of type %s (or not row-contiguous); "
+        clover_imatrix_fail(im, clover_format("%s: input of type %s (or not row-contiguous); "
                 "only F32 is supported", wname.c_str(), ggml_type_name(src1->type)));
         return true;
     }
@@ -285,7 +277,7 @@ int32_t clover_imatrix_save(
         return set_err("no activations were collected");
     }
     if (chunk_size <= 0) {
-        return set_err(clover_imatrix_format("chunk size must be positive, got %d", chunk_size));
+        return set_err(clover_format("chunk size must be positive, got %d", chunk_size));
     }
 
     size_t data_size = 0;

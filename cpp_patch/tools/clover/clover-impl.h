@@ -4,6 +4,7 @@
 #pragma once
 
 #include "clover.h"
+#include "clover-log.h"
 #include "llama.h"
 
 #include <atomic>
@@ -63,7 +64,7 @@ struct clover_engine {
     clover_model_info info = {};
 
     // this slot's sequences (slot i: 2i and 2i + 1)
-    llama_seq_id seq_hist    = 0;
+    llama_seq_id seq_history = 0;
     llama_seq_id seq_scratch = 1;
 
     // n_parallel > 1: the shared queue and lock (null with one slot); slot 0 owns the model, the context and the
@@ -155,11 +156,10 @@ struct clover_round {
     bool    hit_eog    = false;  // a_m is an end-of-generation token
 };
 
-std::string clover_format(const char * fmt, ...);
 double      clover_now_ms();
-void        clover_hist_add(int32_t * hist, int32_t value);
+void        clover_histogram_add(int32_t * histogram, int32_t value);
 
-// a block pass reads a scratch copy of the history (seq_scratch); the history (seq_hist) is never written
+// a block pass reads a scratch copy of the history (seq_scratch); the history (seq_history) is never written
 bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
 const float * clover_get_row(clover_engine * eng, int32_t i);
 
@@ -186,7 +186,7 @@ bool clover_make_slots(clover_engine * eng, int32_t n_parallel, int32_t n_ubatch
 int32_t clover_parallel_pass(clover_engine * eng, bool block);
 // run a block window (the batch on seq_scratch) for one slot: copy the history to the scratch sequence, decode
 // without the causal mask, drop the scratch sequence
-int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * hist,
+int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * history,
                                  const llama_seq_id * scratch, int32_t n_slots);
 
 // Holds a slot's share of the engine for one C API call (no-op with one slot); `generating` marks the slot as one

@@ -52,7 +52,7 @@ bool clover_make_slots(clover_engine * eng, int32_t n_parallel, int32_t n_ubatch
         slot->vocab          = eng->vocab;
         slot->mem            = eng->mem;
         slot->info           = eng->info;
-        slot->seq_hist       = 2 * i;
+        slot->seq_history    = 2 * i;
         slot->seq_scratch    = 2 * i + 1;
         slot->shared         = shared;
         slot->n_ctx          = eng->n_ctx;
@@ -71,12 +71,12 @@ bool clover_make_slots(clover_engine * eng, int32_t n_parallel, int32_t n_ubatch
     return true;
 }
 
-int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * hist,
+int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * history,
                                  const llama_seq_id * scratch, int32_t n_slots) {
     llama_memory_t mem = llama_get_memory(ctx);
     for (int32_t i = 0; i < n_slots; ++i) {
         llama_memory_seq_rm(mem, scratch[i], -1, -1);
-        llama_memory_seq_cp(mem, hist[i], scratch[i], -1, -1);
+        llama_memory_seq_cp(mem, history[i], scratch[i], -1, -1);
     }
     llama_set_causal_attn(ctx, false);
     const int32_t rc = llama_decode(ctx, batch);
@@ -159,12 +159,12 @@ void clover_run_round(clover_shared & sh, llama_context * ctx) {
     }
     int32_t rc = 0;
     if (block) {
-        std::vector<llama_seq_id> hist, scratch;
+        std::vector<llama_seq_id> history, scratch;
         for (clover_pass_req * r : group) {
-            hist.push_back(r->eng->seq_hist);
+            history.push_back(r->eng->seq_history);
             scratch.push_back(r->eng->seq_scratch);
         }
-        rc = clover_block_decode_seqs(ctx, *batch, hist.data(), scratch.data(), (int32_t) group.size());
+        rc = clover_block_decode_seqs(ctx, *batch, history.data(), scratch.data(), (int32_t) group.size());
     } else {
         rc = llama_decode(ctx, *batch);
     }

@@ -4,11 +4,13 @@
 
 #include "clover.h"
 #include "clover-impl.h"
+#include "clover-log.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "gguf.h"
 #include "llama.h"
+#include "llama-cpp.h"
 
 #include <algorithm>
 #include <chrono>
@@ -18,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <random>
@@ -48,8 +51,7 @@ std::string clover_format(const char * fmt, ...) {
     return out;
 }
 
-// a message through llama.cpp's log callback (what llama_log_set installed), as llama.cpp's own messages
-static void clover_log(ggml_log_level level, const char * fmt, ...) {
+void clover_log(ggml_log_level level, const char * fmt, ...) {
     va_list args;
     va_start(args, fmt);
     const std::string buf = clover_vformat(fmt, args);
@@ -69,8 +71,8 @@ double clover_now_ms() {
     return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
 }
 
-void clover_hist_add(int32_t * hist, int32_t value) {
-    hist[std::min(std::max(value, 0), CLOVER_HIST_SIZE - 1)]++;
+void clover_histogram_add(int32_t * histogram, int32_t value) {
+    histogram[std::min(std::max(value, 0), CLOVER_HIST_SIZE - 1)]++;
 }
 
 //
@@ -338,7 +340,7 @@ static bool clover_causal(clover_engine * eng, const llama_token * tokens, int32
         eng->last_error = clover_format("internal error: a causal pass of %d tokens exceeds the batch (%d)", n, eng->batch_cap);
         return false;
     }
-    clover_batch_fill(eng->batch, tokens, n, eng->n_past, eng->seq_hist, rows);
+    clover_batch_fill(eng->batch, tokens, n, eng->n_past, eng->seq_history, rows);
     if (!clover_decode(eng, what)) {
         return false;
     }
@@ -349,7 +351,7 @@ static bool clover_causal(clover_engine * eng, const llama_token * tokens, int32
 
 // forget history positions [keep, n_past): the recurrent state rolls back within n_rs_seq positions
 static bool clover_rollback(clover_engine * eng, int32_t keep) {
-    if (keep < eng->n_past && !llama_memory_seq_rm(eng->mem, eng->seq_hist, keep, -1)) {
+    if (keep < eng->n_past && !llama_memory_seq_rm(eng->mem, eng->seq_history, keep, -1)) {
         eng->last_error = clover_format("rollback of positions %d .. %d refused (n_rs_seq = %u)",
                 keep, eng->n_past - 1, llama_n_rs_seq(eng->ctx));
         return false;
@@ -370,7 +372,7 @@ bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, 
     }
     clover_batch_fill(eng->batch, window.data(), n, eng->n_past, eng->seq_scratch, rows);
     const int32_t rc = eng->shared ? clover_parallel_pass(eng, true)
-                                   : clover_block_decode_seqs(eng->ctx, eng->batch, &eng->seq_hist, &eng->seq_scratch, 1);
+                                   : clover_block_decode_seqs(eng->ctx, eng->batch, &eng->seq_history, &eng->seq_scratch, 1);
     if (rc != 0) {
         eng->last_error = clover_format("llama_decode failed in the block pass (code %d)", rc);
         return false;
@@ -712,7 +714,7 @@ static bool clover_run_diffusion(clover_run & run) {
             }
             steps++;
         }
-        clover_hist_add(run.stats->steps_per_block, steps);
+        clover_histogram_add(run.stats->steps_per_block, steps);
 
         // commit: causal pass over [seed, produced[:-1]]; the last produced token becomes the seed
         std::vector<llama_token> commit(limit);
@@ -861,7 +863,7 @@ static bool clover_run_spec(clover_run & run) {
         if (!clover_verify(run, drafts.data(), width, width, round)) {
             return false;
         }
-        clover_hist_add(run.stats->accepted_lengths, round.m);
+        clover_histogram_add(run.stats->accepted_lengths, round.m);
         if (round.hit_eog) {
             run.stats->stop_reason = CLOVER_STOP_EOG;
             return true;
@@ -898,15 +900,10 @@ static bool clover_resolve_params(const clover_engine * eng, const clover_gen_pa
         return false;
     }
     if (threshold < 0.0f) {
-        threshold = eng->info.threshold;
-        bool found = false;
-        for (int32_t i = 0; i < eng->info.n_calibrated && !found; ++i) {
-            if (eng->info.calibrated_block_sizes[i] == block_size) {
-                threshold = eng->info.calibrated_thresholds[i];
-                found = true;
-            }
-        }
-        if (!found && params->mode != CLOVER_MODE_AR && params->mode != CLOVER_MODE_AUTO) {
+        threshold = clover_info_threshold(&eng->info, block_size);
+        const int32_t * sizes = eng->info.calibrated_block_sizes;
+        const bool calibrated = std::find(sizes, sizes + eng->info.n_calibrated, block_size) != sizes + eng->info.n_calibrated;
+        if (!calibrated && params->mode != CLOVER_MODE_AR && params->mode != CLOVER_MODE_AUTO) {
             clover_log(GGML_LOG_LEVEL_WARN, "clover: block size %d is not among the calibrated sizes; using the default threshold %g\n",
                     block_size, (double) eng->info.threshold);
         }
@@ -1167,9 +1164,9 @@ int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch
     if (!ctx || !batch) {
         return -1;
     }
-    const llama_seq_id hist = 0;  // a single-slot engine's sequences
+    const llama_seq_id history = 0;  // a single-slot engine's sequences
     const llama_seq_id scratch = 1;
-    return clover_block_decode_seqs(ctx, *batch, &hist, &scratch, 1);
+    return clover_block_decode_seqs(ctx, *batch, &history, &scratch, 1);
 }
 
 struct clover_engine_params clover_engine_default_params(void) {
@@ -1223,98 +1220,110 @@ int32_t clover_read_model_info(const char * path, struct clover_model_info * inf
     return 0;
 }
 
+// a plan that does not fit a GPU, or slots whose context does not fit host memory, is refused before loading,
+// with the numbers, instead of failing in an allocation (or, on the host, being killed when the memory is touched)
+static bool clover_check_plan_fits(const char * path, const clover_engine_params & params, const clover_load_plan & plan,
+                                   std::string & msg) {
+    const bool check_gpu  = params.n_gpu_layers != 0 && clover_has_gpu();
+    const bool check_host = plan.n_parallel > 1;
+    if (params.fit_margin_mib < 0 || !(check_gpu || check_host)) {
+        return true;
+    }
+    std::vector<clover_device_memory> devs;
+    if (!clover_plan_memory(path, plan.mparams, plan.cparams, devs, msg)) {
+        return false;
+    }
+    if (check_gpu) {
+        std::vector<char> buf(4096);  // one line per device
+        if (clover_check_fit(devs.data(), (int32_t) devs.size(), params.fit_margin_mib, buf.data(), buf.size()) != 0) {
+            msg = buf.data();
+            return false;
+        }
+    }
+    return !check_host || clover_check_host_fit(devs, params.fit_margin_mib, plan.n_parallel, msg);
+}
+
+struct clover_engine_deleter {
+    void operator()(clover_engine * eng) const { clover_engine_free(eng); }
+};
+typedef std::unique_ptr<clover_engine, clover_engine_deleter> clover_engine_ptr;
+
+// the model and context of a plan; each failure says why in msg, and what was made so far is freed
+static clover_engine_ptr clover_engine_make(const char * path, clover_load_plan & plan, std::string & msg) {
+    llama_model_ptr model(llama_model_load_from_file(path, plan.mparams));
+    if (!model) {
+        msg = clover_format("llama.cpp could not load '%s'", path);
+        return nullptr;
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(model.get());
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    if (plan.info.mask_token_id >= n_vocab) {
+        msg = clover_format("mask token id %d is outside the vocabulary (%d)", plan.info.mask_token_id, n_vocab);
+        return nullptr;
+    }
+    llama_context_ptr ctx(llama_init_from_model(model.get(), plan.cparams));
+    if (!ctx) {
+        msg = "llama.cpp could not create the context";
+        return nullptr;
+    }
+    if ((int32_t) llama_n_rs_seq(ctx.get()) < plan.max_block - 1) {
+        msg = clover_format("the context has n_rs_seq = %u, rollback of B-1 = %d positions needs more",
+                            llama_n_rs_seq(ctx.get()), plan.max_block - 1);
+        return nullptr;
+    }
+    clover_engine_ptr eng(new (std::nothrow) clover_engine());
+    if (!eng) {
+        msg = "out of memory";
+        return nullptr;
+    }
+    eng->info             = plan.info;
+    eng->info.n_vocab     = n_vocab;
+    eng->info.n_ctx_train = llama_model_n_ctx_train(model.get());
+    eng->vocab            = vocab;
+    eng->mem              = llama_get_memory(ctx.get());
+    eng->model            = model.release();  // freed by clover_engine_free from here on
+    eng->ctx              = ctx.release();
+    return eng;
+}
+
+float clover_info_threshold(const struct clover_model_info * info, int32_t block_size) {
+    for (int32_t i = 0; i < info->n_calibrated; ++i) {
+        if (info->calibrated_block_sizes[i] == block_size) {
+            return info->calibrated_thresholds[i];
+        }
+    }
+    return info->threshold;
+}
+
 struct clover_engine * clover_engine_load(const char * path, struct clover_engine_params params,
                                           char * err, size_t err_size) {
     clover_load_plan plan;
     std::string msg;
-    if (!clover_make_load_plan(path, params, plan, msg)) {
+    clover_engine_ptr eng;
+    if (clover_make_load_plan(path, params, plan, msg) && clover_check_plan_fits(path, params, plan, msg)) {
+        eng = clover_engine_make(path, plan, msg);
+    }
+    if (!eng) {
         clover_set_err(err, err_size, msg);
         return nullptr;
     }
-    clover_model_info & info = plan.info;
-    const int32_t max_block = plan.max_block;
-    const int32_t n_ctx     = plan.n_ctx;
-    const int32_t n_batch   = plan.n_batch;
-
-    // a plan that does not fit a GPU, or slots whose context does not fit host memory, is refused here, with the
-    // numbers, instead of failing in an allocation (or, on the host, being killed when the memory is touched)
-    const bool check_gpu  = params.n_gpu_layers != 0 && clover_has_gpu();
-    const bool check_host = plan.n_parallel > 1;
-    if (params.fit_margin_mib >= 0 && (check_gpu || check_host)) {
-        std::vector<clover_device_memory> devs;
-        if (!clover_plan_memory(path, plan.mparams, plan.cparams, devs, msg)) {
-            clover_set_err(err, err_size, msg);
-            return nullptr;
-        }
-        if (check_gpu && clover_check_fit(devs.data(), (int32_t) devs.size(), params.fit_margin_mib, err, err_size) != 0) {
-            return nullptr;
-        }
-        if (check_host && !clover_check_host_fit(devs, params.fit_margin_mib, plan.n_parallel, msg)) {
-            clover_set_err(err, err_size, msg);
-            return nullptr;
-        }
-    }
-
-    llama_model * model = llama_model_load_from_file(path, plan.mparams);
-    if (!model) {
-        clover_set_err(err, err_size, clover_format("llama.cpp could not load '%s'", path));
-        return nullptr;
-    }
-
-    const llama_vocab * vocab = llama_model_get_vocab(model);
-    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
-    if (info.mask_token_id >= n_vocab) {
-        llama_model_free(model);
-        clover_set_err(err, err_size, clover_format("mask token id %d is outside the vocabulary (%d)", info.mask_token_id, n_vocab));
-        return nullptr;
-    }
-    info.n_vocab     = n_vocab;
-    info.n_ctx_train = llama_model_n_ctx_train(model);
-
-    llama_context * ctx = llama_init_from_model(model, plan.cparams);
-    if (!ctx) {
-        llama_model_free(model);
-        clover_set_err(err, err_size, "llama.cpp could not create the context");
-        return nullptr;
-    }
-    if ((int32_t) llama_n_rs_seq(ctx) < max_block - 1) {
-        llama_free(ctx);
-        llama_model_free(model);
-        clover_set_err(err, err_size, clover_format("the context has n_rs_seq = %u, rollback of B-1 = %d positions needs more",
-                    llama_n_rs_seq(ctx), max_block - 1));
-        return nullptr;
-    }
-
-    clover_engine * eng = new (std::nothrow) clover_engine();
-    if (!eng) {
-        llama_free(ctx);
-        llama_model_free(model);
-        clover_set_err(err, err_size, "out of memory");
-        return nullptr;
-    }
-    eng->model          = model;
-    eng->ctx            = ctx;
-    eng->vocab          = vocab;
-    eng->mem            = llama_get_memory(ctx);
-    eng->info           = info;
-    eng->n_ctx          = n_ctx;
-    eng->n_batch        = n_batch;
-    eng->max_block_size = max_block;
-    eng->n_vocab        = n_vocab;
-    eng->batch_cap      = n_batch;
-    eng->batch          = llama_batch_init(n_batch, 0, 1);
-    for (llama_token t = 0; t < n_vocab; ++t) {
-        if (llama_vocab_is_eog(vocab, t)) {
+    eng->n_ctx          = plan.n_ctx;
+    eng->n_batch        = plan.n_batch;
+    eng->max_block_size = plan.max_block;
+    eng->n_vocab        = eng->info.n_vocab;
+    eng->batch_cap      = plan.n_batch;
+    eng->batch          = llama_batch_init(plan.n_batch, 0, 1);
+    for (llama_token t = 0; t < eng->n_vocab; ++t) {
+        if (llama_vocab_is_eog(eng->vocab, t)) {
             eng->eog_ids.push_back(t);
         }
     }
-    if (!clover_make_slots(eng, plan.n_parallel, plan.n_ubatch, msg)) {
-        clover_engine_free(eng);
+    if (!clover_make_slots(eng.get(), plan.n_parallel, plan.n_ubatch, msg)) {
         clover_set_err(err, err_size, msg);
         return nullptr;
     }
     clover_set_err(err, err_size, "");
-    return eng;
+    return eng.release();
 }
 
 int32_t clover_engine_describe_offload(const char * path, struct clover_engine_params params,
@@ -1421,7 +1430,7 @@ void clover_engine_reset(struct clover_engine * engine) {
     clover_slot_guard guard(engine, false);
     llama_set_causal_attn(engine->ctx, true);
     if (engine->shared) {  // this slot's sequences only
-        llama_memory_seq_rm(engine->mem, engine->seq_hist, -1, -1);
+        llama_memory_seq_rm(engine->mem, engine->seq_history, -1, -1);
         llama_memory_seq_rm(engine->mem, engine->seq_scratch, -1, -1);
     } else {
         llama_memory_clear(engine->mem, true);

@@ -159,6 +159,10 @@ struct clover_gen_params    clover_gen_default_params(void);
 // Read the clover settings of a GGUF file. Returns 0, or -1 with a message in err (err may be NULL).
 int32_t clover_read_model_info(const char * path, struct clover_model_info * info, char * err, size_t err_size);
 
+// The threshold a call with threshold < 0 uses (spec 4.3): the calibrated threshold for block_size, else the
+// default (clover.diffusion.threshold). The one resolution of it: the engine, llama-clover and clover_cpp call this.
+float clover_info_threshold(const struct clover_model_info * info, int32_t block_size);
+
 // Load the model and create the context; NULL on failure (message in err).
 struct clover_engine * clover_engine_load(const char * path, struct clover_engine_params params,
                                           char * err, size_t err_size);

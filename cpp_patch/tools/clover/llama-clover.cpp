@@ -183,12 +183,12 @@ static std::string clover_cli_json_ids(const std::vector<llama_token> & ids) {
     return out + "]";
 }
 
-static std::string clover_cli_json_hist(const int32_t * hist) {
+static std::string clover_cli_json_histogram(const int32_t * histogram) {
     std::string out = "{";
     bool first = true;
     for (int i = 0; i < CLOVER_HIST_SIZE; ++i) {
-        if (hist[i]) {
-            out += (first ? "\"" : ", \"") + std::to_string(i) + "\": " + std::to_string(hist[i]);
+        if (histogram[i]) {
+            out += (first ? "\"" : ", \"") + std::to_string(i) + "\": " + std::to_string(histogram[i]);
             first = false;
         }
     }
@@ -405,16 +405,7 @@ int main(int argc, char ** argv) {
             text += clover_cli_piece(vocab, t);
         }
         const int32_t block_size = gparams.block_size > 0 ? gparams.block_size : info.block_size;
-        float threshold = gparams.threshold;
-        if (threshold < 0.0f) {  // spec 4.3: the calibrated threshold for B, else the default
-            threshold = info.threshold;
-            for (int32_t i = 0; i < info.n_calibrated; ++i) {
-                if (info.calibrated_block_sizes[i] == block_size) {
-                    threshold = info.calibrated_thresholds[i];
-                    break;
-                }
-            }
-        }
+        const float threshold = gparams.threshold >= 0.0f ? gparams.threshold : clover_info_threshold(&info, block_size);
         const int32_t n_out = (int32_t) st.tokens.size();
         printf("{\"text\": %s, \"prompt_ids\": %s, \"tokens\": %s, \"stats\": {"
                "\"mode\": \"%s\", \"block_size\": %d, \"threshold\": %.9g, \"prompt_tokens\": %d, "
@@ -428,7 +419,7 @@ int main(int argc, char ** argv) {
                passes ? (double) n_out / passes : 0.0, stats.t_prefill_ms, t_gen,
                stats.t_prefill_ms > 0 ? stats.n_prompt_tokens / (stats.t_prefill_ms / 1000.0) : 0.0,
                t_gen > 0 ? n_out / (t_gen / 1000.0) : 0.0,
-               clover_cli_json_hist(stats.steps_per_block).c_str(), clover_cli_json_hist(stats.accepted_lengths).c_str(),
+               clover_cli_json_histogram(stats.steps_per_block).c_str(), clover_cli_json_histogram(stats.accepted_lengths).c_str(),
                stop, n_threads, stats.t_block_ms, stats.t_causal_ms);
     } else {
         printf("\n");
