@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -215,25 +216,23 @@ static bool clover_cli_on_tokens(const llama_token * tokens, int32_t n_tokens, v
     return true;
 }
 
-int main(int argc, char ** argv) {
-#ifndef _WIN32
-    // ggml's abort hook attaches gdb for a backtrace, which can hang for minutes under a supervisor; ggml reads this
-    // again when it aborts, so setting it here (unless the user chose) is enough. A malformed GGUF is refused
-    // before any abort anyway.
-    setenv("GGML_NO_BACKTRACE", "1", 0);
-#endif
+// llama-clover's options; eparams and gparams point into the strings and vectors after clover_cli_parse
+struct clover_cli_args {
     std::string model_path;
     std::string prompt;
     bool        have_prompt = false;
-    bool        json = false;
+    bool        json        = false;
 
     std::vector<llama_token> stop_ids;
     std::vector<llama_token> banned_ids;
     clover_engine_params eparams = clover_engine_default_params();
     clover_gen_params    gparams = clover_gen_default_params();
-    std::string override_tensor;  // eparams points into these after parsing
+    std::string override_tensor;
     std::string tensor_split;
+};
 
+// -1 to go on, else the exit status (0 after --help, 2 for bad arguments)
+static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
     for (int i = 1; i < argc; ++i) {
         const std::string arg = argv[i];
         const auto next = [&](const char * name) -> const char * {
@@ -244,85 +243,85 @@ int main(int argc, char ** argv) {
             return argv[++i];
         };
         if (arg == "-m" || arg == "--model") {
-            model_path = next("-m");
+            a.model_path = next("-m");
         } else if (arg == "-p" || arg == "--prompt") {
-            prompt = next("-p");
-            have_prompt = true;
+            a.prompt = next("-p");
+            a.have_prompt = true;
         } else if (arg == "--mode") {
             const std::string m = next("--mode");
             if (m == "ar") {
-                gparams.mode = CLOVER_MODE_AR;
+                a.gparams.mode = CLOVER_MODE_AR;
             } else if (m == "diffusion") {
-                gparams.mode = CLOVER_MODE_DIFFUSION;
+                a.gparams.mode = CLOVER_MODE_DIFFUSION;
             } else if (m == "spec") {
-                gparams.mode = CLOVER_MODE_SPEC;
+                a.gparams.mode = CLOVER_MODE_SPEC;
             } else if (m == "auto") {
-                gparams.mode = CLOVER_MODE_AUTO;
+                a.gparams.mode = CLOVER_MODE_AUTO;
             } else {
                 fprintf(stderr, "error: unknown mode '%s'; choose ar, diffusion, spec or auto\n", m.c_str());
                 return 2;
             }
         } else if (arg == "--block-size") {
-            gparams.block_size = (int32_t) clover_cli_int("--block-size", next("--block-size"), 1, INT_MAX);
+            a.gparams.block_size = (int32_t) clover_cli_int("--block-size", next("--block-size"), 1, INT_MAX);
         } else if (arg == "--threshold") {
-            gparams.threshold = clover_cli_float("--threshold", next("--threshold"), 0.0, 1.0);
+            a.gparams.threshold = clover_cli_float("--threshold", next("--threshold"), 0.0, 1.0);
         } else if (arg == "-n" || arg == "--n-predict" || arg == "--max-tokens") {
-            gparams.max_tokens = (int32_t) clover_cli_int("-n/--n-predict", next("-n"), 0, INT_MAX);
+            a.gparams.max_tokens = (int32_t) clover_cli_int("-n/--n-predict", next("-n"), 0, INT_MAX);
         } else if (arg == "--draft-steps") {
-            gparams.draft_steps = (int32_t) clover_cli_int("--draft-steps", next("--draft-steps"), 0, INT_MAX);
+            a.gparams.draft_steps = (int32_t) clover_cli_int("--draft-steps", next("--draft-steps"), 0, INT_MAX);
         } else if (arg == "--temp" || arg == "--temperature") {
-            gparams.temperature = clover_cli_float("--temp", next("--temp"), 0.0, INFINITY);
+            a.gparams.temperature = clover_cli_float("--temp", next("--temp"), 0.0, INFINITY);
         } else if (arg == "--top-k") {
-            gparams.top_k = (int32_t) clover_cli_int("--top-k", next("--top-k"), 0, INT_MAX);
+            a.gparams.top_k = (int32_t) clover_cli_int("--top-k", next("--top-k"), 0, INT_MAX);
         } else if (arg == "--top-p") {
-            gparams.top_p = clover_cli_float("--top-p", next("--top-p"), 0.0, 1.0, true);
+            a.gparams.top_p = clover_cli_float("--top-p", next("--top-p"), 0.0, 1.0, true);
         } else if (arg == "-s" || arg == "--seed") {
-            gparams.seed = (uint32_t) clover_cli_int("-s/--seed", next("--seed"), 0, (long) UINT32_MAX);
+            a.gparams.seed = (uint32_t) clover_cli_int("-s/--seed", next("--seed"), 0, (long) UINT32_MAX);
         } else if (arg == "-c" || arg == "--ctx-size") {
-            eparams.n_ctx = (int32_t) clover_cli_int("-c/--ctx-size", next("-c"), 0, INT_MAX);
+            a.eparams.n_ctx = (int32_t) clover_cli_int("-c/--ctx-size", next("-c"), 0, INT_MAX);
         } else if (arg == "-b" || arg == "--batch-size") {
-            eparams.n_batch = (int32_t) clover_cli_int("-b/--batch-size", next("-b"), 1, INT_MAX);
+            a.eparams.n_batch = (int32_t) clover_cli_int("-b/--batch-size", next("-b"), 1, INT_MAX);
         } else if (arg == "-t" || arg == "--threads") {
-            eparams.n_threads = (int32_t) clover_cli_int("-t/--threads", next("-t"), 0, INT_MAX);
+            a.eparams.n_threads = (int32_t) clover_cli_int("-t/--threads", next("-t"), 0, INT_MAX);
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
-            eparams.n_gpu_layers = (int32_t) clover_cli_int("-ngl/--n-gpu-layers", next("-ngl"), -1, INT_MAX);
+            a.eparams.n_gpu_layers = (int32_t) clover_cli_int("-ngl/--n-gpu-layers", next("-ngl"), -1, INT_MAX);
         } else if (arg == "-ncmoe" || arg == "--n-cpu-moe") {
-            eparams.n_cpu_moe = (int32_t) clover_cli_int("-ncmoe/--n-cpu-moe", next("--n-cpu-moe"), 0, INT_MAX);
+            a.eparams.n_cpu_moe = (int32_t) clover_cli_int("-ncmoe/--n-cpu-moe", next("--n-cpu-moe"), 0, INT_MAX);
         } else if (arg == "-cmoe" || arg == "--cpu-moe") {
-            eparams.cpu_moe = true;
+            a.eparams.cpu_moe = true;
         } else if (arg == "-ot" || arg == "--override-tensor") {
-            override_tensor += (override_tensor.empty() ? "" : ",") + std::string(next("-ot"));
+            a.override_tensor += (a.override_tensor.empty() ? "" : ",") + std::string(next("-ot"));
         } else if (arg == "-sm" || arg == "--split-mode") {
             const std::string m = next("-sm");
             if (m == "none") {
-                eparams.split_mode = LLAMA_SPLIT_MODE_NONE;
+                a.eparams.split_mode = LLAMA_SPLIT_MODE_NONE;
             } else if (m == "layer") {
-                eparams.split_mode = LLAMA_SPLIT_MODE_LAYER;
+                a.eparams.split_mode = LLAMA_SPLIT_MODE_LAYER;
             } else if (m == "row") {
-                eparams.split_mode = LLAMA_SPLIT_MODE_ROW;
+                a.eparams.split_mode = LLAMA_SPLIT_MODE_ROW;
             } else {
                 fprintf(stderr, "error: -sm/--split-mode must be none, layer or row, got '%s'\n", m.c_str());
                 return 2;
             }
         } else if (arg == "-ts" || arg == "--tensor-split") {
-            tensor_split = next("-ts");
+            a.tensor_split = next("-ts");
         } else if (arg == "-mg" || arg == "--main-gpu") {
-            eparams.main_gpu = (int32_t) clover_cli_int("-mg/--main-gpu", next("-mg"), 0, INT_MAX);
+            a.eparams.main_gpu = (int32_t) clover_cli_int("-mg/--main-gpu", next("-mg"), 0, INT_MAX);
         } else if (arg == "-fitt" || arg == "--fit-target") {
-            eparams.fit_margin_mib = (int32_t) clover_cli_int("-fitt/--fit-target", next("--fit-target"), -1, INT_MAX);
+            a.eparams.fit_margin_mib = (int32_t) clover_cli_int("-fitt/--fit-target", next("--fit-target"), -1, INT_MAX);
         } else if (arg == "--stop" || arg == "--ban") {
             const bool is_stop = arg == "--stop";
-            if (!clover_cli_parse_ids(next(arg.c_str()), is_stop ? stop_ids : banned_ids)) {
+            if (!clover_cli_parse_ids(next(arg.c_str()), is_stop ? a.stop_ids : a.banned_ids)) {
                 fprintf(stderr, "error: %s expects comma-separated token ids\n", arg.c_str());
                 return 2;
             }
             if (is_stop) {
-                gparams.n_stop_ids = (int32_t) stop_ids.size();
+                a.gparams.n_stop_ids = (int32_t) a.stop_ids.size();
             } else {
-                gparams.n_banned_ids = (int32_t) banned_ids.size();
+                a.gparams.n_banned_ids = (int32_t) a.banned_ids.size();
             }
         } else if (arg == "--json") {
-            json = true;
+            a.json = true;
         } else if (arg == "-v" || arg == "--verbose") {
             g_verbose = true;
         } else if (arg == "-h" || arg == "--help") {
@@ -334,99 +333,131 @@ int main(int argc, char ** argv) {
             return 2;
         }
     }
-    if (model_path.empty() || !have_prompt) {
+    if (a.model_path.empty() || !a.have_prompt) {
         clover_cli_usage(argv[0]);
         return 2;
     }
+    a.gparams.stop_ids   = a.stop_ids.data();
+    a.gparams.banned_ids = a.banned_ids.data();
+    a.eparams.override_tensor = a.override_tensor.empty() ? nullptr : a.override_tensor.c_str();
+    a.eparams.tensor_split    = a.tensor_split.empty() ? nullptr : a.tensor_split.c_str();
+    return -1;
+}
 
-    gparams.stop_ids   = stop_ids.data();
-    gparams.banned_ids = banned_ids.data();
+// the prompt's token ids (special tokens parsed), empty when it tokenizes to nothing or fails
+static std::vector<llama_token> clover_cli_tokenize(const llama_vocab * vocab, const std::string & prompt) {
+    std::vector<llama_token> ids(prompt.size() + 16);
+    int32_t n = llama_tokenize(vocab, prompt.data(), (int32_t) prompt.size(), ids.data(), (int32_t) ids.size(), false, true);
+    if (n < 0) {
+        ids.resize(-n);
+        n = llama_tokenize(vocab, prompt.data(), (int32_t) prompt.size(), ids.data(), (int32_t) ids.size(), false, true);
+    }
+    ids.resize(std::max(n, 0));
+    return ids;
+}
 
+static const char * clover_cli_mode_name(int32_t mode) {
+    static const char * names[] = { "ar", "diffusion", "spec", "auto" };
+    return mode >= 0 && mode <= 3 ? names[mode] : "";
+}
+
+static const char * clover_cli_stop_name(int32_t reason) {
+    static const char * names[] = { "", "length", "eos", "context", "cancelled" };
+    return reason >= 0 && reason <= 4 ? names[reason] : "";
+}
+
+// --json: the generate output schema shared with clover-cpp and clover-ref (docs/generate-output.schema.json,
+// clover_ref/generate_output.py): same keys, same formulas
+static void clover_cli_print_json(const llama_vocab * vocab, const clover_model_info & info, const clover_gen_params & gparams,
+                                  const std::vector<llama_token> & prompt_ids, const std::vector<llama_token> & tokens,
+                                  const clover_stats & stats, int32_t n_threads) {
+    std::string text;
+    for (llama_token t : tokens) {
+        text += clover_cli_piece(vocab, t);
+    }
+    const int32_t block_size = gparams.block_size > 0 ? gparams.block_size : info.block_size;
+    const float   threshold  = gparams.threshold >= 0.0f ? gparams.threshold : clover_info_threshold(&info, block_size);
+    const int32_t n_out  = (int32_t) tokens.size();
+    const int32_t passes = stats.n_block_passes + stats.n_causal_passes;
+    const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
+    printf("{\"text\": %s, \"prompt_ids\": %s, \"tokens\": %s, \"stats\": {"
+           "\"mode\": \"%s\", \"block_size\": %d, \"threshold\": %.9g, \"prompt_tokens\": %d, "
+           "\"generated_tokens\": %d, \"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.17g, "
+           "\"prefill_ms\": %.17g, \"decode_ms\": %.17g, \"prefill_tok_per_s\": %.17g, \"decode_tok_per_s\": %.17g, "
+           "\"steps_per_block\": %s, \"accepted_lengths\": %s, \"stop_reason\": \"%s\", "
+           "\"threads\": %d, \"block_ms\": %.17g, \"causal_ms\": %.17g}}\n",
+           clover_cli_json_str(text).c_str(), clover_cli_json_ids(prompt_ids).c_str(),
+           clover_cli_json_ids(tokens).c_str(), clover_cli_mode_name(gparams.mode), block_size, (double) threshold,
+           stats.n_prompt_tokens, n_out, stats.n_block_passes, stats.n_causal_passes,
+           passes ? (double) n_out / passes : 0.0, stats.t_prefill_ms, t_gen,
+           stats.t_prefill_ms > 0 ? stats.n_prompt_tokens / (stats.t_prefill_ms / 1000.0) : 0.0,
+           t_gen > 0 ? n_out / (t_gen / 1000.0) : 0.0,
+           clover_cli_json_histogram(stats.steps_per_block).c_str(), clover_cli_json_histogram(stats.accepted_lengths).c_str(),
+           clover_cli_stop_name(stats.stop_reason), n_threads, stats.t_block_ms, stats.t_causal_ms);
+}
+
+struct clover_cli_engine_deleter {
+    void operator()(clover_engine * eng) const { clover_engine_free(eng); }
+};
+
+int main(int argc, char ** argv) {
+#ifndef _WIN32
+    // ggml's abort hook attaches gdb for a backtrace, which can hang for minutes under a supervisor; ggml reads this
+    // again when it aborts, so setting it here (unless the user chose) is enough. A malformed GGUF is refused
+    // before any abort anyway.
+    setenv("GGML_NO_BACKTRACE", "1", 0);
+#endif
+    clover_cli_args a;
+    const int parsed = clover_cli_parse(argc, argv, a);
+    if (parsed >= 0) {
+        return parsed;
+    }
     llama_log_set(clover_cli_log, nullptr);
 
     char err[1024] = {0};
     clover_model_info info;
-    if (clover_read_model_info(model_path.c_str(), &info, err, sizeof(err)) != 0) {
+    if (clover_read_model_info(a.model_path.c_str(), &info, err, sizeof(err)) != 0) {
         fprintf(stderr, "error: %s\n", err);
         return 1;
     }
-    if (eparams.max_block_size == 0 && gparams.block_size > 0) {
-        int32_t mb = std::max(info.block_size, gparams.block_size);
+    if (a.eparams.max_block_size == 0 && a.gparams.block_size > 0) {
+        int32_t mb = std::max(info.block_size, a.gparams.block_size);
         for (int32_t i = 0; i < info.n_calibrated; ++i) {
             mb = std::max(mb, info.calibrated_block_sizes[i]);
         }
-        eparams.max_block_size = mb;
+        a.eparams.max_block_size = mb;
     }
-
-    eparams.override_tensor = override_tensor.empty() ? nullptr : override_tensor.c_str();
-    eparams.tensor_split    = tensor_split.empty() ? nullptr : tensor_split.c_str();
-    clover_engine * eng = clover_engine_load(model_path.c_str(), eparams, err, sizeof(err));
+    std::unique_ptr<clover_engine, clover_cli_engine_deleter> eng(
+        clover_engine_load(a.model_path.c_str(), a.eparams, err, sizeof(err)));
     if (!eng) {
         fprintf(stderr, "error: %s\n", err);
         return 1;
     }
-    const llama_vocab * vocab = llama_model_get_vocab(clover_engine_model(eng));
-
-    std::vector<llama_token> prompt_ids(prompt.size() + 16);
-    int32_t n = llama_tokenize(vocab, prompt.data(), (int32_t) prompt.size(), prompt_ids.data(), (int32_t) prompt_ids.size(), false, true);
-    if (n < 0) {
-        prompt_ids.resize(-n);
-        n = llama_tokenize(vocab, prompt.data(), (int32_t) prompt.size(), prompt_ids.data(), (int32_t) prompt_ids.size(), false, true);
-    }
-    if (n <= 0) {
-        fprintf(stderr, "error: %s\n", n == 0 ? "the prompt is empty after tokenization" : "tokenization failed");
-        clover_engine_free(eng);
+    const llama_vocab * vocab = llama_model_get_vocab(clover_engine_model(eng.get()));
+    const std::vector<llama_token> prompt_ids = clover_cli_tokenize(vocab, a.prompt);
+    if (prompt_ids.empty()) {
+        fprintf(stderr, "error: the prompt is empty after tokenization (or tokenization failed)\n");
         return 1;
     }
-    prompt_ids.resize(n);
 
-    clover_cli_state st = { vocab, {}, !json };
+    clover_cli_state st = { vocab, {}, !a.json };
     clover_stats stats;
-    const int32_t rc = clover_generate(eng, prompt_ids.data(), n, &gparams, clover_cli_on_tokens, nullptr, &st, &stats);
-    if (rc < 0) {
-        fprintf(stderr, "error: %s\n", clover_engine_last_error(eng));
-        clover_engine_free(eng);
+    if (clover_generate(eng.get(), prompt_ids.data(), (int32_t) prompt_ids.size(), &a.gparams, clover_cli_on_tokens,
+                        nullptr, &st, &stats) < 0) {
+        fprintf(stderr, "error: %s\n", clover_engine_last_error(eng.get()));
         return 1;
     }
-
-    static const char * stop_names[] = { "", "length", "eos", "context", "cancelled" };
-    const char * stop = stats.stop_reason >= 0 && stats.stop_reason <= 4 ? stop_names[stats.stop_reason] : "";
-    static const char * mode_names[] = { "ar", "diffusion", "spec", "auto" };
-    const int32_t n_threads = clover_engine_n_threads(eng);
-    const int32_t passes = stats.n_block_passes + stats.n_causal_passes;
-    const double  tpf    = passes ? (double) stats.n_generated / passes : 0.0;
-    const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
-
-    if (json) {
-        // the generate output schema shared with clover-cpp and clover-ref (docs/generate-output.schema.json,
-        // clover_ref/generate_output.py): same keys, same formulas
-        std::string text;
-        for (llama_token t : st.tokens) {
-            text += clover_cli_piece(vocab, t);
-        }
-        const int32_t block_size = gparams.block_size > 0 ? gparams.block_size : info.block_size;
-        const float threshold = gparams.threshold >= 0.0f ? gparams.threshold : clover_info_threshold(&info, block_size);
-        const int32_t n_out = (int32_t) st.tokens.size();
-        printf("{\"text\": %s, \"prompt_ids\": %s, \"tokens\": %s, \"stats\": {"
-               "\"mode\": \"%s\", \"block_size\": %d, \"threshold\": %.9g, \"prompt_tokens\": %d, "
-               "\"generated_tokens\": %d, \"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.17g, "
-               "\"prefill_ms\": %.17g, \"decode_ms\": %.17g, \"prefill_tok_per_s\": %.17g, \"decode_tok_per_s\": %.17g, "
-               "\"steps_per_block\": %s, \"accepted_lengths\": %s, \"stop_reason\": \"%s\", "
-               "\"threads\": %d, \"block_ms\": %.17g, \"causal_ms\": %.17g}}\n",
-               clover_cli_json_str(text).c_str(), clover_cli_json_ids(prompt_ids).c_str(),
-               clover_cli_json_ids(st.tokens).c_str(), mode_names[gparams.mode], block_size, (double) threshold,
-               stats.n_prompt_tokens, n_out, stats.n_block_passes, stats.n_causal_passes,
-               passes ? (double) n_out / passes : 0.0, stats.t_prefill_ms, t_gen,
-               stats.t_prefill_ms > 0 ? stats.n_prompt_tokens / (stats.t_prefill_ms / 1000.0) : 0.0,
-               t_gen > 0 ? n_out / (t_gen / 1000.0) : 0.0,
-               clover_cli_json_histogram(stats.steps_per_block).c_str(), clover_cli_json_histogram(stats.accepted_lengths).c_str(),
-               stop, n_threads, stats.t_block_ms, stats.t_causal_ms);
+    const int32_t n_threads = clover_engine_n_threads(eng.get());
+    if (a.json) {
+        clover_cli_print_json(vocab, info, a.gparams, prompt_ids, st.tokens, stats, n_threads);
     } else {
+        const int32_t passes = stats.n_block_passes + stats.n_causal_passes;
+        const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
         printf("\n");
         fprintf(stderr, "[%s] %d tokens, %d block + %d causal passes, %.2f tokens/pass, %.1f tok/s, %d threads, stop: %s\n",
-                mode_names[gparams.mode], stats.n_generated, stats.n_block_passes, stats.n_causal_passes, tpf,
-                t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0, n_threads, stop);
+                clover_cli_mode_name(a.gparams.mode), stats.n_generated, stats.n_block_passes, stats.n_causal_passes,
+                passes ? (double) stats.n_generated / passes : 0.0, t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0,
+                n_threads, clover_cli_stop_name(stats.stop_reason));
     }
-    clover_engine_free(eng);
     return 0;
 }
