@@ -238,7 +238,8 @@ def bench_onepass(workdir: Path, model: Path, twin: Path, vendored_tree: Path, t
         runs, plus the second's own peak."""
         a = runs[first] if first else {"wall_s": 0.0, "peak_rss_mib": 0.0, "peak_extra_disk_bytes": 0}
         b = runs[second]
-        return {"wall_s": round(a["wall_s"] + b["wall_s"], 2), "peak_rss_mib": max(a["peak_rss_mib"], b["peak_rss_mib"]),
+        return {"wall_s": round(a["wall_s"] + b["wall_s"], 2),
+                "peak_rss_mib": max(a["peak_rss_mib"], b["peak_rss_mib"]),
                 "peak_extra_disk_bytes": a["peak_extra_disk_bytes"] + b["peak_extra_disk_bytes"],
                 "quantize_step_wall_s": b["wall_s"]}
 
@@ -295,7 +296,8 @@ def markdown_onepass(result: dict) -> str:
                      f"{r['peak_extra_disk_bytes'] / gb:.2f} | {r['load_avg_1m_before']:.1f} |")
     lines += ["", "One-pass time split by thread count (thread-seconds; reading one chunk ahead overlaps the rest; "
               "`plan` is the skeleton and llama.cpp's dry run):", "",
-              "| threads | wall (s) | plan | read | convert | quantize | write |", "|---:|---:|---:|---:|---:|---:|---:|"]
+              "| threads | wall (s) | plan | read | convert | quantize | write |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
     for key, r in result["runs"].items():
         if key.startswith("onepass_t"):
             t = r["split_s"]

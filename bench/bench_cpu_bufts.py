@@ -71,7 +71,7 @@ def main() -> int:
     text = (REPO / "reference" / "decode.py").read_text()
     rows = []
     for name, f16 in f16_models(args.workdir).items():
-        m = native.Model(f16)
+        m = native.LlamaModel(f16)
         prompt = m.tokenize(text)[:256]
         m.close()
         for qtype in args.types.split(","):

@@ -108,7 +108,7 @@ def engine_runs(path: Path, name: str, threads: int) -> dict[str, Any]:
 def cost_ratio(path: Path, block: int, threads: int, reps: int = 9) -> dict[str, float]:
     from clover_cpp import native
 
-    model = native.Model(path)
+    model = native.LlamaModel(path)
     ctx = native.Context(model, n_ctx=1024, n_ubatch=max(64, block), n_threads=threads)
     ids = prompt_ids(64, seed=3)
     ctx.causal(ids, rows=[63])
@@ -137,7 +137,7 @@ def lowlevel_ar(paths: dict[str, Path], n_tokens: int, threads: int, rounds: int
     ids = prompt_ids(32, seed=2)
     state = {}
     for key, path in paths.items():
-        model = native.Model(path)
+        model = native.LlamaModel(path)
         state[key] = (model, native.Context(model, n_ctx=2048, n_ubatch=64, n_threads=threads))
     best = {key: 0.0 for key in paths}
     for _ in range(rounds):
@@ -215,7 +215,8 @@ def markdown(results: dict[str, Any]) -> str:
         row("cost ratio block/causal", lambda x: f2(x["cost"]["ratio"])),
         row("stock qwen35moe AR tok/s (low-level loop)", lambda x: f1(x["stock_ar_tok_s"])),
         row("clover AR tok/s (same loop)", lambda x: f1(x["clover_lowlevel_ar_tok_s"])),
-        row("patch cost to AR (same loop)", lambda x: f"{100 * (1 - x['clover_lowlevel_ar_tok_s'] / x['stock_ar_tok_s']):+.1f} %"),
+        row("patch cost to AR (same loop)",
+            lambda x: f"{100 * (1 - x['clover_lowlevel_ar_tok_s'] / x['stock_ar_tok_s']):+.1f} %"),
         row("PyTorch reference ar tok/s", lambda x: f2(x["reference_ar_tok_s"])),
     ]
     return "\n".join(lines) + "\n"
@@ -234,14 +235,14 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["CLOVER_N_GPU_LAYERS"] = str(args.n_gpu_layers)
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
-    from clover_cpp import engine
+    from clover_cpp import libclover
 
-    ok, reason = engine.available()
+    ok, reason = libclover.available()
     if not ok:
         print(f"bench_engine: native engine unavailable: {reason}", file=sys.stderr)
         return 1
     if args.threads == 0:
-        args.threads = int(engine.lib().clover_default_n_threads())
+        args.threads = int(libclover.lib().clover_default_n_threads())
     os.environ["CLOVER_THREADS"] = str(args.threads)
     start = time.time()
     models = [m for m in args.models.split(",") if m]

@@ -47,12 +47,17 @@ def eval_windows(docs: list[list[int]], seed: int = 0) -> list[tuple[list[int], 
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-imatrix")
+def parse_args(description: str, workdir: str) -> argparse.Namespace:
+    """The options of the imatrix benchmarks (this one and bench_imatrix_onepass.py)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workdir", type=Path, default=REPO / "build" / workdir)
     parser.add_argument("--chunks", type=int, default=24, help="calibration chunks of 512 tokens")
     parser.add_argument("--eval-docs", type=int, default=12, help="held-out files evaluated (256 tokens each)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args(__doc__.splitlines()[0], "bench-imatrix")
     from clover_cpp import native
     from clover_ref.train import corpus_files
 

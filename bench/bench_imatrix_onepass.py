@@ -13,7 +13,6 @@ bench/results/bench_imatrix_onepass.md and .json.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
-from bench_imatrix import WINDOW, eval_windows, save_kl_table  # noqa: E402
+from bench_imatrix import WINDOW, eval_windows, parse_args, save_kl_table  # noqa: E402
 from native_support import causal_and_block_logits, kl_top1  # noqa: E402
 
 DEMO = REPO / "models" / "clover-demo"
@@ -32,11 +31,7 @@ def run(*args: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-imatrix-onepass")
-    parser.add_argument("--chunks", type=int, default=24, help="calibration chunks of 512 tokens")
-    parser.add_argument("--eval-docs", type=int, default=12, help="held-out files evaluated (256 tokens each)")
-    args = parser.parse_args()
+    args = parse_args(__doc__.splitlines()[0], "bench-imatrix-onepass")
     from clover_cpp import native
     from clover_ref.train import corpus_files
 

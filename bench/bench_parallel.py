@@ -65,7 +65,7 @@ def model_path(name: str, work: Path) -> Path:
 def bound(gguf: Path, clients: list[int]) -> dict[str, Any]:
     from clover_cpp import native
 
-    model = native.Model(gguf)
+    model = native.LlamaModel(gguf)
     ctx = native.Context(model, n_ctx=2048, n_ubatch=64, n_rs_seq=max(clients))
     try:
         ids = list(range(100, 164))
@@ -137,7 +137,8 @@ def stream(server: Server, prompt: str, mode: str, tokens: int, cancel_after: in
         stream=True, stream_options={"include_usage": True},
         extra_body={"mode": mode, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
     for chunk in s:
-        if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].delta.model_extra.get("reasoning_content")):
+        if chunk.choices and (chunk.choices[0].delta.content
+                              or chunk.choices[0].delta.model_extra.get("reasoning_content")):
             now = time.perf_counter()
             t_first = t_first or now
             t_last = now
@@ -207,7 +208,8 @@ def memory(gguf: Path, n_requests: int, work: Path) -> dict[str, Any]:
             if i % 5 == 4:
                 resp = server.client.chat.completions.create(
                     model=server.model, messages=[{"role": "user", "content": prompt}], max_tokens=16,
-                    temperature=0, extra_body={"mode": modes[i % 4], "chat_template_kwargs": {"enable_thinking": False}})
+                    temperature=0,
+                    extra_body={"mode": modes[i % 4], "chat_template_kwargs": {"enable_thinking": False}})
                 assert resp.choices[0].finish_reason
             else:
                 stream(server, prompt, modes[i % 4], 16, cancel_after=4 if i % 7 == 3 else 0)

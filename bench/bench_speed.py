@@ -160,7 +160,8 @@ def main() -> int:
 
     runs = 1 if args.quick else args.runs
     prompts = held_out_prompts(args.prompts)
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu.read_cpuinfo().summary(),
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "cpu": cpu.read_cpuinfo().summary(),
                            "runs": runs, "prompts": len(prompts), "models": {}}
     for name, (path, configs, tokens) in models(args.workdir, args.quick).items():
         log(f"{name}: {len(configs)} configurations x {len(prompts)} prompts x {runs} runs")

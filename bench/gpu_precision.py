@@ -175,7 +175,7 @@ def native_cpu(name: str, model: Any, ids: list[int], exact: np.ndarray, workdir
     if not gguf.exists():
         subprocess.run([sys.executable, "-m", "clover_convert", str(src), str(gguf), "--outtype", "f32"],
                        check=True, stdout=subprocess.DEVNULL)
-    m = native.Model(gguf)
+    m = native.LlamaModel(gguf)
     out: dict[str, Any] = {}
     try:
         for fa in (True, False):
@@ -220,7 +220,8 @@ def study(name: str, args: argparse.Namespace) -> dict[str, Any]:
             res = run_preset(model, ids, mask, exact, args.quick)
         res["routing"] = flips(exact_probs, res.pop("_probs"), top_k, ties["_margin"])
         out["presets"][preset] = res
-        line = " ".join(f"{k}={v['max_abs_diff']:.3g}" for k, v in res.items() if isinstance(v, dict) and "max_abs_diff" in v)
+        line = " ".join(f"{k}={v['max_abs_diff']:.3g}" for k, v in res.items()
+                        if isinstance(v, dict) and "max_abs_diff" in v)
         print(f"[{name}] {preset:15s} {line} flips={res['routing']['flipped']} ({time.time() - t0:.0f} s)", flush=True)
     if args.native_cpu and not args.quick:
         out["native_cpu"] = native_cpu(name, model, ids, exact["causal"], args.workdir)
@@ -250,14 +251,17 @@ def render(results: dict[str, Any], cmd: str) -> str:
         nt = r["near_ties"]
         lines += ["", f"Router near-ties over the 300-token prompt (exact reference): top-{r['top_k']} margin "
                   f"(k-th minus (k+1)-th probability) min {nt['min']:.2e}, median {nt['median']:.2e}; "
-                  f"{nt['below_1e-3']} of {nt['cells']} (token, layer) cells below 1e-3, {nt['below_1e-4']} below 1e-4.",
+                  f"{nt['below_1e-3']} of {nt['cells']} (token, layer) cells below 1e-3, "
+                  f"{nt['below_1e-4']} below 1e-4.",
                   ""]
         if "native_cpu" in r:
-            lines += ["Native CPU build, f32 GGUF, causal prompts in one pass (max|diff| against the exact reference):", "",
+            lines += ["Native CPU build, f32 GGUF, causal prompts in one pass (max|diff| against the exact reference):",
+                      "",
                       "| flash attention / n_ubatch | " + " | ".join(f"prompt{n}" for n in PROMPTS) + " |",
                       "|---|" + "---:|" * len(PROMPTS)]
             for k, row in r["native_cpu"].items():
-                lines.append(f"| {k} | " + " | ".join(f"{row[f'prompt{n}']['max_abs_diff']:.3g}" for n in PROMPTS) + " |")
+                lines.append(f"| {k} | " + " | ".join(f"{row[f'prompt{n}']['max_abs_diff']:.3g}" for n in PROMPTS)
+                             + " |")
             lines.append("")
     return "\n".join(lines) + "\n"
 

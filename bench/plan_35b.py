@@ -76,9 +76,9 @@ def make_skeleton(workdir: Path) -> Path:
 
 def plans(skeleton: Path, types: list[str] = TYPES) -> dict[str, dict]:
     from clover_quantize.cli import print_plan
-    from clover_quantize.inspect import read_input
+    from clover_quantize.gguf_input import read_input
     from clover_quantize.run import QuantizeOptions, plan_quantization
-    from clover_quantize.types import file_type
+    from clover_quantize.file_types import file_type
 
     model = read_input(skeleton)
     out: dict[str, dict] = {}
@@ -104,7 +104,8 @@ _SIZES = {
 }
 
 
-def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int], parallel: int = 1) -> dict[int, dict[str, float]]:
+def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int],
+                   parallel: int = 1) -> dict[int, dict[str, float]]:
     """MiB of each context buffer llama.cpp allocates for the engine's context on the 35B, per B_max, with
     ``parallel`` slots (2 sequences each; n_ctx is the total, shared as in llama-server)."""
     from clover_cpp import native
@@ -151,7 +152,8 @@ def offload_rows(skeleton: Path, plan: dict[str, dict], memory: dict[int, dict[s
         gpu = side["GPU"] + ctx_bytes
         by_b = {b: side["GPU"] + int(sum(m.values()) * MIB) for b, m in memory.items()}
         rows.append({"n_cpu_moe": n, "gpu_weights": side["GPU"], "gpu_context": ctx_bytes, "gpu_total": gpu,
-                     "gpu_total_by_b_max": by_b, "fits_by_b_max": {b: v <= GPU_USABLE_GIB * GIB for b, v in by_b.items()},
+                     "gpu_total_by_b_max": by_b,
+                     "fits_by_b_max": {b: v <= GPU_USABLE_GIB * GIB for b, v in by_b.items()},
                      "cpu_weights": side["CPU"], "experts_on_cpu": exps_cpu, "moved_per_pass": moved,
                      "fits": gpu <= GPU_USABLE_GIB * GIB})
         print(f"--n-cpu-moe {n:2d}: GPU {gpu / GIB:6.2f} GiB, host {side['CPU'] / GIB:6.2f} GiB, "
@@ -179,7 +181,8 @@ def offload_report(off: dict, n_ctx: int) -> list[str]:
              "not counted).", "",
              "| N | GPU weights GiB | GPU total GiB, B_max 8 / 16 / 32 | fits 22.0 GiB (B_max 8 / 16 / 32) | "
              "host weights GiB | moved per 1-row pass (ar step) | 8-row pass (B = 8 block) | 32-row pass "
-             "(B = 32 block, prefill ubatch) | 32-row pass at 25 GB/s |", "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+             "(B = 32 block, prefill ubatch) | 32-row pass at 25 GB/s |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in off["rows"]:
         m = r["moved_per_pass"]
         tot = " / ".join(f"{v / GIB:.2f}" for v in r["gpu_total_by_b_max"].values())

@@ -75,7 +75,7 @@ def pass_costs(path: Path, reps: int = 5) -> dict[str, Any]:
     repetitions (noise on a shared machine only adds time)."""
     from clover_cpp import native
 
-    model = native.Model(path)
+    model = native.LlamaModel(path)
     ctx = native.Context(model, n_ctx=512, n_ubatch=64, n_rs_seq=max(WIDTHS))
     history = [int(t) % 3000 + 1 for t in range(64)]
     ctx.causal(history)
@@ -189,7 +189,7 @@ def main() -> int:
     import os
 
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
-    from clover_cpp import cpu, engine
+    from clover_cpp import cpu, libclover
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     l4 = slice_gguf(args.workdir, 4)
@@ -207,7 +207,8 @@ def main() -> int:
 
     def gpu_ms(w: int, bw: float) -> float:
         """A pass of w rows, causal or block: the same weights are read."""
-        read = LAYERS * (bytes_["other_per_layer"] + bytes_["experts_per_layer"] * union(w) / N_EXPERTS) + bytes_["head"]
+        read = (LAYERS * (bytes_["other_per_layer"] + bytes_["experts_per_layer"] * union(w) / N_EXPERTS)
+                + bytes_["head"])
         return read / (bw * GPU_EFFICIENCY) * 1e3 + GPU_PASS_FIXED_MS
 
     rows = []
@@ -230,7 +231,7 @@ def main() -> int:
         r["cpu_tok_s"] = r["tokens_per_pass"] / r["cpu_ms"] * 1e3
         for gpu in GPUS:
             r[f"{gpu} tok/s"] = r["tokens_per_pass"] / r[gpu] * 1e3
-    res = {"cpu": cpu.read_cpuinfo().summary(), "threads": int(engine.lib().clover_default_n_threads()),
+    res = {"cpu": cpu.read_cpuinfo().summary(), "threads": int(libclover.lib().clover_default_n_threads()),
            "measured_4_layers": c4, "head_ms": head, "causal40_ms": causal40,
            "block40_ms": block40, "bytes": bytes_, "rows": rows,
            "assumptions": {"gpu_efficiency": GPU_EFFICIENCY, "gpu_pass_fixed_ms": GPU_PASS_FIXED_MS,
@@ -242,7 +243,8 @@ def main() -> int:
              f"{res['cpu']}, {res['threads']} threads. 40-layer pass costs scaled from a 4-layer real-dims slice; "
              f"tokens per pass from the demo model (bench_speed, f16). GPU: bytes read per pass at "
              f"{GPU_EFFICIENCY:.0%} of peak bandwidth + {GPU_PASS_FIXED_MS} ms per pass (assumed).", "",
-             "| mode | tokens per pass | CPU ms per pass | CPU tok/s | " + " | ".join(f"{g} tok/s" for g in GPUS) + " |",
+             "| mode | tokens per pass | CPU ms per pass | CPU tok/s | "
+             + " | ".join(f"{g} tok/s" for g in GPUS) + " |",
              "|---|---:|---:|---:|" + "---:|" * len(GPUS)]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['tokens_per_pass']:.2f} | {r['cpu_ms']:.0f} | {r['cpu_tok_s']:.2f} | "

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from clover_ref.errors import BadInput
+
 from . import session
 from .chat_template import ChatTemplate, TemplateError, load_template
-from .model import EngineError, Model, Stats
+from .model import EngineError, Generation, Model, Stats
 from .native import NativeError
 from .output_parser import OutputParser, TextEvent, opens_reasoning
 from .text_stream import TextPipeline
@@ -412,23 +414,33 @@ class ChatApp:
         visual = self.visual and self.settings.mode != "ar"
         # the previous turns' prompt, up to where their answer started
         reused = self.model.reuse_prefix(ids, checkpoint_at=[checkpoint_hint])
-        run = BackgroundRun(self.model, ids[reused:], self.settings, max_tokens, want_steps=visual)
+        s = self.settings
+        run = self.model.generate(ids[reused:], mode=s.mode, block_size=s.block_size, threshold=s.threshold,
+                                  max_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                  seed=s.seed, stop_ids=[] if s.ignore_eos else None, steps=visual)
         printer = AnswerPrinter(self.out, self.style, self.show_reasoning)
         pipeline = TextPipeline(lambda t: self.model.detokenize(t, special=False),
                                 parser=OutputParser(in_reasoning, parse_tools=False))
         tokens: list[int] = []
         steps = 0
-        for kind, payload in run.events():
-            if kind == "step":
-                steps += 1
-                self._frame(user_text, tokens, payload, steps)
-                continue
-            tokens += payload
-            if visual:
-                self._frame(user_text, tokens, None, steps)
-            else:
-                for ev in pipeline.feed(payload):
-                    printer.event(ev)
+        error: BaseException | None = None
+        try:
+            with cancel_on_sigint(run):
+                for kind, payload in run.events():
+                    if kind == "step":
+                        steps += 1
+                        self._frame(user_text, tokens, payload, steps)
+                        continue
+                    tokens += payload
+                    if visual:
+                        self._frame(user_text, tokens, None, steps)
+                    else:
+                        for ev in pipeline.feed(payload):
+                            printer.event(ev)
+        except (EngineError, NativeError) as exc:  # raised once what was generated is printed
+            error = exc
+        finally:
+            run.close()  # the consumer stopped early (an exception in printing): stop the engine too
         if visual:  # the last frame: the answer as a normal turn
             self.out.write(CLEAR + self.style.bold("> ") + user_text + "\n")
             parser = OutputParser(in_reasoning, parse_tools=False)
@@ -440,8 +452,9 @@ class ChatApp:
         printer.close()
         if run.cancelled:
             self.say(self.style.error("[interrupted]"))
-        if run.error is not None:
-            raise run.error
+        if error is not None:
+            raise error
+        assert run.stats is not None
         return Turn(tokens, run.stats, run.cancelled, printer.reasoning, printer.content, reused)
 
     def _frame(self, user_text: str, tokens: list[int], canvas: list[int] | None, step: int) -> None:
@@ -459,66 +472,18 @@ class ChatApp:
         self.out.flush()
 
 
-class BackgroundRun:
-    """``Model.run`` on a worker thread. Committed blocks (and, with ``want_steps``, LowConfidence canvases)
-    arrive through ``events()``; Ctrl-C (SIGINT) meanwhile sets ``cancelled`` and the engine stops at its
-    next callback instead of the app getting a KeyboardInterrupt."""
-
-    def __init__(self, model: Model, ids: list[int], s: Settings, max_tokens: int, want_steps: bool) -> None:
-        self._queue: queue.Queue[tuple[str, list[int]]] = queue.Queue()
-        self._cancel = threading.Event()
-        self._want_steps = want_steps
-        self.stats: Stats | None = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, args=(model, ids, s, max_tokens), name="clover-chat",
-                                        daemon=True)
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def _on_tokens(self, block: list[int]) -> bool:
-        self._queue.put(("block", list(block)))
-        return not self._cancel.is_set()
-
-    def _on_step(self, canvas: list[int]) -> bool:
-        if self._want_steps:
-            self._queue.put(("step", list(canvas)))
-        return not self._cancel.is_set()
-
-    def _work(self, model: Model, ids: list[int], s: Settings, max_tokens: int) -> None:
-        try:
-            self.stats = model.run(ids, mode=s.mode, block_size=s.block_size, threshold=s.threshold,
-                                   max_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                   seed=s.seed, stop_ids=[] if s.ignore_eos else None, on_tokens=self._on_tokens,
-                                   on_step=None if s.mode == "ar" else self._on_step).stats
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
-            self.error = exc
-        finally:
-            self._queue.put(("done", []))
-
-    def events(self) -> Iterator[tuple[str, list[int]]]:
-        """("block", tokens) and ("step", canvas) until the run ends."""
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, lambda *_: self._cancel.set()) if main else None
-        self._thread.start()
-        finished = False
-        try:
-            while True:
-                try:
-                    kind, payload = self._queue.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if kind == "done":
-                    finished = True
-                    return
-                yield kind, payload
-        finally:
-            if not finished:  # the consumer stopped early: stop the engine too
-                self._cancel.set()
-            self._thread.join()
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+@contextmanager
+def cancel_on_sigint(run: Generation) -> Iterator[None]:
+    """Ctrl-C (SIGINT) cancels ``run`` (the engine stops at its next callback) instead of raising
+    KeyboardInterrupt in the app; only from the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: run.cancel())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -529,10 +494,10 @@ def run_chat(args: argparse.Namespace) -> int:
         model.set_cache(args.cache_ram, args.checkpoint_every)  # prefix reuse (docs/serve.md)
         template = load_template(model.llama_model, args.model, args.chat_template)
         if template is None:
-            raise ValueError(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")
+            raise BadInput(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")
         max_block = model.max_block_size  # the engine's resolution of --max-block-size
         if args.block_size is not None and args.block_size > max_block:
-            raise ValueError(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
+            raise BadInput(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
         try:
             import readline  # noqa: F401 - line editing and history for input()
         except ImportError:

@@ -1,8 +1,8 @@
-"""The model's chat template (``tokenizer.chat_template`` in the GGUF), rendered with the reference renderer.
+"""The model's chat template (``tokenizer.chat_template`` in the GGUF), rendered for chat and serve.
 
-Rendering is ``clover_ref.tokenizer.render_chat`` (Jinja configured like transformers'
-``apply_chat_template``) with the template text read from the GGUF, so the native runtime and the
-reference build the same prompt text.
+Rendering is ``chat_render.render_chat`` (Jinja configured like transformers' ``apply_chat_template``) with the
+template text read from the GGUF; the reference renders with the same function, so both build the same prompt
+text.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from typing import Any
 
 import jinja2
 
-from clover_ref.tokenizer import render_chat
+from clover_ref.errors import BadInput
 
 from . import native
+from .chat_render import render_chat
 
 
-class TemplateError(ValueError):
+class TemplateError(BadInput):
     """The template could not render these messages (the message says why)."""
 
 
@@ -42,13 +43,15 @@ class ChatTemplate:
         try:
             return cls(p.read_text(encoding="utf-8"), str(p))
         except OSError as exc:
-            raise FileNotFoundError(f"{p}: cannot read the chat template ({exc.strerror})") from None
+            raise BadInput(f"{p}: cannot read the chat template ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"{p}: the chat template is not UTF-8 text (byte {exc.start})") from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                enable_thinking: bool = True, add_generation_prompt: bool = True) -> str:
         try:
-            return render_chat(messages, tools=tools or None, enable_thinking=enable_thinking,
-                               add_generation_prompt=add_generation_prompt, template=self.source)
+            return render_chat(messages, self.source, tools=tools or None, enable_thinking=enable_thinking,
+                               add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from None
         except (TypeError, AttributeError, KeyError) as exc:  # a message shape the template does not expect

@@ -22,33 +22,27 @@ import json
 import os
 import sys
 import time
-from typing import NoReturn
+
+from clover_ref import cli_runner
+from clover_ref.cli_runner import OneLineParser
+from clover_ref.errors import BadInput
 
 from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY
 from .offload import add_offload_args, offload_from_args
 
-EXIT_BAD_INPUT = 2
 PROG = "clover-cpp"
 
 
-class BadInput(Exception):
-    """Reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # argparse prints usage over several lines; we want one
-        raise BadInput(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Clover native decoding engine (llama.cpp + libclover).")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog=PROG, description="Clover native decoding engine (llama.cpp + libclover).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     gen = sub.add_parser("generate", help="continue a prompt with the native engine")
     gen.add_argument("-m", "--model", required=True, help="Clover GGUF file")
     gen.add_argument("-p", "--prompt", required=True)
     gen.add_argument("--mode", choices=["ar", "diffusion", "spec", "auto"], default="auto",
-                     help="auto (default): lossless, faster than ar where drafts are accepted; diffusion changes the output")
+                     help="auto (default): lossless, faster than ar where drafts are accepted; "
+                          "diffusion changes the output")
     gen.add_argument("--block-size", type=int, default=None)
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--draft-steps", type=int, default=0)
@@ -100,7 +94,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn/request may use "
                    "(0 = the largest of the model's block size and calibrated sizes)")
     p.add_argument("--mode", choices=["ar", "diffusion", "spec", "auto"], default="auto",
-                   help="auto (default): lossless, faster than ar where drafts are accepted; diffusion changes the output")
+                   help="auto (default): lossless, faster than ar where drafts are accepted; "
+                        "diffusion changes the output")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
     _add_temperature(p)
@@ -140,12 +135,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "them, as in llama-server (docs/serve.md, \"Slots\")")
     sec = serve.add_argument_group("security (docs/serve.md, \"Security\")")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                     help="accept requests to /v1 only with 'Authorization: Bearer KEY' (repeatable; /health stays open)")
+                     help="accept requests to /v1 only with 'Authorization: Bearer KEY' "
+                          "(repeatable; /health stays open)")
     sec.add_argument("--api-key-file", default=None, metavar="FILE", help="read API keys from FILE, one per line")
     lim = serve.add_argument_group("limits (0 = none; docs/serve.md, \"Limits\")")
     lim.add_argument("--max-body-bytes", type=int, default=8 * 2**20, metavar="N",
                      help="largest request body (default 8 MiB; larger: 413)")
-    lim.add_argument("--max-messages", type=int, default=1024, metavar="N", help="most messages in a chat (default 1024)")
+    lim.add_argument("--max-messages", type=int, default=1024, metavar="N",
+                     help="most messages in a chat (default 1024)")
     lim.add_argument("--max-prompt-chars", type=int, default=0, metavar="N",
                      help="most characters of a prompt, checked before tokenizing (default 0: 64 x n_ctx)")
     lim.add_argument("--max-queue", type=int, default=64, metavar="N",
@@ -255,7 +252,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
     """Masked calibration over a text file, written in llama.cpp's imatrix GGUF format (clover_cpp/imatrix.py)."""
     from pathlib import Path
 
-    from . import engine, native
+    from . import libclover, native
     from .imatrix import collect
 
     _at_least(("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
@@ -268,7 +265,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
     if out.is_dir() or not out.resolve().parent.is_dir():
         raise BadInput(f"{out}: cannot write there (-o/--output needs a file in an existing folder)")
     try:
-        info = engine.read_model_info(args.model)
+        info = libclover.read_model_info(args.model)
     except native.NativeError as exc:
         raise BadInput(f"{args.model} is not a clover GGUF: {exc}") from None
     if args.chunk_size > info.n_ctx_train:
@@ -279,7 +276,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
         raise BadInput(f"{args.file}: not UTF-8 text (byte {exc.start})") from None
     if not text.strip():
         raise BadInput(f"{args.file}: the calibration file is empty")
-    model = native.Model(args.model, n_gpu_layers=args.n_gpu_layers)
+    model = native.LlamaModel(args.model, n_gpu_layers=args.n_gpu_layers)
     try:
         tokens = model.tokenize(text, add_special=False, parse_special=False)
         if len(tokens) < args.chunk_size:
@@ -367,25 +364,18 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .native import NativeError
-
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")  # llama.cpp's error log would add lines; we print one
-    try:
-        args = build_parser().parse_args(argv)
-        if args.command == "imatrix":
-            return run_imatrix(args)
-        if args.command == "chat":
-            return run_chat_command(args)
-        if args.command == "serve":
-            return run_serve_command(args)
-        return run_generate(args)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except (BadInput, ValueError, FileNotFoundError, NativeError) as exc:
-        message = " ".join(str(exc).split())  # always exactly one line
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return cli_runner.run(PROG, lambda: _run(build_parser().parse_args(argv)))
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "imatrix":
+        return run_imatrix(args)
+    if args.command == "chat":
+        return run_chat_command(args)
+    if args.command == "serve":
+        return run_serve_command(args)
+    return run_generate(args)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import engine, native
+from . import libclover, native
 from .native import NativeError
 
 _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
@@ -48,10 +48,10 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
 def _lib() -> ctypes.CDLL:
     """libclover with the collector's prototypes declared (kept apart from engine's list, so a libclover
     without the collector still runs the engine)."""
-    handle = engine.lib()
+    handle = libclover.lib()
     missing = [name for name in (*_PROTOTYPES, "clover_imatrix_eval_cb") if not hasattr(handle, name)]
     if missing:
-        raise NativeError(f"{engine.lib_path()} lacks {', '.join(missing)}: rebuild it with `make native`")
+        raise NativeError(f"{libclover.lib_path()} lacks {', '.join(missing)}: rebuild it with `make native`")
     for name, (restype, argtypes) in _PROTOTYPES.items():
         fn = getattr(handle, name)
         fn.restype = restype
@@ -133,7 +133,7 @@ class ImatrixResult:
     seconds: float
 
 
-def collect(model: native.Model, tokens: Sequence[int], out_path: str | os.PathLike[str], *,
+def collect(model: native.LlamaModel, tokens: Sequence[int], out_path: str | os.PathLike[str], *,
             dataset: str, chunk_size: int = 512, max_chunks: int | None = None, block_size: int,
             masked: bool = True, seed: int = 0, n_threads: int | None = None,
             progress: bool = True) -> ImatrixResult:

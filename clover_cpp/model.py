@@ -24,7 +24,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import engine, native
+from clover_ref.generate_output import PassCounts
+from clover_ref.errors import BadInput
+
+from . import libclover, native
 from .native import NativeError
 from .offload import Offload
 
@@ -64,22 +67,24 @@ class ModelInfo:
     n_ctx_train: int
 
     @classmethod
-    def from_c(cls, info: engine.clover_model_info) -> "ModelInfo":
-        n = max(0, min(int(info.n_calibrated), engine.CLOVER_MAX_CALIBRATED))
+    def from_c(cls, info: libclover.clover_model_info) -> "ModelInfo":
+        n = max(0, min(int(info.n_calibrated), libclover.CLOVER_MAX_CALIBRATED))
         return cls(int(info.block_size), float(info.threshold), int(info.mask_token_id),
                    int(info.conv_right_kernel), tuple(int(x) for x in info.calibrated_block_sizes[:n]),
                    tuple(float(x) for x in info.calibrated_thresholds[:n]), int(info.n_vocab),
                    int(info.n_ctx_train))
 
     def threshold_for(self, block_size: int) -> float:
-        """Spec 4.3: the calibrated threshold for B, else the default threshold."""
-        for b, t in zip(self.calibrated_block_sizes, self.calibrated_thresholds):
-            if b == block_size:
-                return t
-        return self.threshold
+        """The threshold a call without one uses (spec 4.3), as the engine resolves it (clover_info_threshold):
+        the calibrated threshold for B, else the default."""
+        c = libclover.clover_model_info()
+        c.block_size, c.threshold, c.n_calibrated = self.block_size, self.threshold, len(self.calibrated_block_sizes)
+        for i, (b, t) in enumerate(zip(self.calibrated_block_sizes, self.calibrated_thresholds)):
+            c.calibrated_block_sizes[i], c.calibrated_thresholds[i] = b, t
+        return float(libclover.lib().clover_info_threshold(ctypes.byref(c), int(block_size)))
 
 
-def _hist(values: Sequence[int]) -> list[int]:
+def _histogram(values: Sequence[int]) -> list[int]:
     """A C histogram with trailing zeros trimmed (index = value; the last C bin holds larger values)."""
     out = [int(v) for v in values]
     while out and out[-1] == 0:
@@ -101,15 +106,15 @@ class PassCosts:
     block_row_ms: float
 
     @classmethod
-    def from_c(cls, c: engine.clover_pass_costs) -> "PassCosts":
-        return cls(*(float(getattr(c, name)) for name, _ in engine.clover_pass_costs._fields_))
+    def from_c(cls, c: libclover.clover_pass_costs) -> "PassCosts":
+        return cls(*(float(getattr(c, name)) for name, _ in libclover.clover_pass_costs._fields_))
 
-    def to_c(self) -> engine.clover_pass_costs:
-        return engine.clover_pass_costs(*(float(v) for v in vars(self).values()))
+    def to_c(self) -> libclover.clover_pass_costs:
+        return libclover.clover_pass_costs(*(float(v) for v in vars(self).values()))
 
 
 @dataclass
-class Stats:
+class Stats(PassCounts):
     """What one generate call did. Histograms are lists indexed by value (``steps_per_block[s]`` = number
     of blocks that took s steps); bin 64 holds everything larger."""
 
@@ -134,24 +139,15 @@ class Stats:
     costs: PassCosts | None = None  # auto: the cost table its decisions used
 
     @classmethod
-    def from_c(cls, s: engine.clover_stats, mode: str, block_size: int, threshold: float,
+    def from_c(cls, s: libclover.clover_stats, mode: str, block_size: int, threshold: float,
                wall_s: float, threads: int) -> "Stats":
         auto = mode == "auto"
         return cls(mode, block_size, threshold, int(s.n_prompt_tokens), int(s.n_generated),
                    int(s.n_block_passes), int(s.n_causal_passes), float(s.t_prefill_ms), float(s.t_block_ms),
-                   float(s.t_causal_ms), _hist(s.steps_per_block), _hist(s.accepted_lengths),
-                   engine.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s,
-                   threads, dict(zip(engine.DRAFT_KINDS, (int(n) for n in s.auto_rounds))) if auto else {},
+                   float(s.t_causal_ms), _histogram(s.steps_per_block), _histogram(s.accepted_lengths),
+                   libclover.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s,
+                   threads, dict(zip(libclover.DRAFT_KINDS, (int(n) for n in s.auto_rounds))) if auto else {},
                    int(s.auto_drafted), int(s.auto_accepted), PassCosts.from_c(s.costs) if auto else None)
-
-    @property
-    def passes(self) -> int:
-        return self.block_passes + self.causal_passes
-
-    @property
-    def tokens_per_pass(self) -> float:
-        """TPF: generated tokens / decode-time passes (block + causal), as the reference counts it."""
-        return self.generated_tokens / self.passes if self.passes else 0.0
 
     @property
     def decode_ms(self) -> float:
@@ -215,29 +211,29 @@ class _Call:
                  threshold: float | None, draft_steps: int, max_tokens: int, temperature: float, top_k: int,
                  top_p: float, seed: int, stop_ids: Sequence[int] | None, banned_ids: Sequence[int] | None,
                  on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None) -> None:
-        L = engine.lib()
-        if mode not in engine.MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(engine.MODES)}")
+        L = libclover.lib()
+        if mode not in libclover.MODES:
+            raise BadInput(f"unknown mode {mode!r}; choose one of {', '.join(libclover.MODES)}")
         if not prompt_ids:
-            raise ValueError("the prompt is empty; at least one token is needed as the seed")
+            raise BadInput("the prompt is empty; at least one token is needed as the seed")
         if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+            raise BadInput(f"max_tokens must be >= 0, got {max_tokens}")
         if block_size is not None and block_size < 1:
-            raise ValueError(f"block size must be at least 1, got {block_size}")
+            raise BadInput(f"block size must be at least 1, got {block_size}")
         n_vocab = model.info.n_vocab
         for what, ids in (("prompt", prompt_ids), ("stop_ids", stop_ids or []), ("banned_ids", banned_ids or [])):
             bad = [t for t in ids if not 0 <= int(t) < n_vocab]
             if bad:
-                raise ValueError(f"{what} holds token ids outside the vocabulary [0, {n_vocab}): {bad[:5]}")
+                raise BadInput(f"{what} holds token ids outside the vocabulary [0, {n_vocab}): {bad[:5]}")
         self.model = model
         self.mode = mode
         self.block_size = int(block_size or model.info.block_size)
         self.threshold = float(model.info.threshold_for(self.block_size) if threshold is None else threshold)
-        self.prompt = (engine.llama_token * len(prompt_ids))(*[int(t) for t in prompt_ids])
+        self.prompt = (libclover.llama_token * len(prompt_ids))(*[int(t) for t in prompt_ids])
         self.n_prompt = len(prompt_ids)
         self.params = L.clover_gen_default_params()
         p = self.params
-        p.mode = engine.MODES[mode]
+        p.mode = libclover.MODES[mode]
         p.block_size = int(block_size or 0)
         p.threshold = -1.0 if threshold is None else float(threshold)
         p.draft_steps = int(draft_steps)
@@ -246,21 +242,26 @@ class _Call:
         p.top_p = float(top_p)
         p.seed = int(seed) & 0xFFFFFFFF
         p.max_tokens = int(max_tokens)
-        self._stop, n_stop = engine.token_array(None if stop_ids is None else list(stop_ids))
+        self._stop, n_stop = libclover.token_array(None if stop_ids is None else list(stop_ids))
         if stop_ids is None:  # NULL with n < 0: the vocabulary's end-of-generation set
             p.stop_ids, p.n_stop_ids = None, -1
         else:
-            p.stop_ids, p.n_stop_ids = ctypes.cast(self._stop, engine.llama_token_p), n_stop
-        self._banned, n_banned = engine.token_array(list(banned_ids) if banned_ids else None)
-        p.banned_ids = ctypes.cast(self._banned, engine.llama_token_p) if self._banned is not None else None
+            p.stop_ids, p.n_stop_ids = ctypes.cast(self._stop, libclover.llama_token_p), n_stop
+        self._banned, n_banned = libclover.token_array(list(banned_ids) if banned_ids else None)
+        p.banned_ids = ctypes.cast(self._banned, libclover.llama_token_p) if self._banned is not None else None
         p.n_banned_ids = n_banned
-        self.stats = engine.clover_stats()
+        self.stats = libclover.clover_stats()
         self.user_on_step = on_step
         self.user_on_tokens = on_tokens
         self.error: BaseException | None = None
         self.cancel = threading.Event()
-        self.tokens_cb = engine.clover_tokens_cb(self._tokens)
-        self.step_cb = engine.clover_step_cb(self._step) if on_step is not None else engine.clover_step_cb()
+        self.tokens_cb = libclover.clover_tokens_cb(self._tokens)
+        self.step_cb = libclover.clover_step_cb(self._step) if on_step is not None else libclover.clover_step_cb()
+
+    def set_on_step(self, on_step: Callable[[list[int]], Any]) -> None:
+        """Ask for the LowConfidence canvases (before the call runs)."""
+        self.user_on_step = on_step
+        self.step_cb = libclover.clover_step_cb(self._step)
 
     def _tokens(self, ptr: Any, n: int, _user: Any) -> bool:
         try:
@@ -282,7 +283,7 @@ class _Call:
             return False
 
     def run(self) -> tuple[int, float]:
-        L = engine.lib()
+        L = libclover.lib()
         start = time.perf_counter()
         rc = L.clover_generate(self.model._handle(), self.prompt, self.n_prompt, ctypes.byref(self.params),
                                self.tokens_cb, self.step_cb, None, ctypes.byref(self.stats))
@@ -299,24 +300,36 @@ class _Call:
 
 
 class Generation:
-    """The iterator ``Model.generate`` returns: yields committed token lists as they arrive.
+    """The iterator ``Model.generate`` returns: yields committed token lists as they arrive. The one bridge from
+    a native generation on a worker thread to a consumer thread (``generate()``, chat); the server's slots run
+    the engine on their own threads instead (worker.Job).
 
-    ``stats`` and ``tokens`` (everything yielded) are set once the generation is over. ``close()``
-    cancels a running generation (the engine resets its history) and waits for the worker.
+    ``events()`` yields ``("block", tokens)`` and, with ``steps=True``, ``("step", canvas)`` after each
+    LowConfidence step. ``cancel()`` (any thread, e.g. a SIGINT handler) stops the engine at its next callback
+    and the iteration then ends normally, with ``stats.stop_reason`` "cancelled". ``stats`` and ``tokens``
+    (every committed token) are set once the generation is over. ``close()`` cancels a running generation (the
+    engine resets its history) and waits for the worker.
     """
 
     _DONE = object()
 
-    def __init__(self, call: _Call, buffer: int) -> None:
+    def __init__(self, call: _Call, buffer: int, steps: bool = False) -> None:
         self._call = call
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._space = threading.Semaphore(max(1, buffer))
+        self._space = threading.Semaphore(max(1, buffer))  # committed blocks only: steps never wait
         self.tokens: list[int] = []
         self.stats: Stats | None = None
         self.cancelled = False
         self._rc = 0
         self._finished = False
         call.user_on_tokens = self._push
+        if steps:
+            user_on_step = call.user_on_step
+
+            def on_step(canvas: list[int]) -> bool:
+                self._queue.put(("step", canvas))
+                return user_on_step is None or user_on_step(canvas) is not False
+            call.set_on_step(on_step)
         self._thread = threading.Thread(target=self._work, name="clover-generate", daemon=True)
         self._thread.start()
 
@@ -326,7 +339,7 @@ class Generation:
                 return False
         if self._call.cancel.is_set():
             return False
-        self._queue.put(tokens)
+        self._queue.put(("block", tokens))
         return True
 
     def _work(self) -> None:
@@ -340,19 +353,26 @@ class Generation:
             self.stats = self._call.result_stats(wall)
             self._queue.put(self._DONE)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return self
+    def cancel(self) -> None:
+        """Stop at the engine's next callback; the iteration ends once the engine has stopped."""
+        self.cancelled = True
+        self._call.cancel.set()
 
-    def __next__(self) -> list[int]:
-        if self._finished:
-            raise StopIteration
-        item = self._queue.get()
-        if item is self._DONE:
-            self._finish()
-            raise StopIteration
-        self._space.release()
-        self.tokens.extend(item)
-        return item
+    def events(self) -> Iterator[tuple[str, list[int]]]:
+        """``("block", tokens)`` and ``("step", canvas)`` until the generation ends (raises its error, if any)."""
+        while not self._finished:
+            item = self._queue.get()
+            if item is self._DONE:
+                self._finish()
+                return
+            kind, payload = item
+            if kind == "block":
+                self._space.release()
+                self.tokens.extend(payload)
+            yield kind, payload
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (payload for kind, payload in self.events() if kind == "block")
 
     def _finish(self) -> None:
         self._thread.join()
@@ -373,13 +393,13 @@ class Generation:
         if self._finished:
             return
         if self._thread.is_alive():
-            self.cancelled = True
-            self._call.cancel.set()
+            self.cancel()
         while True:  # drain, so a worker blocked on the buffer sees the cancel
             item = self._queue.get()
             if item is self._DONE:
                 break
-            self._space.release()
+            if item[0] == "block":
+                self._space.release()
         self._thread.join()
         self._finished = True
         if self._call.model._active is self:
@@ -404,10 +424,10 @@ class Generation:
 
 def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n_gpu_layers: int | None = None,
                   n_batch: int = 0, use_extra_bufts: bool = True, offload: Offload | None = None,
-                  n_parallel: int = 1) -> tuple[engine.clover_engine_params, list[bytes]]:
+                  n_parallel: int = 1) -> tuple[libclover.clover_engine_params, list[bytes]]:
     """The clover_engine_params Model(...) loads with (Model's arguments), and the strings they point to (keep them
     alive until the load returns)."""
-    params = engine.lib().clover_engine_default_params()
+    params = libclover.lib().clover_engine_default_params()
     if n_ctx:
         params.n_ctx = int(n_ctx)
     if n_batch:
@@ -416,14 +436,14 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
         params.max_block_size = int(max_block_size)
     if n_threads:
         params.n_threads = int(n_threads)
-    elif os.environ.get("CLOVER_THREADS"):
-        params.n_threads = int(os.environ["CLOVER_THREADS"])
-    if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.native.Model
-        n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
+    elif native.env_int("CLOVER_THREADS", 0):
+        params.n_threads = native.env_int("CLOVER_THREADS", 0)
+    if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.native.LlamaModel
+        n_gpu_layers = native.env_int("CLOVER_N_GPU_LAYERS", 0)
     params.n_gpu_layers = int(n_gpu_layers)
     params.use_extra_bufts = bool(use_extra_bufts)
     if n_parallel < 1:
-        raise ValueError(f"n_parallel must be at least 1, got {n_parallel}")
+        raise BadInput(f"n_parallel must be at least 1, got {n_parallel}")
     params.n_parallel = int(n_parallel)
     keep = (offload or Offload()).apply(params)
     return params, keep
@@ -440,7 +460,7 @@ class Model(native.NativeHandle):
         (llama.cpp's ``--no-repack``). ``offload``: llama.cpp's -ot, --cpu-moe, --n-cpu-moe, -sm, -mg, -ts
         (clover_cpp/offload.py). ``cache_ram_mib`` / ``checkpoint_every``: the prefix cache (``set_cache``).
         ``n_parallel``: slots sharing the context (``slot(i)``); ``n_ctx`` is divided among them."""
-        L = engine.lib()
+        L = libclover.lib()
         self.path = str(path)
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"{self.path}: no such file")
@@ -479,7 +499,7 @@ class Model(native.NativeHandle):
     def n_parallel(self) -> int:
         """Slots of the engine (``n_parallel`` at load)."""
         owner = self._owner or self
-        return int(engine.lib().clover_engine_n_parallel(owner._handle()))
+        return int(libclover.lib().clover_engine_n_parallel(owner._handle()))
 
     def slot(self, i: int) -> "Model":
         """Slot ``i`` (0 is this model): a Model with its own history, prefix cache and generations on the shared
@@ -489,9 +509,9 @@ class Model(native.NativeHandle):
             return self._owner.slot(i)
         if i == 0:
             return self
-        ptr = engine.lib().clover_engine_slot(self._handle(), int(i))
+        ptr = libclover.lib().clover_engine_slot(self._handle(), int(i))
         if not ptr:
-            raise ValueError(f"slot {i} is out of range: the model has {self.n_parallel} slots")
+            raise BadInput(f"slot {i} is out of range: the model has {self.n_parallel} slots")
         view = Model.__new__(Model)
         view.__dict__.update(self.__dict__)
         view.ptr, view._owner, view._active, view._lock = ptr, self, None, threading.Lock()
@@ -501,11 +521,12 @@ class Model(native.NativeHandle):
         """(passes, llama_decode rounds) the slots have run: more passes than rounds means passes of several slots
         ran batched together. (0, 0) with one slot."""
         passes, rounds = ctypes.c_int64(), ctypes.c_int64()
-        engine.lib().clover_engine_pass_stats((self._owner or self)._handle(), ctypes.byref(passes), ctypes.byref(rounds))
+        libclover.lib().clover_engine_pass_stats((self._owner or self)._handle(), ctypes.byref(passes),
+                                                 ctypes.byref(rounds))
         return int(passes.value), int(rounds.value)
 
     def last_error(self) -> str:
-        msg = engine.lib().clover_engine_last_error(self._handle())
+        msg = libclover.lib().clover_engine_last_error(self._handle())
         return msg.decode("utf-8", "replace") if msg else ""
 
     @property
@@ -516,19 +537,19 @@ class Model(native.NativeHandle):
 
     @property
     def llama_context(self) -> int:
-        return engine.lib().clover_engine_context(self._handle())
+        return libclover.lib().clover_engine_context(self._handle())
 
     @property
     def n_ctx(self) -> int:
         """The positions a history may use (``n_ctx`` resolved). llama.cpp's context can be larger: it is made
         at least n_batch long."""
-        return int(engine.lib().clover_engine_n_ctx(self._handle()))
+        return int(libclover.lib().clover_engine_n_ctx(self._handle()))
 
     @property
     def max_block_size(self) -> int:
         """The largest block size this engine accepts, as the engine resolved it at load (``max_block_size``, or by
         default the largest of clover.block_size and the calibrated sizes)."""
-        return int(engine.lib().clover_engine_max_block_size(self._handle()))
+        return int(libclover.lib().clover_engine_max_block_size(self._handle()))
 
     @property
     def llama_n_ctx(self) -> int:
@@ -539,32 +560,33 @@ class Model(native.NativeHandle):
     @property
     def pass_costs(self) -> PassCosts | None:
         """The cost table auto mode decides with: measured by the first auto call, or set; None before."""
-        c = engine.clover_pass_costs()
-        return PassCosts.from_c(c) if engine.lib().clover_engine_get_costs(self._handle(), ctypes.byref(c)) == 0 else None
+        c = libclover.clover_pass_costs()
+        return (PassCosts.from_c(c) if libclover.lib().clover_engine_get_costs(self._handle(), ctypes.byref(c)) == 0
+                else None)
 
     @pass_costs.setter
     def pass_costs(self, costs: PassCosts) -> None:
         """Fix the table (reproducible auto decisions; tests inject one)."""
         c = costs.to_c()
-        if engine.lib().clover_engine_set_costs(self._handle(), ctypes.byref(c)) != 0:
-            raise ValueError(self.last_error() or "invalid pass costs")
+        if libclover.lib().clover_engine_set_costs(self._handle(), ctypes.byref(c)) != 0:
+            raise BadInput(self.last_error() or "invalid pass costs")
 
     def measure_pass_costs(self) -> PassCosts:
         """Measure the table now, on the scratch sequence (the history is not touched)."""
-        c = engine.clover_pass_costs()
-        if engine.lib().clover_engine_measure_costs(self._handle(), ctypes.byref(c)) != 0:
+        c = libclover.clover_pass_costs()
+        if libclover.lib().clover_engine_measure_costs(self._handle(), ctypes.byref(c)) != 0:
             raise EngineError(self.last_error() or "measuring pass costs failed")
         return PassCosts.from_c(c)
 
     @property
     def n_threads(self) -> int:
         """Threads the engine decodes with (``n_threads=0`` resolves to the usable physical cores)."""
-        return int(engine.lib().clover_engine_n_threads(self._handle()))
+        return int(libclover.lib().clover_engine_n_threads(self._handle()))
 
     @property
     def n_past(self) -> int:
         """Positions committed to the history (the seed's position); 0 after a reset."""
-        return int(engine.lib().clover_engine_n_past(self._handle()))
+        return int(libclover.lib().clover_engine_n_past(self._handle()))
 
     # ---------------------------------------------------------------------------------- tokens
     def tokenize(self, text: str, special: bool = True) -> list[int]:
@@ -599,18 +621,20 @@ class Model(native.NativeHandle):
                  threshold: float | None = None, draft_steps: int = 0, max_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  stop_ids: Sequence[int] | None = None, banned_ids: Sequence[int] | None = None,
-                 on_step: Callable[[list[int]], Any] | None = None, buffer: int = 2) -> Generation:
+                 on_step: Callable[[list[int]], Any] | None = None, buffer: int = 2,
+                 steps: bool = False) -> Generation:
         """Continue ``prompt`` on the engine's history; an iterator of committed token lists.
 
         ``stop_ids=None`` uses the vocabulary's end-of-generation tokens; ``[]`` stops on none.
         ``threshold=None`` uses the calibrated threshold for the block size. ``on_step(canvas)`` is called
         from the worker thread after each LowConfidence step (masked targets hold ``info.mask_token_id``);
-        returning False cancels. A still-running previous generation is cancelled first.
+        returning False cancels. ``steps=True`` also delivers the canvases through ``Generation.events()``.
+        A still-running previous generation is cancelled first.
         """
         self.close_active()
         call = _Call(self, self._prompt_ids(prompt), mode, block_size, threshold, draft_steps, max_tokens,
                      temperature, top_k, top_p, seed, stop_ids, banned_ids, lambda _t: True, on_step)
-        gen = Generation(call, buffer)
+        gen = Generation(call, buffer, steps)
         self._active = gen
         return gen
 
@@ -643,15 +667,15 @@ class Model(native.NativeHandle):
     def reset(self) -> None:
         """Forget the history: the next generate starts with a fresh prefill."""
         self.close_active()
-        engine.lib().clover_engine_reset(self._handle())
+        libclover.lib().clover_engine_reset(self._handle())
 
     # ---------------------------------------------------------------------------------- prefix reuse
     def set_cache(self, ram_mib: float, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> None:
         """Keep recurrent-state checkpoints in up to ``ram_mib`` MiB of host memory (0 = none): at the end of
         each prefill and every ``checkpoint_every`` prefilled tokens (docs/serve.md, "Prefix reuse")."""
         if ram_mib < 0 or checkpoint_every < 0:
-            raise ValueError("the cache size and the checkpoint interval must not be negative")
-        engine.lib().clover_engine_set_cache(self._handle(), int(ram_mib * 2**20), int(checkpoint_every))
+            raise BadInput("the cache size and the checkpoint interval must not be negative")
+        libclover.lib().clover_engine_set_cache(self._handle(), int(ram_mib * 2**20), int(checkpoint_every))
 
     def reuse_prefix(self, prompt_ids: Sequence[int], checkpoint_at: Sequence[int] = ()) -> int:
         """Keep the longest prefix of the history that ``prompt_ids`` starts with and that a checkpoint can
@@ -660,16 +684,16 @@ class Model(native.NativeHandle):
         checkpoints at, such as where the chat template's generation prompt starts (0s are ignored)."""
         self.close_active()
         h = self._handle()
-        ids = (engine.llama_token * len(prompt_ids))(*prompt_ids)
-        reused = int(engine.lib().clover_engine_reuse_prefix(h, ids, len(prompt_ids)))
+        ids = (libclover.llama_token * len(prompt_ids))(*prompt_ids)
+        reused = int(libclover.lib().clover_engine_reuse_prefix(h, ids, len(prompt_ids)))
         for pos in checkpoint_at:
             if pos > 0:
-                engine.lib().clover_engine_checkpoint_hint(h, int(pos))
+                libclover.lib().clover_engine_checkpoint_hint(h, int(pos))
         return reused
 
     def cache_info(self) -> CacheInfo:
-        c = engine.clover_cache_info()
-        engine.lib().clover_engine_cache_info(self._handle(), ctypes.byref(c))
+        c = libclover.clover_cache_info()
+        libclover.lib().clover_engine_cache_info(self._handle(), ctypes.byref(c))
         return CacheInfo(**{name: int(getattr(c, name)) for name, _ in c._fields_})
 
     # ---------------------------------------------------------------------------------- sessions
@@ -706,7 +730,7 @@ class Model(native.NativeHandle):
         if len(tokens) + 1 > self.n_ctx:  # checked first: the history is still intact
             raise EngineError(f"a history of {len(tokens)} tokens does not fit the context size {self.n_ctx}")
         self.close_active()
-        L, C = native.llama(), engine.lib()
+        L, C = native.llama(), libclover.lib()
         h = self._handle()
         C.clover_engine_reset(h)
         if not tokens:
@@ -720,14 +744,14 @@ class Model(native.NativeHandle):
                 C.clover_engine_reset(h)
                 raise EngineError(f"llama.cpp read {read} of the {len(state)} bytes of engine state (a state from "
                                   "another model or context layout?); the engine was reset")
-            ids = (engine.llama_token * len(tokens))(*[int(t) for t in tokens])
+            ids = (libclover.llama_token * len(tokens))(*[int(t) for t in tokens])
             if C.clover_engine_set_history(h, ids, len(tokens)) != 0:
                 raise EngineError(self.last_error() or "clover_engine_set_history failed")
 
     def _free(self, ptr: Any) -> None:
         self.close_active()
         if self._owner is None:  # a slot view's engine is freed by its owner
-            engine.lib().clover_engine_free(ptr)
+            libclover.lib().clover_engine_free(ptr)
 
     def __enter__(self) -> "Model":
         return self

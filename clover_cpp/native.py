@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from clover_ref.errors import BadInput, CloverError
+
 from . import cpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +38,19 @@ _log_cb: Any = None
 _log_listeners: list[Callable[[int, str], None]] = []
 
 
-class NativeError(RuntimeError):
+def env_int(name: str, default: int) -> int:
+    """An integer setting from the environment ($CLOVER_THREADS, $CLOVER_N_GPU_LAYERS); BadInput naming the variable
+    when it is not an integer."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise BadInput(f"${name} must be an integer, got {text!r}") from None
+
+
+class NativeError(CloverError, RuntimeError):
     """The native runtime is missing or a native call failed."""
 
 
@@ -273,7 +287,7 @@ class NativeHandle:
             pass
 
 
-class Model(NativeHandle):
+class LlamaModel(NativeHandle):
     """A loaded GGUF model (CPU unless n_gpu_layers / $CLOVER_N_GPU_LAYERS offloads layers)."""
 
     def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None,
@@ -281,7 +295,7 @@ class Model(NativeHandle):
         L = llama()
         params = L.llama_model_default_params()
         if n_gpu_layers is None:
-            n_gpu_layers = int(os.environ.get("CLOVER_N_GPU_LAYERS", "0"))
+            n_gpu_layers = env_int("CLOVER_N_GPU_LAYERS", 0)
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = use_extra_bufts
         params.use_mmap = True
@@ -311,9 +325,9 @@ class Model(NativeHandle):
 
 
 class Context(NativeHandle):
-    """A context on ``Model`` with two sequences (0 = history, 1 = scratch) and a unified KV cache."""
+    """A context on ``LlamaModel`` with two sequences (0 = history, 1 = scratch) and a unified KV cache."""
 
-    def __init__(self, model: Model, n_ctx: int = 1024, n_batch: int = 512, n_ubatch: int = 64,
+    def __init__(self, model: LlamaModel, n_ctx: int = 1024, n_batch: int = 512, n_ubatch: int = 64,
                  n_rs_seq: int = 0, n_threads: int | None = None,
                  eval_callback: tuple[Any, Any] | None = None, flash_attn: bool | None = None,
                  op_offload: bool = True, n_seq_max: int = 2) -> None:
@@ -337,7 +351,7 @@ class Context(NativeHandle):
         p.op_offload = op_offload
         if flash_attn is not None:  # enum llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
             p.flash_attn_type = 1 if flash_attn else 0
-        threads = n_threads or int(os.environ.get("CLOVER_THREADS") or 0) or default_threads()
+        threads = n_threads or env_int("CLOVER_THREADS", 0) or default_threads()
         p.n_threads = threads
         p.n_threads_batch = threads
         self.model = model
@@ -395,11 +409,11 @@ class Context(NativeHandle):
         b = len(window)
         if b > self.n_ubatch:
             raise ValueError(f"block window of {b} does not fit n_ubatch={self.n_ubatch}")
-        from . import engine  # noqa: PLC0415 - engine imports this module
+        from . import libclover  # noqa: PLC0415 - libclover imports this module
 
         rows = list(range(b)) if rows is None else list(rows)
         pos0 = self.pos_max(HISTORY_SEQ) + 1
-        return self._decode(window, pos0, SCRATCH_SEQ, rows, decode=engine.lib().clover_block_decode)
+        return self._decode(window, pos0, SCRATCH_SEQ, rows, decode=libclover.lib().clover_block_decode)
 
     def rollback(self, keep: int) -> None:
         """Keep history positions [0, keep); needs n_rs_seq >= the number of removed positions."""
@@ -416,14 +430,14 @@ class Context(NativeHandle):
 
 def default_threads() -> int:
     """The engine's default thread count: the physical cores this process may use (libclover)."""
-    from . import engine  # noqa: PLC0415 - engine imports this module
+    from . import libclover  # noqa: PLC0415 - libclover imports this module
 
-    return int(engine.lib().clover_default_n_threads())
-
-
-def load_model(path: str | os.PathLike[str]) -> Model:
-    return Model(path)
+    return int(libclover.lib().clover_default_n_threads())
 
 
-def create_context(model: Model, **kwargs: Any) -> Context:
+def load_model(path: str | os.PathLike[str]) -> LlamaModel:
+    return LlamaModel(path)
+
+
+def create_context(model: LlamaModel, **kwargs: Any) -> Context:
     return Context(model, **kwargs)

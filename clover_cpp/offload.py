@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from clover_ref.errors import BadInput
+
 # llama.cpp's common/common.h (the test checks libclover's --n-cpu-moe patterns against these)
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode (tensor is refused for clover by llama.cpp)
@@ -64,7 +66,7 @@ class Offload:
         elif self.split_mode in SPLIT_MODES:
             params.split_mode = SPLIT_MODES[self.split_mode]
         else:
-            raise ValueError(f"-sm/--split-mode must be one of {', '.join(SPLIT_MODES)}, got {self.split_mode!r}")
+            raise BadInput(f"-sm/--split-mode must be one of {', '.join(SPLIT_MODES)}, got {self.split_mode!r}")
         params.main_gpu = int(self.main_gpu)
         params.tensor_split = text(self.tensor_split)
         params.fit_margin_mib = int(self.fit_target_mib)
@@ -87,12 +89,12 @@ def add_rpc_servers(servers: str) -> int:
     """llama.cpp's --rpc: register the rpc-server endpoints ("host:port,...") as devices of this process (each
     endpoint once); the number of devices added. ValueError with libclover's message when an endpoint is malformed,
     unreachable, or the build has no RPC backend."""
-    from . import engine  # noqa: PLC0415 - engine loads the native library; offload's planner needs none
+    from . import libclover  # noqa: PLC0415 - libclover loads the native library; offload's planner needs none
 
     err = ctypes.create_string_buffer(1024)
-    n = engine.lib().clover_rpc_add_servers(servers.encode(), err, len(err))
+    n = libclover.lib().clover_rpc_add_servers(servers.encode(), err, len(err))
     if n < 0:
-        raise ValueError(err.value.decode("utf-8", "replace"))
+        raise BadInput(err.value.decode("utf-8", "replace"))
     return int(n)
 
 
@@ -120,9 +122,9 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
 def offload_from_args(args: argparse.Namespace) -> Offload:
     """The Offload of parsed CLI args; a value no model could accept is a ValueError naming the flag."""
     if args.n_cpu_moe < 0:
-        raise ValueError(f"-ncmoe/--n-cpu-moe must be >= 0, got {args.n_cpu_moe}")
+        raise BadInput(f"-ncmoe/--n-cpu-moe must be >= 0, got {args.n_cpu_moe}")
     if args.main_gpu < 0:
-        raise ValueError(f"-mg/--main-gpu must be >= 0, got {args.main_gpu}")
+        raise BadInput(f"-mg/--main-gpu must be >= 0, got {args.main_gpu}")
     return Offload(override_tensor=",".join(args.override_tensor) if args.override_tensor else None,
                    n_cpu_moe=args.n_cpu_moe, cpu_moe=args.cpu_moe, split_mode=args.split_mode,
                    main_gpu=args.main_gpu, tensor_split=args.tensor_split, fit_target_mib=args.fit_target,

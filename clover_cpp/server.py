@@ -31,6 +31,8 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from clover_ref.errors import BadInput
+
 from .chat_template import ChatTemplate, load_template
 from .model import EngineError, Model
 from .openai_schema import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, completion_chunk,
@@ -338,6 +340,23 @@ def _raise_job_error(job: Job) -> None:
         raise APIError(500, f"generation failed: {exc}", type="server_error", code="engine_error")
 
 
+async def _respond(svc: CloverService, request: Request, prepare: Callable[[], Prepared], chat: bool,
+                   stream: Callable[[Prepared], AsyncIterator[dict[str, str]]] | None,
+                   body: Callable[[Prepared, tuple[Job, TextPipeline, list[Event], list[int]]], dict[str, Any]]
+                   ) -> Any:
+    """One request's course: the queue check (before and after preparing, which runs off the event loop), then a
+    stream of events, or the whole answer as one body."""
+    svc.check_queue()
+    prep = await svc.run_prepare(prepare)
+    svc.check_queue()
+    if stream is not None:
+        return EventSourceResponse(stream(prep), sep="\n", ping=15)
+    done = await _run_to_end(svc, prep, request, chat=chat)
+    if done is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return body(prep, done)
+
+
 def _sse(payload: dict[str, Any] | str) -> dict[str, str]:
     return {"data": payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}
 
@@ -350,63 +369,125 @@ def _job_error_body(job: Job) -> dict[str, Any]:
     return error_body("generation failed", "server_error")
 
 
-# ---------------------------------------------------------------------------------------------- chat
-async def _chat_stream(svc: CloverService, req: ChatCompletionRequest, prep: Prepared
-                       ) -> AsyncIterator[dict[str, str]]:
-    # queued when the stream starts, not before
-    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint)
-    cid, created = new_id("chatcmpl"), now()
-    pipeline = svc.pipeline(prep, chat=True)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    tokens: list[int] = []
-    n_calls = 0
+# ---------------------------------------------------------------------------------------------- streams
+class _ChatChunks:
+    """The chunks of a streamed chat completion (chat.completion.chunk): deltas of content, reasoning and
+    tool calls."""
 
-    def chunk(delta: dict[str, Any] | None, finish: str | None = None, extra: dict[str, Any] | None = None,
+    def __init__(self, svc: CloverService, req: ChatCompletionRequest, prep: Prepared) -> None:
+        self.cid, self.created, self.model = new_id("chatcmpl"), now(), svc.model_id
+        self.req, self.prep, self.n_calls = req, prep, 0
+
+    def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, extra: dict[str, Any] | None = None,
               usage_block: dict[str, Any] | None = None) -> dict[str, str]:
-        return _sse(chat_chunk(cid, created, svc.model_id, delta, finish, extra, usage_block))
+        return _sse(chat_chunk(self.cid, self.created, self.model, delta, finish, extra, usage_block))
 
-    def deltas(events: list[Event]) -> list[dict[str, str]]:
-        nonlocal n_calls
+    def opening(self) -> list[dict[str, str]]:
+        first = {"prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids else None
+        return [self.chunk({"role": "assistant", "content": ""}, extra=first)]
+
+    def events(self, events: list[Event]) -> list[dict[str, str]]:
         out = []
         for ev in events:
             if isinstance(ev, ToolCallEvent):
-                out.append(chunk({"tool_calls": [tool_call_dict(ev.call, n_calls)]}))
-                n_calls += 1
+                out.append(self.chunk({"tool_calls": [tool_call_dict(ev.call, self.n_calls)]}))
+                self.n_calls += 1
             elif ev.channel == "reasoning":
-                out.append(chunk({"reasoning_content": ev.text}))
+                out.append(self.chunk({"reasoning_content": ev.text}))
             else:
-                out.append(chunk({"content": ev.text}))
+                out.append(self.chunk({"content": ev.text}))
         return out
 
+    def finish(self, job: Job, pipeline: TextPipeline, tokens: list[int]) -> dict[str, str]:
+        extra = {"token_ids": tokens} if self.req.return_token_ids else None
+        return self.chunk({}, finish_reason(job.stats, pipeline.stopped, self.n_calls > 0), extra)
+
+    def usage(self, block: dict[str, Any]) -> dict[str, str]:
+        return self.chunk(None, usage_block=block)
+
+
+class _CompletionChunks:
+    """The chunks of a streamed text completion (text_completion)."""
+
+    def __init__(self, svc: CloverService, req: CompletionRequest, prep: Prepared) -> None:
+        self.cid, self.created, self.model = new_id("cmpl"), now(), svc.model_id
+        self.req, self.prep = req, prep
+
+    def chunk(self, text: str | None, finish: str | None = None, extra: dict[str, Any] | None = None,
+              usage_block: dict[str, Any] | None = None) -> dict[str, str]:
+        return _sse(completion_chunk(self.cid, self.created, self.model, text, finish, extra, usage_block))
+
+    def opening(self) -> list[dict[str, str]]:
+        return [self.chunk(self.prep.echo_text)] if self.prep.echo_text else []
+
+    def events(self, events: list[Event]) -> list[dict[str, str]]:
+        return [self.chunk(ev.text) for ev in events if isinstance(ev, TextEvent)]
+
+    def finish(self, job: Job, pipeline: TextPipeline, tokens: list[int]) -> dict[str, str]:
+        extra = {"token_ids": tokens, "prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids else None
+        return self.chunk("", finish_reason(job.stats, pipeline.stopped, False), extra)
+
+    def usage(self, block: dict[str, Any]) -> dict[str, str]:
+        return self.chunk(None, usage_block=block)
+
+
+async def _stream(svc: CloverService, prep: Prepared, chat: bool, include_usage: bool,
+                  chunks: _ChatChunks | _CompletionChunks) -> AsyncIterator[dict[str, str]]:
+    """A streamed answer: queued when the stream starts (not before), events as they come, then the finish
+    chunk, the usage chunk when asked for, and [DONE]; an engine error ends the stream with an error body."""
+    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint)
+    pipeline = svc.pipeline(prep, chat=chat)
+    tokens: list[int] = []
     try:
-        first = {"prompt_token_ids": prep.prompt_ids} if req.return_token_ids else None
-        yield chunk({"role": "assistant", "content": ""}, extra=first)
+        for c in chunks.opening():
+            yield c
         async with aclosing(_event_batches(job, pipeline, tokens)) as batches:
             async for batch in batches:
-                for c in deltas(batch):
+                for c in chunks.events(batch):
                     yield c
         if job.error is not None:
             yield _sse(_job_error_body(job))
             return
-        finish = finish_reason(job.stats, pipeline.stopped, n_calls > 0)
-        yield chunk({}, finish, {"token_ids": tokens} if req.return_token_ids else None)
+        yield chunks.finish(job, pipeline, tokens)
         if include_usage:
-            yield chunk(None, usage_block=usage(len(prep.prompt_ids), job.stats, job.cached_tokens))
+            yield chunks.usage(usage(len(prep.prompt_ids), job.stats, job.cached_tokens))
         yield _sse("[DONE]")
     finally:
         job.cancel()  # a disconnect lands here (the task is cancelled): stop the engine
 
 
-async def chat_completions(svc: CloverService, req: ChatCompletionRequest, request: Request) -> Any:
-    svc.check_queue()
-    prep = await svc.run_prepare(lambda: svc.prepare.chat(req))
-    svc.check_queue()
-    if req.stream:
-        return EventSourceResponse(_chat_stream(svc, req, prep), sep="\n", ping=15)
-    done = await _run_to_end(svc, prep, request, chat=True)
-    if done is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    job, pipeline, events, tokens = done
+def _streamer(svc: CloverService, req: Any, chat: bool, chunks: Callable[..., _ChatChunks | _CompletionChunks]
+              ) -> Callable[[Prepared], AsyncIterator[dict[str, str]]]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return lambda prep: _stream(svc, prep, chat, include_usage, chunks(svc, req, prep))
+
+
+def _answer(svc: CloverService, req: Any, prep: Prepared, job: Job, tokens: list[int], kind: str,
+            choice: dict[str, Any]) -> dict[str, Any]:
+    """A whole (non-streamed) answer of ``kind`` (chat.completion, text_completion) around its one choice."""
+    body: dict[str, Any] = {"id": new_id("chatcmpl" if kind == "chat.completion" else "cmpl"), "object": kind,
+                            "created": now(), "model": svc.model_id, "choices": [choice],
+                            "usage": usage(len(prep.prompt_ids), job.stats, job.cached_tokens)}
+    if req.return_token_ids:
+        choice["token_ids"] = tokens
+        body["prompt_token_ids"] = prep.prompt_ids
+    return body
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+async def completion(svc: CloverService, req: ChatCompletionRequest | CompletionRequest, request: Request) -> Any:
+    """/v1/chat/completions (a ChatCompletionRequest) and /v1/completions (a CompletionRequest)."""
+    if isinstance(req, ChatCompletionRequest):
+        return await _respond(svc, request, lambda: svc.prepare.chat(req), chat=True,
+                              stream=_streamer(svc, req, True, _ChatChunks) if req.stream else None,
+                              body=lambda prep, done: _chat_body(svc, req, prep, *done))
+    return await _respond(svc, request, lambda: svc.prepare.completion(req), chat=False,
+                          stream=_streamer(svc, req, False, _CompletionChunks) if req.stream else None,
+                          body=lambda prep, done: _completion_body(svc, req, prep, *done))
+
+
+def _chat_body(svc: CloverService, req: ChatCompletionRequest, prep: Prepared, job: Job, pipeline: TextPipeline,
+               events: list[Event], tokens: list[int]) -> dict[str, Any]:
     parsed = collect(events)
     message: dict[str, Any] = {"role": "assistant",
                                "content": parsed.content if parsed.content or not parsed.tool_calls else None}
@@ -416,68 +497,15 @@ async def chat_completions(svc: CloverService, req: ChatCompletionRequest, reque
         message["tool_calls"] = [tool_call_dict(c) for c in parsed.tool_calls]
     choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
                               "finish_reason": finish_reason(job.stats, pipeline.stopped, bool(parsed.tool_calls))}
-    body: dict[str, Any] = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
-                            "model": svc.model_id, "choices": [choice],
-                            "usage": usage(len(prep.prompt_ids), job.stats, job.cached_tokens)}
-    if req.return_token_ids:
-        choice["token_ids"] = tokens
-        body["prompt_token_ids"] = prep.prompt_ids
-    return body
+    return _answer(svc, req, prep, job, tokens, "chat.completion", choice)
 
 
-# ---------------------------------------------------------------------------------------------- completions
-async def _completion_stream(svc: CloverService, req: CompletionRequest, prep: Prepared
-                             ) -> AsyncIterator[dict[str, str]]:
-    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint)
-    cid, created = new_id("cmpl"), now()
-    pipeline = svc.pipeline(prep, chat=False)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    tokens: list[int] = []
-
-    def chunk(text: str | None, finish: str | None = None, extra: dict[str, Any] | None = None,
-              usage_block: dict[str, Any] | None = None) -> dict[str, str]:
-        return _sse(completion_chunk(cid, created, svc.model_id, text, finish, extra, usage_block))
-
-    try:
-        if prep.echo_text:
-            yield chunk(prep.echo_text)
-        async with aclosing(_event_batches(job, pipeline, tokens)) as batches:
-            async for batch in batches:
-                for ev in batch:
-                    assert isinstance(ev, TextEvent)
-                    yield chunk(ev.text)
-        if job.error is not None:
-            yield _sse(_job_error_body(job))
-            return
-        extra = {"token_ids": tokens, "prompt_token_ids": prep.prompt_ids} if req.return_token_ids else None
-        yield chunk("", finish_reason(job.stats, pipeline.stopped, False), extra)
-        if include_usage:
-            yield chunk(None, usage_block=usage(len(prep.prompt_ids), job.stats, job.cached_tokens))
-        yield _sse("[DONE]")
-    finally:
-        job.cancel()
-
-
-async def completions(svc: CloverService, req: CompletionRequest, request: Request) -> Any:
-    svc.check_queue()
-    prep = await svc.run_prepare(lambda: svc.prepare.completion(req))
-    svc.check_queue()
-    if req.stream:
-        return EventSourceResponse(_completion_stream(svc, req, prep), sep="\n", ping=15)
-    done = await _run_to_end(svc, prep, request, chat=False)
-    if done is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    job, pipeline, events, tokens = done
+def _completion_body(svc: CloverService, req: CompletionRequest, prep: Prepared, job: Job, pipeline: TextPipeline,
+                     events: list[Event], tokens: list[int]) -> dict[str, Any]:
     text = prep.echo_text + "".join(e.text for e in events if isinstance(e, TextEvent))
     choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
                               "finish_reason": finish_reason(job.stats, pipeline.stopped, False)}
-    body: dict[str, Any] = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
-                            "model": svc.model_id, "choices": [choice],
-                            "usage": usage(len(prep.prompt_ids), job.stats, job.cached_tokens)}
-    if req.return_token_ids:
-        choice["token_ids"] = tokens
-        body["prompt_token_ids"] = prep.prompt_ids
-    return body
+    return _answer(svc, req, prep, job, tokens, "text_completion", choice)
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -563,11 +591,11 @@ def _routes(svc: CloverService) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
-        return await chat_completions(svc, req, request)
+        return await completion(svc, req, request)
 
     @app.post("/v1/completions")
     async def complete(req: CompletionRequest, request: Request) -> Any:
-        return await completions(svc, req, request)
+        return await completion(svc, req, request)
 
     return app
 
@@ -577,7 +605,7 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ValueError(f"--host {host}: {exc.strerror}") from None
+        raise BadInput(f"--host {host}: {exc.strerror}") from None
     family, kind, proto, _, addr = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -585,7 +613,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise BadInput(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -602,7 +630,7 @@ def run_serve(args: argparse.Namespace) -> int:
         template = load_template(model.llama_model, args.model, args.chat_template)
         max_block = model.max_block_size  # the engine's resolution of --max-block-size
         if args.block_size is not None and args.block_size > max_block:
-            raise ValueError(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
+            raise BadInput(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
         model_id = args.alias or Path(args.model).name.removesuffix(".gguf")
         defaults = Defaults(mode=args.mode, block_size=args.block_size, threshold=args.threshold,
                             temperature=args.temperature, enable_thinking=args.think == "on",

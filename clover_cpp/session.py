@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from clover_ref.errors import BadInput
 
 MAGIC = b"CLVRSESS"
 FORMAT_VERSION = 1
@@ -40,7 +41,7 @@ FINGERPRINT_CHUNK = 64 * 1024
 FINGERPRINT_HEAD = 2**20
 
 
-class SessionError(ValueError):
+class SessionError(BadInput):
     """A session file that cannot be written or read: one line, naming the file and the field."""
 
 

@@ -98,7 +98,8 @@ class Job:
             if not p.cache_prompt:
                 model.reset()  # reuse_prefix then finds nothing to keep, and only sets the checkpoint hint
             self.cached_tokens = model.reuse_prefix(self.prompt_ids, checkpoint_at=[self.checkpoint_hint])
-            result = model.run(self.prompt_ids[self.cached_tokens:], mode=p.mode, block_size=p.block_size, threshold=p.threshold,
+            result = model.run(self.prompt_ids[self.cached_tokens:], mode=p.mode, block_size=p.block_size,
+                               threshold=p.threshold,
                                max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed, stop_ids=None if p.stop_ids is None else list(p.stop_ids),
                                banned_ids=list(p.banned_ids) or None,

@@ -20,23 +20,18 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence, TextIO
+from typing import Sequence, TextIO
 
-from clover_ref import safe_output
-from clover_ref.errors import CloverInputError
+from clover_ref import cli_runner, safe_output
+from clover_ref.cli_runner import OneLineParser
+from clover_ref.errors import BadInput
 
-from clover_quantize.importance import ImatrixError
-from clover_quantize.inspect import InputError
-from clover_quantize.run import QuantizeError
-from clover_quantize.types import FILE_TYPES
+from clover_quantize.file_types import FILE_TYPES
 
-from .converter import ConvertOptions, ConvertResult, OptionError, convert, quantization_type
-from .ggml_native import NativeQuantError
-from .output import OutputError
+from .converter import ConvertOptions, ConvertResult, convert, quantization_type
 from .tensor_plan import OutType
 
 PROG = "clover-convert"
-EXIT_BAD_INPUT = 2
 
 
 def split_size(text: str) -> int:
@@ -55,12 +50,6 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, as every other bad input
-        print(f"{PROG}: error: {' '.join(message.split())} (see --help)", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
 QUANT_TYPES = [t.name for t in FILE_TYPES if t.name not in ("F32", "F16", "BF16")]
 
 
@@ -72,7 +61,7 @@ def out_type(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Convert a Clover Hugging Face checkpoint to GGUF "
+    parser = OneLineParser(prog=PROG, description="Convert a Clover Hugging Face checkpoint to GGUF "
                      "(architecture 'clover'), streaming with bounded memory; or convert and quantize it in one "
                      "pass (--outtype Q4_K_M and the other clover-quantize types).")
     parser.add_argument("model", type=Path, help="the Hugging Face checkpoint directory")
@@ -119,11 +108,14 @@ def print_plan(result: ConvertResult, out: TextIO) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return cli_runner.run(PROG, lambda: _run(build_parser().parse_args(argv)), writes_output=True)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.outfile_arg is not None and args.outfile is not None:
-        build_parser().error("give the output file either as OUT.gguf or as --outfile, not both")
+        raise BadInput("give the output file either as OUT.gguf or as --outfile, not both")
     if args.skeleton and not args.dry_run:
-        build_parser().error("--skeleton goes with --dry-run")
+        raise BadInput("--skeleton goes with --dry-run")
     _log_warnings_to_stderr()
     quant = quantization_type(args.outtype)
     threads = args.threads or ((os.cpu_count() or 1) if quant is not None else min(2, os.cpu_count() or 1))
@@ -133,20 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         skeleton=args.skeleton,
         metadata=args.metadata, threads=threads, allow_nonfinite=args.allow_nonfinite, imatrix=args.imatrix,
     )
-    try:
-        with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary directory
-            result = convert(options)
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted (no partial output is left)", file=sys.stderr)
-        return 130
-    except safe_output.Terminated as exc:
-        print(f"{PROG}: {exc} (no partial output is left)", file=sys.stderr)
-        return safe_output.exit_status(exc)
-    except (CloverInputError, OptionError, OutputError, ImatrixError, InputError, QuantizeError, NativeQuantError) as exc:
-        return _fail(str(exc))
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        return _fail(f"{where}{exc.strerror or exc}")
+    with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary directory
+        result = convert(options)
     if args.dry_run:
         print_plan(result, sys.stdout)
         if args.skeleton:
@@ -180,11 +160,6 @@ def _log_warnings_to_stderr() -> None:
         logger.addHandler(_StderrHandler(logging.WARNING))
         logger.setLevel(logging.WARNING)
         logger.propagate = False
-
-
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
-    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ from gguf.utility import model_weight_count_rounded_notation
 from tqdm import tqdm
 
 from clover_ref.config import CONFIG_FILE, CloverConfig
-from clover_ref.errors import CloverInputError, missing_path_reason, read_json
+from clover_ref.errors import BadInput, CloverInputError, missing_path_reason, read_json
 
 from clover_quantize.importance import load_imatrix
-from clover_quantize.types import FileType, UnknownTypeError, file_type
+from clover_quantize.file_types import FileType, UnknownTypeError, file_type
 
 from .model_keys import ARCH, add_model_keys
 from .onepass import OnePassResult, write_header_and_hole, write_quantized
@@ -212,7 +212,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
         writer.close()
 
 
-class OptionError(ValueError):
+class OptionError(BadInput):
     """Options that do not go together; the message names them."""
 
 

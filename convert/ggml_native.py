@@ -17,9 +17,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from clover_cpp import native
+from clover_ref.errors import CloverError
 
 
-class NativeQuantError(RuntimeError):
+class NativeQuantError(CloverError, RuntimeError):
     """ggml rejected the data or the header could not be built."""
 
 

@@ -40,9 +40,9 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
 from tqdm import tqdm
 
 from clover_quantize.importance import Imatrix, ImatrixError
-from clover_quantize.inspect import read_input
+from clover_quantize.gguf_input import read_input
 from clover_quantize.run import Plan, QuantizeOptions, output_keys, plan_quantization
-from clover_quantize.types import FileType
+from clover_quantize.file_types import FileType
 
 from . import ggml_native
 from .encoding import encode_chunk
@@ -99,7 +99,8 @@ def check_imatrix(imatrix: Imatrix, plan: Plan, file_type: FileType) -> None:
             what = f"{t.shape[0]} columns" + (f" x {n_expert} experts" if len(t.shape) > 2 else "")
             raise ImatrixError(f"{imatrix.path}: '{t.name}' holds {values.size} values, but the model's tensor "
                                f"needs {t.shape[0] * n_expert} ({what}): an imatrix of another model?")
-        needs = (file_type.needs_imatrix and t.dst_type.name.startswith("IQ")) or ggml_native.requires_imatrix(t.dst_type)
+        needs = ((file_type.needs_imatrix and t.dst_type.name.startswith("IQ"))
+                 or ggml_native.requires_imatrix(t.dst_type))
         if values is None and needs and t.name not in _NEVER_NEED_IMATRIX:
             raise ImatrixError(f"{imatrix.path}: has no entry for '{t.name}', which {file_type.name} quantizes "
                                f"to {t.dst_type.name} and needs one for (make the imatrix from this model)")

@@ -17,12 +17,12 @@ from gguf import fill_templated_filename
 from gguf.gguf_writer import SHARD_NAME_FORMAT
 
 from clover_ref import safe_output
-from clover_ref.errors import CloverInputError
+from clover_ref.errors import CloverError, CloverInputError
 
 TEMP_SUFFIX = ".partial"
 
 
-class OutputError(Exception):
+class OutputError(CloverError):
     """The output cannot be written (directory missing or read-only, disk full); the message names the path."""
 
     def __init__(self, path: Path, message: str) -> None:

@@ -6,42 +6,16 @@ supported dtypes), so that conversion never starts on a checkpoint it cannot fin
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from clover_ref.errors import CloverInputError
 from clover_ref.layout import canonical_name
+from clover_ref.safetensors_header import (INDEX_FILE, SINGLE_FILE, SUPPORTED_DTYPES, SourceTensor,  # noqa: F401
+                                           read_safetensors_header, read_weight_map)
 
 log = logging.getLogger(__name__)
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-# safetensors dtype name -> bytes per element, for the dtypes a Clover checkpoint may use.
-SUPPORTED_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
-
-
-@dataclass(frozen=True)
-class SourceTensor:
-    """One tensor stored in a safetensors file: where its bytes are and how to read them."""
-
-    name: str  # the name as stored in the file
-    path: Path
-    dtype: str  # a key of SUPPORTED_DTYPES
-    shape: tuple[int, ...]
-    data_offset: int  # absolute byte offset of the first element in the file
-
-    @property
-    def n_elements(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return SUPPORTED_DTYPES[self.dtype]
 
 
 @dataclass
@@ -53,97 +27,13 @@ class CheckpointIndex:
     skipped: list[str]  # stored names of vision/MTP tensors that conversion ignores
 
 
-def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
-    """Parse and validate one safetensors header; raise CloverInputError naming the file and tensor."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) != 8:
-                raise CloverInputError(path, "is truncated: shorter than a safetensors header")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(size - 8, _MAX_HEADER_BYTES):
-                raise CloverInputError(path, f"is truncated: its header claims {header_len} bytes but the file "
-                                             f"has {size} bytes")
-            raw = f.read(header_len)
-    except OSError as exc:
-        raise CloverInputError(path, f"cannot be read ({exc.strerror or exc})") from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CloverInputError(path, f"has a corrupt safetensors header ({exc})") from None
-    except RecursionError:
-        raise CloverInputError(path, "has a corrupt safetensors header (JSON nested too deeply)") from None
-    if not isinstance(header, dict):
-        raise CloverInputError(path, "has a corrupt safetensors header (not a JSON object)")
-    data_start = 8 + header_len
-    data_size = size - data_start
-    tensors: dict[str, SourceTensor] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        tensors[name] = _parse_entry(path, name, entry, data_start, data_size)
-    _check_no_overlap(path, tensors, data_start)
-    return tensors
-
-
-def _check_no_overlap(path: Path, tensors: dict[str, SourceTensor], data_start: int) -> None:
-    """Tensors' byte ranges must not overlap (the safetensors format lays them end to end): a header whose
-    data_offsets overlap would read one tensor's bytes as another's."""
-    spans = sorted((t.data_offset - data_start, t.data_offset - data_start + t.n_elements * t.itemsize, name)
-                   for name, t in tensors.items())
-    for (_, end_a, a), (begin_b, end_b, b) in zip(spans, spans[1:]):
-        if begin_b < end_a and end_b > begin_b:
-            raise CloverInputError(path, f"tensor '{b}' (data_offsets [{begin_b}, {end_b}]) overlaps tensor '{a}' "
-                                         f"(which ends at {end_a}): a corrupt safetensors header")
-
-
-def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_size: int) -> SourceTensor:
-    if not isinstance(entry, dict):
-        raise CloverInputError(path, f"tensor '{name}' has a corrupt header entry")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in SUPPORTED_DTYPES:
-        raise CloverInputError(path, f"tensor '{name}' has dtype {dtype}, which clover-convert does not support "
-                                     "(expected BF16, F16 or F32)")
-    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-            or not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)):
-        raise CloverInputError(path, f"tensor '{name}' has a corrupt header entry {entry!r}")
-    begin, end = offsets
-    if end < begin:
-        raise CloverInputError(path, f"tensor '{name}' has data_offsets [{begin}, {end}] out of order")
-    if end > data_size:
-        raise CloverInputError(path, f"is truncated: tensor '{name}' ends at byte {end} of a {data_size}-byte "
-                                     "data section")
-    expected = math.prod(shape) * SUPPORTED_DTYPES[dtype]
-    if begin < 0 or end - begin != expected:
-        raise CloverInputError(path, f"tensor '{name}' occupies {end - begin} bytes, but shape {shape} in {dtype} "
-                                     f"needs {expected}")
-    return SourceTensor(name=name, path=path, dtype=dtype, shape=tuple(shape), data_offset=data_start + begin)
-
-
 def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, Path] | None]:
     """The safetensors files of a checkpoint and, when it has an index, the index's tensor -> file map.
 
     A directory without weights gives an empty list (a config-only checkpoint).
     """
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-            raise CloverInputError(index_path, f"is not a valid safetensors index ({exc})",
-                                   field="weight_map") from None
-        except RecursionError:
-            raise CloverInputError(index_path, "is not a valid safetensors index (JSON nested too deeply)") from None
-        by_name: dict[str, Path] = {}
-        for tensor_name, file_name in weight_map.items():
-            path = model_dir / str(file_name)
-            if not path.is_file():
-                raise CloverInputError(path, f"is named in {INDEX_FILE} (tensor '{tensor_name}') but does not exist")
-            by_name[tensor_name] = path
+    by_name = read_weight_map(model_dir)
+    if by_name is not None:
         files = sorted(set(by_name.values()))
         return files, by_name
     single = model_dir / SINGLE_FILE

@@ -142,7 +142,8 @@ def _apply_post_processor(vocab: SpecialVocab, tokenizer: dict[str, Any],
 
 
 def _template_processing(vocab: SpecialVocab, processor: dict[str, Any], cfg: dict[str, Any] | None,
-                         special_bos: Any, special_cls: Any, special_eos: Any, special_sep: Any) -> tuple[Any, Any, Any]:
+                         special_bos: Any, special_cls: Any, special_eos: Any,
+                         special_sep: Any) -> tuple[Any, Any, Any]:
     single = processor.get("single", [])
     pair = processor.get("pair", [])
     special_first = special_last = None

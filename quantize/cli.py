@@ -12,26 +12,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import TextIO
 
-from clover_ref import safe_output
+from clover_ref import cli_runner, safe_output
+from clover_ref.cli_runner import OneLineParser
+from clover_ref.errors import BadInput
 
-from .importance import ImatrixError
-from .inspect import InputError
-from .run import Plan, QuantizeError, QuantizeOptions, native_call_running, quantize
-from .types import FILE_TYPES, UnknownTypeError, file_type, tensor_type
+from .run import Plan, QuantizeOptions, native_call_running, quantize
+from .file_types import FILE_TYPES, UnknownTypeError, file_type, tensor_type
 
 PROG = "clover-quantize"
-EXIT_BAD_INPUT = 2
-
-
-class BadInput(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise BadInput(message)
 
 
 def _type_list() -> str:
@@ -39,7 +29,7 @@ def _type_list() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage=f"{PROG} IN.gguf [OUT.gguf] TYPE [options]",
         description="Quantize a Clover GGUF (from clover-convert) with llama.cpp's mixes and the Clover rules: "
@@ -105,25 +95,14 @@ def print_plan(plan: Plan, out: TextIO) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")  # llama.cpp's error lines are folded into ours
-    try:
-        args = build_parser().parse_args(argv)
-        opts = _options(args)
-        with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary folder
-            result = quantize(opts)
-    except (KeyboardInterrupt, safe_output.Terminated) as exc:
-        status = 130 if isinstance(exc, KeyboardInterrupt) else safe_output.exit_status(exc)
-        print(f"{PROG}: {'interrupted' if status == 130 else exc} (no partial output is left)", file=sys.stderr)
-        if native_call_running():  # llama.cpp cannot be stopped: leave without waiting for it
-            sys.stderr.flush()
-            os._exit(status)
-        return status
-    except (BadInput, InputError, ImatrixError, QuantizeError) as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"{PROG}: error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return cli_runner.run(PROG, lambda: _run(build_parser().parse_args(argv)), writes_output=True,
+                          abandon=native_call_running)  # llama.cpp cannot be stopped: leave without waiting
+
+
+def _run(args: argparse.Namespace) -> int:
+    opts = _options(args)
+    with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary folder
+        result = quantize(opts)
     if opts.dry_run:
         print_plan(result.plan, sys.stdout)
         if opts.file_type.needs_imatrix and opts.imatrix is None:

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from clover_ref.errors import BadInput
 
-class UnknownTypeError(ValueError):
+
+class UnknownTypeError(BadInput):
     """A type name that is not in the table; the message lists the valid ones."""
 
 

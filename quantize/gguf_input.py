@@ -10,13 +10,15 @@ from typing import Any
 
 from gguf import GGMLQuantizationType, GGUFReader
 
-from .types import is_quantized
+from clover_ref.errors import BadInput
+
+from .file_types import is_quantized
 
 ARCH = "clover"
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
-class InputError(ValueError):
+class InputError(BadInput):
     """The input file cannot be quantized; the message names the file and the field."""
 
 
@@ -107,10 +109,10 @@ def check_engine_accepts(path: Path) -> None:
     """The engine's own checks of a GGUF, so clover-quantize refuses what clover-cpp refuses: libclover's checks
     of the clover keys and of the file's size, then llama.cpp's loader with the clover architecture's checks of
     hyperparameters and tensor types (``no_alloc``: no weight is read). Raises InputError with the reason."""
-    from clover_cpp import engine, native  # noqa: PLC0415 - the native library loads only when needed
+    from clover_cpp import libclover, native  # noqa: PLC0415 - the native library loads only when needed
 
     try:
-        engine.read_model_info(str(path))
+        libclover.read_model_info(str(path))
         native.check_model(path)
     except native.NativeError as exc:
         raise InputError(str(exc)) from None

@@ -9,13 +9,15 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 
-from .inspect import field_value
+from clover_ref.errors import BadInput
+
+from .gguf_input import field_value
 
 SUMS_SUFFIX = ".in_sum2"
 COUNTS_SUFFIX = ".counts"
 
 
-class ImatrixError(ValueError):
+class ImatrixError(BadInput):
     """The importance matrix file is unusable; the message names the file and the field."""
 
 

@@ -23,9 +23,11 @@ from tqdm import tqdm
 from clover_cpp import native
 from clover_ref import safe_output
 
+from clover_ref.errors import CloverError
+
 from .importance import Imatrix, load_imatrix
-from .inspect import InputError, InputModel, read_input
-from .types import FileType, tensor_nbytes
+from .gguf_input import InputError, InputModel, read_input
+from .file_types import FileType, tensor_nbytes
 
 # "[  12/ 853]           blk.0.ffn_down_exps.weight - [  512,  2048,   256,     1], type =   bf16, "
 _TENSOR_LINE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)\s+-\s+\[([^\]]*)\],\s+type\s+=\s+(\w+),")
@@ -36,7 +38,7 @@ _DRY_TAIL = re.compile(r"size\s+=\s+[\d.]+\s+MiB(?:\s+->\s+[\d.]+\s+MiB\s+\((\w+
 TEMP_SUFFIX = ".tmp"  # the temporary folder: .{OUT.gguf}.pid{PID}.XXXXXXXX.tmp next to the output
 
 
-class QuantizeError(RuntimeError):
+class QuantizeError(CloverError, RuntimeError):
     """llama.cpp refused or failed; the message carries its reason."""
 
 

@@ -54,7 +54,8 @@ def deltanet_causal(layer: GatedDeltaNet, x: torch.Tensor, split: int) -> tuple[
     return out, states
 
 
-def attention_causal(layer: GatedAttention, x: torch.Tensor, split: int, rotary) -> tuple[torch.Tensor, list[AttentionCache]]:
+def attention_causal(layer: GatedAttention, x: torch.Tensor, split: int,
+                     rotary) -> tuple[torch.Tensor, list[AttentionCache]]:
     n, t, _ = x.shape
     positions = torch.arange(t)
     outs, caches = [], []

@@ -14,15 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import CloverInputError
-
-EXIT_BAD_INPUT = 2
+from . import cli_runner
+from .cli_runner import OneLineParser
+from .errors import CloverError, CloverInputError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clover-ref", description="Clover PyTorch reference: checkpoints and "
+    parser = OneLineParser(prog="clover-ref", description="Clover PyTorch reference: checkpoints and "
                                      "generation (the oracle for the native runtime).")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     init = sub.add_parser("init", help="write a random checkpoint in the spec's Hugging Face format")
     init.add_argument("out_dir", type=Path)
@@ -108,19 +108,17 @@ def require_torch() -> None:
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError:
-        raise ValueError("clover-ref needs PyTorch, which the base install leaves out: "
+        raise CloverError("clover-ref needs PyTorch, which the base install leaves out: "
                          "pip install 'clover-toolkit[reference]'") from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        require_torch()
-        return run_init(args) if args.command == "init" else run_generate(args)
-    except (CloverInputError, ValueError) as exc:
-        message = " ".join(str(exc).splitlines())  # always exactly one line
-        print(f"clover-ref: error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return cli_runner.run("clover-ref", lambda: _run(build_parser().parse_args(argv)))
+
+
+def _run(args: argparse.Namespace) -> int:
+    require_torch()
+    return run_init(args) if args.command == "init" else run_generate(args)
 
 
 if __name__ == "__main__":

@@ -322,7 +322,8 @@ class CloverConfig:
     def load(cls, model_dir: str | Path) -> "CloverConfig":
         path = Path(model_dir) / CONFIG_FILE
         if not path.is_file():
-            raise CloverInputError(path, missing_path_reason(path) or "not found; a Clover checkpoint needs a config.json")
+            raise CloverInputError(path,
+                                   missing_path_reason(path) or "not found; a Clover checkpoint needs a config.json")
         return cls.from_dict(read_json(path), path)
 
     def save(self, model_dir: str | Path) -> Path:

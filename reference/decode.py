@@ -14,6 +14,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .errors import BadInput
+from .generate_output import PassCounts
 from .model import CloverModel
 from .sampling import Sampler, SamplingParams
 
@@ -21,7 +23,7 @@ MODES = ("ar", "diffusion", "spec")
 
 
 @dataclass
-class GenerationStats:
+class GenerationStats(PassCounts):
     mode: str
     block_size: int
     threshold: float
@@ -35,15 +37,6 @@ class GenerationStats:
     stop_reason: str = ""
     prefill_ms: float = 0.0  # wall time of the prompt's causal pass
     decode_ms: float = 0.0   # wall time from the end of the prefill to the last token
-
-    @property
-    def passes(self) -> int:
-        return self.block_passes + self.causal_passes
-
-    @property
-    def tokens_per_pass(self) -> float:
-        """Generated tokens per decode-time forward pass (block and causal), the TPF of this project."""
-        return self.generated_tokens / self.passes if self.passes else 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -104,10 +97,10 @@ class Session:
     def append_prompt(self, prompt_ids: list[int]) -> int:
         """Prefill (or continue) with a prompt: causal pass over [old seed, prompt[:-1]]; returns passes run."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty; at least one token is needed as the seed")
+            raise BadInput("the prompt is empty; at least one token is needed as the seed")
         pending = ([] if self.seed is None else [self.seed]) + list(prompt_ids[:-1])
         if self.history.length + len(pending) + 1 > self.n_ctx:
-            raise ValueError(f"the prompt needs {self.history.length + len(pending) + 1} positions, "
+            raise BadInput(f"the prompt needs {self.history.length + len(pending) + 1} positions, "
                              f"more than the context size {self.n_ctx}")
         if pending:
             self.model.forward_causal(pending, self.history)
@@ -137,10 +130,10 @@ class Session:
         on_block: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
         if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+            raise BadInput(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         block_size, threshold = self.resolve_block(block_size, threshold)
         if draft_steps and temperature > 0:
-            raise ValueError("draft_steps applies to greedy decoding only (temperature 0)")
+            raise BadInput("draft_steps applies to greedy decoding only (temperature 0)")
         params = SamplingParams(temperature, top_k, top_p, seed)
         excluded = [self.config.mask_token_id] + list(banned_ids or [])
         sampler = Sampler(self.config.vocab_size, excluded, params)
@@ -160,7 +153,7 @@ class Session:
         """Spec 4.3: default B and the calibrated threshold for B (float32)."""
         b = block_size or self.config.block_size
         if b < 1:
-            raise ValueError(f"block size must be at least 1, got {b}")
+            raise BadInput(f"block size must be at least 1, got {b}")
         if threshold is None:
             threshold = self.config.threshold_for(b)
             if threshold is None:

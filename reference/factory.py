@@ -12,6 +12,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .errors import BadInput
 from .checkpoint import round_to_dtype, save_model
 from .config import CloverConfig
 from .layout import is_clover_tensor, tensor_shapes
@@ -52,11 +53,11 @@ PRESETS: dict[str, dict] = {
 def preset_config(name: str, layers: int | None = None, nested: bool = False) -> CloverConfig:
     """The config of a preset; ``layers`` keeps the first N layers (the layer pattern is unchanged)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise BadInput(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     fields = dict(PRESETS[name])
     if layers is not None:
         if layers < 1:
-            raise ValueError("--layers must be at least 1")
+            raise BadInput("--layers must be at least 1")
         fields["num_hidden_layers"] = layers
     ids = special_token_ids()
     fields.update(

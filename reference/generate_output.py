@@ -22,6 +22,24 @@ STATS_KEYS = ("mode", "block_size", "threshold", "prompt_tokens", "generated_tok
               "decode_tok_per_s", "steps_per_block", "accepted_lengths", "stop_reason")
 
 
+class PassCounts:
+    """The pass counts of a generation and its TPF, as every Stats class defines them (the reference's and the
+    engine's); a mixin for dataclasses with ``generated_tokens``, ``block_passes`` and ``causal_passes``."""
+
+    generated_tokens: int
+    block_passes: int
+    causal_passes: int  # decode-time causal passes: ar steps, commits, verifications
+
+    @property
+    def passes(self) -> int:
+        return self.block_passes + self.causal_passes
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """TPF: generated tokens / decode-time passes (block + causal), the project's tokens per forward."""
+        return self.generated_tokens / self.passes if self.passes else 0.0
+
+
 def histogram_from_bins(bins: Sequence[int]) -> dict[str, int]:
     """{"value": count} from a list indexed by value (the native engine's form)."""
     return {str(min(v, HIST_LAST)): int(n) for v, n in enumerate(bins) if n}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
 import warnings
 from pathlib import Path
@@ -17,67 +16,25 @@ from safetensors.torch import save_file
 from .config import CloverConfig
 from .errors import CloverInputError
 from .layout import canonical_name, tensor_shapes
+from .safetensors_header import INDEX_FILE, SINGLE_FILE, SourceTensor, read_safetensors_header, read_weight_map
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def shard_files(model_dir: Path) -> dict[str, Path]:
     """Map every stored tensor name to the safetensors file that holds it, checking that the files exist."""
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-            raise CloverInputError(index_path, f"is not a valid safetensors index ({exc})", field="weight_map") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CloverInputError(index_path, "must map tensor names to file names", field="weight_map")
-        files = {}
-        for name, file_name in weight_map.items():
-            path = model_dir / file_name
-            if not path.is_file():
-                raise CloverInputError(path, f"is named in {INDEX_FILE} (tensor '{name}') but does not exist")
-            files[name] = path
-        return files
+    by_name = read_weight_map(model_dir)
+    if by_name is not None:
+        return by_name
     single = model_dir / SINGLE_FILE
     if not single.is_file():
         raise CloverInputError(model_dir, f"holds neither {SINGLE_FILE} nor {INDEX_FILE}")
     return {name: single for name in read_header(single)}
 
 
-def read_header(path: Path) -> dict[str, dict]:
-    """The tensor entries of a safetensors header, validated against the file size."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CloverInputError(path, "is truncated (no safetensors header)")
-            (header_len,) = struct.unpack("<Q", raw)
-            if header_len > size - 8:
-                raise CloverInputError(path, "is truncated (header runs past the end of the file)")
-            header = json.loads(f.read(header_len))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CloverInputError(path, f"has a corrupt safetensors header ({exc})") from None
-    if not isinstance(header, dict):
-        raise CloverInputError(path, "has a corrupt safetensors header (not a JSON object)")
-    entries = {k: v for k, v in header.items() if k != "__metadata__"}
-    data_size = size - 8 - header_len
-    for name, entry in entries.items():
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or "dtype" not in entry
-                or not isinstance(entry.get("shape"), list)):
-            raise CloverInputError(path, f"has a corrupt safetensors header entry for tensor '{name}'")
-        begin, end = offsets
-        if end > data_size:
-            raise CloverInputError(path, f"is truncated: tensor '{name}' ends at byte {end} of a {data_size}-byte "
-                                         "data section")
-        if entry["dtype"] not in _SAFETENSORS_DTYPES:
-            raise CloverInputError(path, f"tensor '{name}' has unsupported dtype {entry['dtype']}; "
-                                         "expected BF16, F16 or F32")
-    return entries
+def read_header(path: Path) -> dict[str, SourceTensor]:
+    """The tensors of a safetensors header, validated against the file (the converter's reader)."""
+    return read_safetensors_header(path)
 
 
 def iter_tensors(model_dir: Path) -> Iterator[tuple[str, str, Path]]:

@@ -190,7 +190,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(*x.shape[:-1], -1))
 
     def block_taps(self, padded: torch.Tensor, b: int) -> torch.Tensor:
-        """Spec section 3, GDN step 2: both convolutions over [.., K-1 history inputs, B window inputs, R zeros, C], then SiLU."""
+        """Spec section 3, GDN step 2: both convolutions over [.., K-1 history inputs, B window inputs, R zeros, C],
+        then SiLU."""
         left = self.conv1d.weight[:, 0, :]  # tap j reads offset j - (K-1)
         right = self.conv1d_right.weight[:, 0, :]  # tap t-1 reads offset +t
         u = sum(left[:, j] * padded[..., j: j + b, :] for j in range(self.kernel))
@@ -218,7 +219,8 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((state.conv, mixed[t][:, None]), dim=1)  # [conv_dim, K]
             state.conv = window[:, 1:]
             q, k, v = self.split_heads(F.silu((window * weight).sum(-1))[None])
-            o, state.ssm = delta_rule_step(state.ssm, q[0] / math.sqrt(self.dk), k[0], v[0], log_decay[t].exp(), beta[t])
+            o, state.ssm = delta_rule_step(state.ssm, q[0] / math.sqrt(self.dk), k[0], v[0], log_decay[t].exp(),
+                                           beta[t])
             outputs.append(o)
         return self.finish(torch.stack(outputs), x)
 

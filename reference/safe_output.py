@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from .errors import CloverError
 
 STALE_UNTAGGED_S = 3600  # a temporary directory without a pid tag (older versions) is stale after an hour
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
@@ -35,7 +36,7 @@ _deferred = 0
 _pending: list[int] = []
 
 
-class UnsafeOutput(Exception):
+class UnsafeOutput(CloverError):
     """The output path would destroy something (a device, a directory, an input); the message names it."""
 
 

@@ -11,7 +11,6 @@ time. Regenerate them (deterministically) with ``python -m clover_ref.tokenizer 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import shutil
 import sys
@@ -20,9 +19,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from tokenizers import processors, trainers
 
@@ -186,37 +182,6 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
         raise CloverInputError(path, f"not a valid tokenizers file: {exc}") from exc
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    """transformers' ``tojson`` filter (jinja2's own sorts keys and escapes HTML)."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    """The ``raise_exception`` global that chat templates call."""
-    raise jinja2.exceptions.TemplateError(message)
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(template: str) -> jinja2.Template:
-    """Compile ``template`` in a Jinja environment configured like transformers' apply_chat_template."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
-
-
-def _with_reasoning_alias(message: Mapping[str, Any]) -> dict[str, Any]:
-    """Copy ``thinking``/``reasoning`` into ``reasoning_content`` as transformers does."""
-    names = ("reasoning_content", "thinking", "reasoning")
-    reasoning = next((message[k] for k in names if message.get(k) is not None), None)
-    if reasoning is None:
-        return dict(message)
-    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
-
 def render_chat(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -224,18 +189,12 @@ def render_chat(
     add_generation_prompt: bool = True,
     template: str | None = None,
 ) -> str:
-    """Render a conversation with the chat template (the shipped one unless ``template`` is given).
+    """Render a conversation with the chat template (the shipped one unless ``template`` is given): the runtime's
+    renderer (clover_cpp.chat_render), the same text as transformers' ``apply_chat_template(..., tokenize=False)``."""
+    from clover_cpp.chat_render import render_chat as render  # noqa: PLC0415 - only the chat paths need jinja2
 
-    Same text as transformers' ``apply_chat_template(..., tokenize=False)``, without transformers.
-    """
-    compiled = _compile_template(template if template is not None else chat_template())
-    return compiled.render(
-        messages=[_with_reasoning_alias(m) for m in messages],
-        tools=list(tools) if tools is not None else None,
-        documents=None,
-        add_generation_prompt=add_generation_prompt,
-        enable_thinking=enable_thinking,
-    )
+    return render(messages, template if template is not None else chat_template(), tools=tools,
+                  enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,8 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_de
         v_new = u[:, :, i] - w[:, :, i] @ s
         outputs.append((q[:, :, i] * g[:, :, i, :, None].exp()) @ s + intra[:, :, i] @ v_new)
         g_last = g[:, :, i, -1]
-        s = s * g_last.exp()[..., None, None] + (k[:, :, i] * (g_last[..., None] - g[:, :, i]).exp()[..., None]).transpose(-1, -2) @ v_new
+        s = (s * g_last.exp()[..., None, None]
+             + (k[:, :, i] * (g_last[..., None] - g[:, :, i]).exp()[..., None]).transpose(-1, -2) @ v_new)
         states.append(s)
     return torch.stack(outputs, dim=2).reshape(n, h, t, dv), torch.stack(states, dim=1)
 
@@ -163,7 +164,8 @@ def block_logits_at(model: CloverModel, windows: torch.Tensor, rows: torch.Tenso
     return model.lm_head(model.model.norm(x))
 
 
-def _deltanet_step(layer: GatedDeltaNet, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _deltanet_step(layer: GatedDeltaNet, x: torch.Tensor, conv: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One causal position for a batch: x [N, d]; conv [N, K-1, C] (the previous inputs); state [N, H, dk, dv]."""
     window = torch.cat((conv, layer.in_proj_qkv(x)[:, None]), dim=1)  # [N, K, C]
     q, k, v = layer.split_heads(F.silu((window * layer.conv1d.weight[:, 0, :].T[None]).sum(1)))
@@ -178,7 +180,8 @@ def greedy_continue(model: CloverModel, ids: torch.Tensor, new_tokens: int, bann
     the tokens ``ar`` decoding would produce, for training the block mode on the model's own output."""
     n, length = ids.shape
     logits, histories = causal_with_window_states(model, ids)
-    conv = [h.conv_inputs[:, length - model.model.layers[i].linear_attn.kernel + 1:] if h.conv_inputs is not None else None
+    conv = [h.conv_inputs[:, length - model.model.layers[i].linear_attn.kernel + 1:]
+            if h.conv_inputs is not None else None
             for i, h in enumerate(histories)]
     states = [h.states[:, -1] if h.states is not None else None for h in histories]
     keys = [h.keys for h in histories]

@@ -93,7 +93,8 @@ def expected_gguf(state: dict[str, torch.Tensor], c: CloverConfig) -> Iterator[t
             yield b + "attn_gate.weight", heads(state[a + "in_proj_z.weight"], hv)
             yield b + "ssm_alpha.weight", heads(state[a + "in_proj_a.weight"], 1)
             yield b + "ssm_beta.weight", heads(state[a + "in_proj_b.weight"], 1)
-            for hf, name in (("conv1d.weight", "ssm_conv1d.weight"), ("conv1d_right.weight", "ssm_conv1d_right.weight")):
+            for hf, name in (("conv1d.weight", "ssm_conv1d.weight"),
+                             ("conv1d_right.weight", "ssm_conv1d_right.weight")):
                 conv = state[a + hf].squeeze(1)
                 yield b + name, torch.cat([conv[:qk], heads(conv[qk:], hv)])
             yield b + "ssm_a", -torch.exp(heads(state[a + "A_log"], 1))
@@ -104,7 +105,8 @@ def expected_gguf(state: dict[str, torch.Tensor], c: CloverConfig) -> Iterator[t
             yield b + "ssm_hist.bias", heads(state[a + "hist_bias"], 1)
             yield b + "ssm_blk_scale.weight", heads(state[a + "block_scale"], 1)
         else:
-            for hf, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            for hf, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
+                             ("o_proj", "attn_output")):
                 yield f"{b}{name}.weight", state[f"{p}self_attn.{hf}.weight"]
             for hf, name in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
                 yield f"{b}{name}.weight", state[f"{p}self_attn.{hf}.weight"] + 1
@@ -116,7 +118,8 @@ def expected_gguf(state: dict[str, torch.Tensor], c: CloverConfig) -> Iterator[t
             gate, up = state[p + "mlp.experts.gate_up_proj"].chunk(2, dim=1)
             down = state[p + "mlp.experts.down_proj"]
         else:
-            gate, up, down = (torch.stack([state[f"{p}mlp.experts.{e}.{part}_proj.weight"] for e in range(c.num_experts)])
+            gate, up, down = (torch.stack([state[f"{p}mlp.experts.{e}.{part}_proj.weight"]
+                                           for e in range(c.num_experts)])
                               for part in ("gate", "up", "down"))
         yield b + "ffn_gate_exps.weight", gate
         yield b + "ffn_up_exps.weight", up
@@ -230,3 +233,19 @@ def vendored_convert(model_dir: Path, out: Path, outtype: str) -> Path:
 
 def n_elements(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
+
+
+def slowed_convert_script(module: str, function: str, delay_s: float = 0.2) -> str:
+    """A ``python -c`` script that runs clover-convert's CLI with ``clover_convert.<module>.<function>`` slowed by
+    ``delay_s`` a call: time to interrupt a conversion in the middle (the signal tests)."""
+    return f"""
+import sys, time
+import clover_convert.{module} as m
+inner = m.{function}
+def slow(*args):
+    time.sleep({delay_s})
+    return inner(*args)
+m.{function} = slow
+from clover_convert.cli import main
+sys.exit(main(sys.argv[1:]))
+"""

@@ -34,7 +34,7 @@ _BUFFER = re.compile(r"(\S+) model buffer size")
 def documents(path: Path) -> list[tuple[list[int], list[tuple[int, list[int]]]]]:
     """One document of held-out code: causal rows for all of it, block windows at three boundaries (fully
     masked, half masked, one masked target)."""
-    model = native.Model(path)
+    model = native.LlamaModel(path)
     tokens = model.tokenize((REPO_ROOT / "reference" / "decode.py").read_text()[:3000])[:N_TOKENS]
     model.close()
     windows = [(16, list(range(WINDOW))), (48, [1, 3, 5, 7]), (80, [WINDOW - 1])]
@@ -45,7 +45,7 @@ def buffer_types(path: Path, use_extra_bufts: bool) -> list[str]:
     """The weight buffer types llama.cpp reports at load (CPU_Mapped, CPU_REPACK, AMX, ...)."""
     seen: list[str] = []
     with native.log_listener(lambda _level, line: seen.extend(m.group(1) for m in _BUFFER.finditer(line))):
-        native.Model(path, use_extra_bufts=use_extra_bufts).close()
+        native.LlamaModel(path, use_extra_bufts=use_extra_bufts).close()
     return sorted(set(seen))
 
 
@@ -70,7 +70,7 @@ class PlainReplay:
     """Decision margins of the plain (no extra buffer types) model, from native causal and block passes."""
 
     def __init__(self, path: Path) -> None:
-        self.model = native.Model(path, use_extra_bufts=False)
+        self.model = native.LlamaModel(path, use_extra_bufts=False)
         self.ctx = native.Context(self.model, n_ctx=512, n_ubatch=64)
         self.mask = self.model.mask_token()
 

@@ -102,7 +102,8 @@ def mutants(base: Path, seed: int = 0) -> list[CheckpointMutant]:
         for v in values:
             field = key.split(".")[-1]
             add(f"config-{key}-{v!r}", (field, key), _config(_set(key, v)))
-    for key in ("hidden_size", "num_hidden_layers", "mask_token_id", "num_experts", "vocab_size"):  # block_size defaults
+    # block_size defaults
+    for key in ("hidden_size", "num_hidden_layers", "mask_token_id", "num_experts", "vocab_size"):
         add(f"config-missing-{key}", (key, "config.json"), _config(_delete(key)))
 
     def deep(d: Path) -> None:
@@ -125,7 +126,8 @@ def mutants(base: Path, seed: int = 0) -> list[CheckpointMutant]:
     add("st-overlap", (a, c, "overlap"), _header(lambda h: h[c].__setitem__(
         "data_offsets", [h[a]["data_offsets"][0], h[a]["data_offsets"][0] + h[c]["data_offsets"][1]
                          - h[c]["data_offsets"][0]])))
-    add("st-out-of-order", (a, "order"), _header(lambda h: h[a].__setitem__("data_offsets", h[a]["data_offsets"][::-1])))
+    add("st-out-of-order", (a, "order"), _header(lambda h: h[a].__setitem__(
+        "data_offsets", h[a]["data_offsets"][::-1])))
     add("st-beyond-file", (a, "truncated"), _header(lambda h: h[a].__setitem__(
         "data_offsets", [10**9, 10**9 + h[a]["data_offsets"][1] - h[a]["data_offsets"][0]])))
     add("st-negative", (a,), _header(lambda h: h[a].__setitem__("data_offsets", [-2, h[a]["data_offsets"][1]])))

@@ -220,7 +220,8 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
     n_t, n_kv = len(g0.tensors), len(g0.kvs)
     for d in (-1, 1, 2**63, 2**64 - 1):
         g = copy(); g.n_tensors = (n_t + d) % 2**64 if d in (-1, 1) else d; add(f"n_tensors{d:+d}", ("tensor", hdr), g)
-        g = copy(); g.n_kv = (n_kv + d) % 2**64 if d in (-1, 1) else d; add(f"n_kv{d:+d}", ("key", "kv", "tensor", hdr), g)
+        g = copy(); g.n_kv = (n_kv + d) % 2**64 if d in (-1, 1) else d
+        add(f"n_kv{d:+d}", ("key", "kv", "tensor", hdr), g)
     full = serialize(copy())
     data_start = len(full) - sum(-(-len(t.data) // 32) * 32 for t in g0.tensors)
     for cut in (3, 12, 30, 200, data_start // 2, data_start - 5, data_start + 100, len(full) - 1000, len(full) - 1):
@@ -259,7 +260,8 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
     for key, values in bad_uint.items():
         for v in values:  # the message may name a key that the value contradicts (inner_size for state_size)
             add(f"kv-{key}-{v}", (key, "recurrent_layers", "tensor '"), with_kv(A + key, U32, v))
-    g = with_kv(A + "full_attention_interval", U32, 0); g.kvs = [kv for kv in g.kvs if not kv.key.endswith("recurrent_layers")]
+    g = with_kv(A + "full_attention_interval", U32, 0)
+    g.kvs = [kv for kv in g.kvs if not kv.key.endswith("recurrent_layers")]
     add("kv-full_attention_interval-0-no-recurrent_layers", "full_attention_interval", g)
     # valid files, or values llama.cpp ignores: they must load (not a wrong success, see the notes)
     add("kv-full_attention_interval-1000", (), with_kv(A + "full_attention_interval", U32, 1000), may_load=True,
@@ -323,15 +325,17 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
     for key in ("general.architecture", "tokenizer.ggml.tokens", "tokenizer.ggml.mask_token_id",
                 "tokenizer.ggml.model", "tokenizer.ggml.merges"):
         add(f"missing-{key}", (key, "tokenizer", "architecture", "merges"), without(key))
-    g = copy(); g.kvs.append(replace(g.kv(A + "block_size"), value=16)); add("dup-key", (A + "block_size", "duplicate"), g)
+    g = copy(); g.kvs.append(replace(g.kv(A + "block_size"), value=16))
+    add("dup-key", (A + "block_size", "duplicate"), g)
 
     # --- tensor infos
     names = [t.name for t in g0.tensors]
     f16_bad = [n for n in names if n.endswith(("norm.weight", "ssm_a", "ssm_conv1d.weight", "ssm_dt.bias",
                                                  "ssm_conv1d_right.weight", "ssm_hist.weight", "ssm_hist.bias",
                                                  "ssm_blk_scale.weight"))]
-    for n in dict.fromkeys(rng.sample(f16_bad, min(24, len(f16_bad))) + ["blk.0.ssm_a", "blk.0.ssm_conv1d.weight",
-                                                                          "blk.0.attn_norm.weight", "output_norm.weight"]):
+    for n in dict.fromkeys(rng.sample(f16_bad, min(24, len(f16_bad)))
+                           + ["blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.attn_norm.weight",
+                              "output_norm.weight"]):
         g = copy(); i = names.index(n); g.tensors[i] = _f16(g.tensors[i]); add(f"f16-{n}", n, g)
     for n in ("blk.1.ssm_a", "blk.3.attn_q_norm.weight", "blk.2.ssm_conv1d.weight"):
         g = copy(); i = names.index(n); g.tensors[i] = _bf16(g.tensors[i]); add(f"bf16-{n}", n, g)
@@ -341,7 +345,8 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
         g = copy(); i = names.index(n); g.tensors[i] = replace(g.tensors[i], type=GGML_I32)
         add(f"i32-{n}", n, g)
     for n in rng.sample(names, 6):
-        g = copy(); i = names.index(n); g.tensors[i] = replace(g.tensors[i], type=100); add(f"type100-{n}", (n, "type"), g)
+        g = copy(); i = names.index(n); g.tensors[i] = replace(g.tensors[i], type=100)
+        add(f"type100-{n}", (n, "type"), g)
     for n in rng.sample(names, 8):
         t = g0.tensors[names.index(n)]
         for tag, dims in (("ne0+1", [t.dims[0] + 1, *t.dims[1:]]), ("swap", t.dims[::-1]),
@@ -370,7 +375,8 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
         g = copy(); i = names.index(n); g.tensors[i] = replace(g.tensors[i], name=other)
         add(f"rename-{n}", (n, other, "tensor"), g)
         g = copy(); del g.tensors[names.index(n)]; add(f"drop-{n}", (n, "tensor"), g)
-    g = copy(); g.tensors[5] = replace(g.tensors[5], name=names[4]); add("dup-tensor", (names[4], names[5], "duplicate"), g)
+    g = copy(); g.tensors[5] = replace(g.tensors[5], name=names[4])
+    add("dup-tensor", (names[4], names[5], "duplicate"), g)
     g = copy(); g.tensors.append(Tensor("blk.9.extra.weight", [4], GGML_F32, b"\0" * 16))
     add("extra-tensor", ("blk.9.extra.weight", "tensor"), g)
     g = copy(); g.tensors[0] = replace(g.tensors[0], name="x" * 100); add("long-name", ("name", "x" * 20), g)

@@ -36,9 +36,9 @@ def require_native() -> None:
 def require_engine() -> None:
     """require_native, plus libclover (the decoding engine) with every clover.h prototype."""
     require_native()
-    from clover_cpp import engine
+    from clover_cpp import libclover
 
-    ok, reason = engine.available()
+    ok, reason = libclover.available()
     if not ok:
         skip_or_fail(f"native engine unavailable: {reason}")
 
@@ -165,7 +165,7 @@ def load_in_subprocess(path: Path) -> subprocess.CompletedProcess[str]:
         "import sys\n"
         "from clover_cpp import native\n"
         "try:\n"
-        "    native.Model(sys.argv[1])\n"
+        "    native.LlamaModel(sys.argv[1])\n"
         "except native.NativeError as exc:\n"
         "    print('LOAD-ERROR:', exc)\n"
         "    sys.exit(3)\n"
@@ -187,7 +187,7 @@ def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], w
     ``use_extra_bufts=False`` loads the weights without AMX or repacked layouts."""
     from clover_cpp import native
 
-    model = native.Model(path, use_extra_bufts=use_extra_bufts)
+    model = native.LlamaModel(path, use_extra_bufts=use_extra_bufts)
     ctx = native.create_context(model, n_ctx=1024, n_ubatch=64, n_batch=512)
     mask = model.mask_token()
     causal, block = [], []

@@ -84,7 +84,8 @@ def test_auto_equals_ar(tiny: Case, table: str) -> None:
         # short random prompts often repeat themselves, so n-gram drafts exist
         prompt = rng.integers(0, 3000, size=int(rng.integers(1, 41))).tolist()
         opts = {"block_size": int(rng.choice([4, 8, 32])), "max_tokens": int(rng.integers(1, 61)),
-                "stop_ids": tiny.eos, "banned_ids": rng.integers(0, 3000, size=int(rng.integers(0, 3))).tolist() or None}
+                "stop_ids": tiny.eos,
+                "banned_ids": rng.integers(0, 3000, size=int(rng.integers(0, 3))).tolist() or None}
         ar = tiny.run(prompt, "ar", **opts)
         auto = tiny.run(prompt, "auto", costs=costs, **opts)
         ledger.check(f"auto==ar/{table}/{case}", auto.tokens, ar.tokens, tiny.ref, prompt, opts["banned_ids"])
@@ -175,7 +176,7 @@ def test_cost_table_is_checked(tiny: Case) -> None:
 # ------------------------------------------------------------------------------------------ threads
 def _default_threads(cpus: str) -> int:
     assert shutil.which("taskset"), "taskset (util-linux) is needed"
-    code = "from clover_cpp import engine; print(engine.lib().clover_default_n_threads())"
+    code = "from clover_cpp import libclover; print(libclover.lib().clover_default_n_threads())"
     done = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO_ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

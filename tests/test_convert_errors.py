@@ -1,5 +1,5 @@
-"""The converter's bad-input matrix (docs/gguf-format.md): each case gives a one-line error naming the problem, exit code 2, and no
-output file left behind (neither the GGUF nor the hidden temporary directory)."""
+"""The converter's bad-input matrix (docs/gguf-format.md): each case gives a one-line error naming the problem, exit
+code 2, and no output file left behind (neither the GGUF nor the hidden temporary directory)."""
 
 from __future__ import annotations
 
@@ -183,5 +183,6 @@ def test_nonfinite_weights_refused_then_allowed(model: Path, out_dir: Path, caps
                                "--allow-nonfinite")
     assert code == 0, err
     assert err.strip().splitlines() == [f"clover-convert: warning: {model / 'model.safetensors'}: tensor '{name}' "
-                                        "(GGUF blk.1.post_attention_norm.weight) holds 4 non-finite values (NaN or inf)"]
+                                        "(GGUF blk.1.post_attention_norm.weight) holds 4 non-finite values "
+                                        "(NaN or inf)"]
     assert (out_dir / "out.gguf").is_file()

@@ -17,14 +17,14 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 
 from native_support import REPO_ROOT, VENV_PYTHON, require_native
-from convert_support import copy_checkpoint, rewrite_weights
+from convert_support import copy_checkpoint, rewrite_weights, slowed_convert_script
 from test_outputs_safe import _interrupt, _wait_for_temp
 from test_quantize import write_imatrix
 
 from clover_convert import onepass, streaming
 from clover_convert.converter import ConvertOptions, convert
 from clover_quantize.run import QUANTIZED_BY, QuantizeOptions, quantize
-from clover_quantize.types import file_type
+from clover_quantize.file_types import file_type
 from clover_ref.factory import init_checkpoint
 
 DEMO = REPO_ROOT / "models" / "clover-demo"
@@ -197,17 +197,7 @@ def test_nonfinite_weights(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert (out_dir / "out.gguf").is_file()
 
 
-SLOW_ONEPASS = """
-import sys, time
-import clover_convert.onepass as o
-encode_chunk = o.encode_chunk
-def slow(*args):
-    time.sleep(0.2)
-    return encode_chunk(*args)
-o.encode_chunk = slow
-from clover_convert.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+SLOW_ONEPASS = slowed_convert_script("onepass", "encode_chunk")
 
 
 def test_signal_leaves_nothing(tiny_checkpoint: Path, tmp_path: Path) -> None:

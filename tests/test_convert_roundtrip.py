@@ -1,5 +1,5 @@
-"""clover-convert round trips (spec 5, docs/gguf-format.md): every GGUF tensor equals the Hugging Face tensor under the documented
-transform, and every metadata key the spec names is present with the right value and type."""
+"""clover-convert round trips (spec 5, docs/gguf-format.md): every GGUF tensor equals the Hugging Face tensor under the
+documented transform, and every metadata key the spec names is present with the right value and type."""
 
 from __future__ import annotations
 

@@ -110,7 +110,8 @@ def _compare_case(e: Engine, name: str, prompt: list[int], mode: str, opts: dict
         assert found is not None, f"{name}: no token inside a block to stop on"
         opts["stop_ids"] = [found[0]]
     ref_blocks: list[list[int]] = []
-    (want,), session = reference_run(e.ref, [(prompt, _ref_opts(opts | {"mode": mode}) | {"on_block": ref_blocks.append})])
+    (want,), session = reference_run(e.ref,
+                                     [(prompt, _ref_opts(opts | {"mode": mode}) | {"on_block": ref_blocks.append})])
     got, stats, canvases = e.run(prompt, mode, **opts)
     diffusion = mode == "diffusion"
     before = len(LEDGER.near_ties)
@@ -404,7 +405,7 @@ def test_spec_drafts_after_rollback(tiny: Engine) -> None:
         assert stats.accepted_lengths == plain_stats.accepted_lengths  # same drafts as draft_steps = 0
         assert len(drafts) == stats.causal_passes, (len(drafts), stats)
         kept = 0
-        ctx_model = native.Model(tiny.gguf)
+        ctx_model = native.LlamaModel(tiny.gguf)
         for d in drafts:
             assert tiny.mask not in d and len(d) == min(b, 1024)
             history = prompt + tokens[:kept]
@@ -418,7 +419,8 @@ def test_spec_drafts_after_rollback(tiny: Engine) -> None:
             if want != d:
                 j = next(i for i, (x, y) in enumerate(zip(d, want)) if x != y)
                 top2 = np.sort(logits[j])[-2:]
-                gap, tol = float(top2[1] - top2[0]), REF_TOL * max(1.0, float(np.abs(logits[np.isfinite(logits)]).max()))
+                gap, tol = (float(top2[1] - top2[0]),
+                            REF_TOL * max(1.0, float(np.abs(logits[np.isfinite(logits)]).max())))
                 assert gap < tol, f"round draft differs from a fresh context at target {j} (gap {gap:.3g})"
                 ties.append({"case": case, "target": j, "gap": gap, "tol": tol})
             ahead = tokens[kept:kept + b]

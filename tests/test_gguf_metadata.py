@@ -116,7 +116,7 @@ def test_metadata_file_overrides(carded: Path, tmp_path: Path) -> None:
 def test_quantize_records_quantized_by(carded_f16: Path, qtype: str, ftype: int) -> None:
     require_native()
     from clover_quantize.run import QuantizeOptions, quantize
-    from clover_quantize.types import file_type
+    from clover_quantize.file_types import file_type
 
     out = carded_f16.with_name(f"clover-tiny-{qtype}.gguf")
     quantize(QuantizeOptions(input=carded_f16, file_type=file_type(qtype), output=out, progress=False))

@@ -66,7 +66,7 @@ def tiny(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Sim
     gguf = clover_convert(tiny_checkpoint, d / "tiny-f32.gguf", "f32")
     calib = d / "calib.txt"
     calib.write_text(_calibration_text())
-    model = native.Model(gguf)
+    model = native.LlamaModel(gguf)
     tokens = model.tokenize(calib.read_text(), add_special=False, parse_special=False)
     mask = model.mask_token()
     model.close()
@@ -238,7 +238,7 @@ def test_collector_never_changes_logits(tiny: SimpleNamespace) -> None:
     from clover_cpp import native
     from clover_cpp.imatrix import Collector, masked_window
 
-    model = native.Model(tiny.gguf)
+    model = native.LlamaModel(tiny.gguf)
     collector = Collector()
     window, rows = masked_window(tiny.tokens[40:48], tiny.mask, np.random.default_rng(0))
     results = []

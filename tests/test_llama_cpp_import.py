@@ -122,7 +122,8 @@ def test_pth_sets_the_path_only_when_unset(tmp_path: Path) -> None:
     lib = tmp_path / "lib"
     lib.mkdir()
     install(tmp_path / "venv", lib)
-    assert env_after_pth(sp) == {"LLAMA_CPP_LIB_PATH": str(lib.resolve()), "CLOVER_LLAMA_LIB_DEFAULT": str(lib.resolve())}
+    assert env_after_pth(sp) == {"LLAMA_CPP_LIB_PATH": str(lib.resolve()),
+                                 "CLOVER_LLAMA_LIB_DEFAULT": str(lib.resolve())}
     # an explicit value wins, and is not marked as the default
     assert env_after_pth(sp, LLAMA_CPP_LIB_PATH="/somewhere") == {"LLAMA_CPP_LIB_PATH": "/somewhere",
                                                                   "CLOVER_LLAMA_LIB_DEFAULT": None}

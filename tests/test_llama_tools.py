@@ -167,7 +167,7 @@ def test_llama_perplexity_matches_reference(demo_gguf: Path, tmp_path: Path) -> 
     assert final is None or float(final.group(1)) == pytest.approx(ppl_cpp, abs=1e-3), out[-3000:]
 
     # the tokens llama-perplexity scored: common_tokenize(ctx, text, add_special=true, parse_special=false)
-    model = native.Model(demo_gguf)
+    model = native.LlamaModel(demo_gguf)
     try:
         L = native.llama()
         tokens = native.tokenize(model.vocab, text_file.read_text(encoding="utf-8"), add_special=True,

@@ -51,7 +51,7 @@ class Bundle:
         self.checkpoint = checkpoint
         self.ref = ref_model
         self.gguf = clover_convert(checkpoint, tmp / f"{name}-f32.gguf", "f32")
-        self.model = native.Model(self.gguf)
+        self.model = native.LlamaModel(self.gguf)
         self.mask = self.model.mask_token()
         self.block_size = int(self.model.meta("clover.block_size"))
         self.ids = _ids(1234, self.model.n_vocab)
@@ -199,8 +199,8 @@ def test_causal_equals_stock_qwen35moe(tiny: Bundle, stock_tiny: Path, tmp_path:
 
     same = rewrite_gguf(tiny.gguf, tmp_path / "clover-stock-ssm_a.gguf",
                         tensor_edit=lambda n, d: stock_tensors[n].reshape(d.shape) if n.endswith(".ssm_a") else d)
-    clover_same = native.Model(same)
-    stock = native.Model(stock_tiny)
+    clover_same = native.LlamaModel(same)
+    stock = native.LlamaModel(stock_tiny)
     assert stock.meta("general.architecture") == "qwen35moe"
     for n in (7, 300):
         want = native.Context(stock, n_ctx=512, n_ubatch=64).causal(tiny.ids[:n])
@@ -356,7 +356,7 @@ def test_q8_0_top1_agreement(bundle: Bundle, tmp_path: Path) -> None:
     assert clover and all(types[n] == gguf.GGMLQuantizationType.F32 for n in clover)
     assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.Q8_0
 
-    qm = native.Model(q8)
+    qm = native.LlamaModel(q8)
     ids = bundle.ids
     f_ctx, q_ctx = bundle.context(), native.Context(qm, n_ctx=512, n_ubatch=64)
     pairs = [(f_ctx.causal(ids[:300]), q_ctx.causal(ids[:300]))]

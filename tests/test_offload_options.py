@@ -18,7 +18,7 @@ import pytest
 
 from native_support import REPO_ROOT, clover_convert, require_engine
 
-from clover_cpp import engine
+from clover_cpp import libclover
 from clover_cpp.cli import build_parser, model_kwargs
 from clover_cpp.offload import LLM_FFN_EXPS_REGEX, Offload, device_bytes, ffn_exps_block_regex
 
@@ -38,7 +38,7 @@ def _describe(path: Path, **model_args: Any) -> dict[str, Any]:
     from clover_cpp.model import engine_params
 
     params, keep = engine_params(**model_args)
-    desc = engine.describe_offload(str(path), params)
+    desc = libclover.describe_offload(str(path), params)
     del keep
     return desc
 
@@ -87,7 +87,7 @@ def test_cli_flags_reach_model_params(command: str, tiny_gguf: Path) -> None:
     assert (params.n_gpu_layers, params.n_cpu_moe, params.cpu_moe, params.split_mode, params.main_gpu,
             params.fit_margin_mib) == (3, 2, False, 0, 0, 512)
     assert params.override_tensor == b"ffn_up_exps=CPU,ffn_down_exps=CPU" and params.tensor_split is None
-    desc = engine.describe_offload(str(tiny_gguf), params)
+    desc = libclover.describe_offload(str(tiny_gguf), params)
     assert desc["n_gpu_layers"] == 3 and desc["split_mode"] == 0 and desc["main_gpu"] == 0
     assert desc["tensor_split"] == []
     assert desc["overrides"] == [("ffn_up_exps", "CPU"), ("ffn_down_exps", "CPU"),
@@ -101,7 +101,7 @@ def test_cli_flags_reach_model_params(command: str, tiny_gguf: Path) -> None:
     defaults, _ = engine_params(**model_kwargs(parser.parse_args([command, "-m", str(tiny_gguf), *extra])))
     assert (defaults.override_tensor, defaults.n_cpu_moe, defaults.cpu_moe, defaults.split_mode, defaults.main_gpu,
             defaults.tensor_split, defaults.fit_margin_mib) == (None, 0, False, -1, 0, None, 1024)
-    assert engine.lib().clover_engine_default_params().split_mode == -1
+    assert libclover.lib().clover_engine_default_params().split_mode == -1
 
 
 # ------------------------------------------------------------------------------- real loads on the CPU
@@ -172,7 +172,7 @@ def test_unknown_split_mode_is_refused(tiny_gguf: Path) -> None:
     params, keep = engine_params()
     params.split_mode = 3  # LLAMA_SPLIT_MODE_TENSOR, straight into the C struct
     with pytest.raises(NativeError, match=r"split_mode \(-sm\) 3 is not one of none \(0\), layer \(1\), row \(2\)"):
-        engine.describe_offload(str(tiny_gguf), params)
+        libclover.describe_offload(str(tiny_gguf), params)
     del keep
 
 
@@ -186,22 +186,22 @@ def test_memory_plan_and_fit_check(tiny_gguf: Path) -> None:
     from clover_cpp.model import engine_params
 
     params, keep = engine_params()
-    devs = engine.plan_memory(str(tiny_gguf), params)
+    devs = libclover.plan_memory(str(tiny_gguf), params)
     assert len(devs) == 1 and devs[0]["is_host"] and devs[0]["name"] == "Host"
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(tiny_gguf)).tensors)
     assert abs(devs[0]["model"] - tensor_bytes) <= 64 * 1024, (devs[0]["model"], tensor_bytes)
     assert devs[0]["context"] > 0 and devs[0]["compute"] > 0
-    assert engine.check_fit(devs, 1024) == ""  # host memory is not checked
+    assert libclover.check_fit(devs, 1024) == ""  # host memory is not checked
 
     mib = 2**20
     fake = {"name": "CUDA0", "total": 24_000 * mib, "free": 23_600 * mib, "model": 21_000 * mib,
             "context": 1_600 * mib, "compute": 500 * mib}
-    msg = engine.check_fit([fake, devs[0]], 1024)
+    msg = libclover.check_fit([fake, devs[0]], 1024)
     assert msg.startswith("the model does not fit: needs 23100 MiB on CUDA0 (weights 21000, context 1600, "
                           "compute 500 MiB), 23.0 GiB free, 1024 MiB of it kept free"), msg
-    assert engine.check_fit([fake, devs[0]], 0) == ""  # 23100 <= 23600
-    assert engine.check_fit([dict(fake, free=0, total=0)], 1024) == ""  # a device that reports nothing
-    two = engine.check_fit([fake, dict(fake, name="CUDA1", model=10 * mib)], 1024)
+    assert libclover.check_fit([fake, devs[0]], 0) == ""  # 23100 <= 23600
+    assert libclover.check_fit([dict(fake, free=0, total=0)], 1024) == ""  # a device that reports nothing
+    two = libclover.check_fit([fake, dict(fake, name="CUDA1", model=10 * mib)], 1024)
     assert "CUDA0" in two and "CUDA1" not in two
     del keep
 

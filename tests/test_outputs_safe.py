@@ -17,7 +17,7 @@ import pytest
 
 from clover_ref import safe_output
 from native_support import VENV_PYTHON, clover_convert, require_native
-from convert_support import copy_checkpoint, run_convert
+from convert_support import copy_checkpoint, run_convert, slowed_convert_script
 
 
 def _digest(path: Path) -> str:
@@ -147,17 +147,7 @@ def test_convert_sweeps_stale_temporaries(model: Path, tmp_path: Path, capsys) -
         sleeper.wait()
 
 
-SLOW_CONVERT = """
-import sys, time
-import clover_convert.streaming as s
-encode = s.encode
-def slow(*args):
-    time.sleep(0.2)
-    return encode(*args)
-s.encode = slow
-from clover_convert.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+SLOW_CONVERT = slowed_convert_script("streaming", "encode")
 
 
 def _wait_for_temp(directory: Path, proc: subprocess.Popen[str], suffix: str) -> None:

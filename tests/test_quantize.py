@@ -20,8 +20,8 @@ from native_support import (REPO_ROOT, VENV_PYTHON, causal_and_block_logits, clo
                             record, require_native)
 
 from clover_quantize.run import QuantizeOptions, default_output, plan_quantization, quantize
-from clover_quantize.inspect import read_input
-from clover_quantize.types import FILE_TYPES, file_type
+from clover_quantize.gguf_input import read_input
+from clover_quantize.file_types import FILE_TYPES, file_type
 
 QUANT_TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_M", "IQ4_NL",
                "IQ4_XS", "F16", "BF16"]

@@ -58,7 +58,8 @@ def test_windowed_passes_are_differentiable(tiny_model):
     tiny_model.requires_grad_(True)
     try:
         logits, histories = causal_with_window_states(tiny_model, ids)
-        blocks = block_logits_at(tiny_model, ids[:, CHUNK:], torch.tensor([0, 1]), torch.tensor([CHUNK, CHUNK]), histories)
+        blocks = block_logits_at(tiny_model, ids[:, CHUNK:], torch.tensor([0, 1]), torch.tensor([CHUNK, CHUNK]),
+                                 histories)
         (logits.logsumexp(-1).mean() + blocks.logsumexp(-1).mean()).backward()
         grads = [p.grad for p in tiny_model.parameters()]
         assert all(g is not None and torch.isfinite(g).all() for g in grads)

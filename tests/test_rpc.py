@@ -29,13 +29,13 @@ MODES = {"ar": {}, "diffusion": {"block_size": 8}, "spec": {"block_size": 8}}
 # argv: GGUF RPC_SERVERS PROMPT TOKENS MODES_JSON -> one JSON line: the device plan and each mode's tokens and stats
 RPC_SCRIPT = """
 import json, sys
-from clover_cpp import Model, engine
+from clover_cpp import Model, libclover
 from clover_cpp.model import engine_params
 from clover_cpp.offload import Offload
 gguf, servers, prompt, n, modes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
 offload = Offload(rpc=servers)
 params, keep = engine_params(n_ctx=1024, n_threads=1, n_gpu_layers=99, offload=offload)
-plan = engine.plan_memory(gguf, params)
+plan = libclover.plan_memory(gguf, params)
 out = {"plan": [{"name": d["name"], "model": d["model"]} for d in plan], "runs": {}}
 with Model(gguf, n_ctx=1024, n_threads=1, n_gpu_layers=99, offload=offload) as model:
     ids = model.tokenize(prompt)
