@@ -7,7 +7,7 @@ squared inputs of every `blk.*.weight` matmul and writes llama.cpp's imatrix GGU
 Masked calibration: the calibration text is cut into chunks of ``chunk_size`` tokens (the memory is cleared
 between chunks) and each chunk is walked in segments of B tokens, B = the model's block size. Before a
 segment is appended with a causal pass, the same positions run once as a block window on the scratch
-sequence, the way LowConfidence decoding sees them: the first token is the seed (always known); of the B
+sequence, the way LowConfidence decoding sees them: the first token is the pending token (always known); of the B
 targets that the window predicts, a random fraction r ~ U(0, 1] (at least one) is still masked, and the
 window inputs at those targets are the mask token; logits are asked for the rows predicting the masked
 targets. Every token row thus passes once causally and once in a partly masked window, so block-mode
@@ -101,7 +101,7 @@ class Collector(native.NativeHandle):
 
 
 def masked_window(segment: Sequence[int], mask_id: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
-    """The block window for ``segment`` (its first token is the seed) and the logit rows to ask for.
+    """The block window for ``segment`` (its first token is the pending token) and the logit rows to ask for.
 
     Of the L = len(segment) targets the window predicts (offsets 1..L), ceil(r*L) with r ~ U(0, 1] are
     masked; window inputs at masked offsets (1..L-1) become ``mask_id``; row j-1 predicts target j."""

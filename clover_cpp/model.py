@@ -215,7 +215,7 @@ class _Call:
         if mode not in libclover.MODES:
             raise BadInput(f"unknown mode {mode!r}; choose one of {', '.join(libclover.MODES)}")
         if not prompt_ids:
-            raise BadInput("the prompt is empty; at least one token is needed as the seed")
+            raise BadInput("the prompt is empty; at least one token is needed (the last one is the pending token)")
         if max_tokens < 0:
             raise BadInput(f"max_tokens must be >= 0, got {max_tokens}")
         if block_size is not None and block_size < 1:
@@ -585,7 +585,7 @@ class Model(native.NativeHandle):
 
     @property
     def n_past(self) -> int:
-        """Positions committed to the history (the seed's position); 0 after a reset."""
+        """Positions committed to the history (the pending token's position); 0 after a reset."""
         return int(libclover.lib().clover_engine_n_past(self._handle()))
 
     # ---------------------------------------------------------------------------------- tokens

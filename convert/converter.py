@@ -21,7 +21,7 @@ from clover_quantize.file_types import FileType, UnknownTypeError, file_type
 
 from .model_keys import ARCH, add_model_keys
 from .onepass import OnePassResult, write_header_and_hole, write_quantized
-from .output import AtomicOutput, OutputError, check_free_space, check_outputs, resolve_output_path, shard_paths
+from .output import AtomicOutput, OutputError, check_free_space, check_outputs, resolve_output_path, output_shard_paths
 from .safetensors_index import CheckpointIndex, index_checkpoint
 from .streaming import ChunkPipeline, StreamedTensor
 from .tensor_plan import ConversionPlan, OutType, build_plan
@@ -190,7 +190,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                                          metadata.size_label, type_name)
         final_path = resolve_output_path(model_dir, options.outfile, default_stem, type_name)
         shard_sizes = [(len(shard), sum(ti.nbytes for ti in shard.values())) for shard in writer.tensors]
-        paths = shard_paths(final_path, len(writer.tensors))
+        paths = output_shard_paths(final_path, len(writer.tensors))
         result = ConvertResult(plan, out_type, paths, shard_sizes, metadata)
         if options.dry_run and not options.skeleton:
             return result

@@ -13,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from .tensor_plan import Transform, tensor_nbytes
+from clover_quantize.file_types import tensor_nbytes
+
+from .tensor_plan import Transform
 
 # numpy dtype holding the raw bits of each supported source dtype
 RAW_DTYPES = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
@@ -46,7 +48,7 @@ def encode_chunk(raw: np.ndarray, dtype: str, rows: int, row_length: int, transf
         raw = raw[:, column_order]
     if transform is Transform.NONE and (dtype, ggml_type) in _COPYABLE:
         return _quiet_bf16_nans(raw) if dtype == "BF16" else raw
-    out = np.empty(tensor_nbytes((rows, row_length), ggml_type), dtype=np.uint8)
+    out = np.empty(tensor_nbytes(ggml_type, (row_length, rows)), dtype=np.uint8)
     out_row_bytes = out.size // rows
     slice_rows = max(1, SLICE_ELEMENTS // row_length)
     for first in range(0, rows, slice_rows):

@@ -43,7 +43,7 @@ def resolve_output_path(model_dir: Path, outfile: Path | None, default_stem: str
     return target.with_name(name)
 
 
-def shard_paths(path: Path, shard_count: int) -> list[Path]:
+def output_shard_paths(path: Path, shard_count: int) -> list[Path]:
     """llama.cpp's shard names: ``{stem}-00001-of-0000N.gguf`` (one shard keeps the plain name)."""
     if shard_count == 1:
         return [path]
@@ -98,10 +98,10 @@ class AtomicOutput:
         return self._temp_dir / self.final_path.name
 
     def publish(self, shard_count: int) -> list[Path]:
-        finals = shard_paths(self.final_path, shard_count)
+        finals = output_shard_paths(self.final_path, shard_count)
         targets = check_outputs(finals, self.inputs)  # again: the path may have changed while we wrote
         with safe_output.deferred_signals():  # all shards or none
-            for temp, target in zip(shard_paths(self.temp_path, shard_count), targets):
+            for temp, target in zip(output_shard_paths(self.temp_path, shard_count), targets):
                 os.replace(temp, target)
             self._published = True
         self._cleanup()

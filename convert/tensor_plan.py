@@ -24,6 +24,8 @@ from clover_ref.config import CloverConfig
 from clover_ref.errors import CloverInputError
 from clover_ref.layout import is_clover_tensor, layer_tensor_shapes
 
+from clover_quantize.file_types import tensor_nbytes
+
 from .head_order import tiled_value_heads, value_column_order
 from .safetensors_index import CheckpointIndex, SourceTensor
 
@@ -87,7 +89,7 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        return tensor_nbytes(self.shape, self.ggml_type)
+        return tensor_nbytes(self.ggml_type, tuple(reversed(self.shape)))  # ggml order: ne0 first
 
 
 @dataclass
@@ -101,12 +103,6 @@ class ConversionPlan:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
-
-
-def tensor_nbytes(shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
-    block, type_size = GGML_QUANT_SIZES[ggml_type]
-    rows = math.prod(shape[:-1])
-    return rows * (shape[-1] // block) * type_size
 
 
 def choose_type(name: str, shape: tuple[int, ...], out: OutType, always_f32: bool) -> GGMLQuantizationType:

@@ -58,7 +58,7 @@ def field_value(reader: GGUFReader, key: str) -> Any:
         return None
 
 
-def shard_paths(path: Path) -> tuple[Path, ...]:
+def input_shard_paths(path: Path) -> tuple[Path, ...]:
     """All shards of a split model given its first shard (``name-00001-of-00003.gguf``), else ``(path,)``."""
     m = _SPLIT_RE.match(path.name)
     if not m:
@@ -78,7 +78,7 @@ def read_input(path: Path) -> InputModel:
     Raises InputError for anything else."""
     if not path.is_file():
         raise InputError(f"{path}: no such file")
-    shards = shard_paths(path)
+    shards = input_shard_paths(path)
     # the engine's checks first: its parser refuses a damaged file at once, where gguf-py's reader can spin for
     # minutes on a corrupted array length
     check_engine_accepts(path)

@@ -43,7 +43,7 @@ class QuantizeError(CloverError, RuntimeError):
 
 
 @dataclass(frozen=True)
-class TensorPlan:
+class TensorQuantPlan:
     name: str
     shape: tuple[int, ...]
     src_type: GGMLQuantizationType
@@ -55,7 +55,7 @@ class TensorPlan:
 @dataclass
 class Plan:
     file_type: FileType
-    tensors: list[TensorPlan]
+    tensors: list[TensorQuantPlan]
 
     @property
     def src_bytes(self) -> int:
@@ -227,7 +227,7 @@ def _call_quantize(src: Path, dst: Path, params: _Params, on_line: Callable[[str
 def plan_quantization(opts: QuantizeOptions, model: InputModel, imatrix: Imatrix | None = None) -> Plan:
     """llama.cpp's per-tensor types for ``opts`` (a dry run: reads no tensor data, writes nothing)."""
     by_name = {t.name: t for t in model.tensors}
-    rows: list[TensorPlan] = []
+    rows: list[TensorQuantPlan] = []
     pending: dict[str, Any] = {}
 
     def on_line(line: str) -> None:
@@ -241,7 +241,7 @@ def plan_quantization(opts: QuantizeOptions, model: InputModel, imatrix: Imatrix
             return
         src = by_name[name]
         dst = GGMLQuantizationType[tail.group(1).upper()] if tail.group(1) else src.type
-        rows.append(TensorPlan(name, src.shape, src.type, dst, src.nbytes,
+        rows.append(TensorQuantPlan(name, src.shape, src.type, dst, src.nbytes,
                                src.nbytes if dst == src.type else tensor_nbytes(dst, src.shape)))
 
     params = _Params(opts, imatrix, dry_run=True)

@@ -1,6 +1,6 @@
 """The decoders of spec section 4: ``ar``, LowConfidence block ``diffusion`` and self-speculative ``spec``.
 
-A ``Session`` keeps the committed history and the seed between turns, so a chat continues without a new
+A ``Session`` keeps the committed history and the pending token between turns, so a chat continues without a new
 prefill. ``generate`` is the one-shot form.
 """
 
@@ -80,38 +80,40 @@ class _Run:
 
 
 class Session:
-    """One sequence's committed history plus its seed token (the last known token, not yet committed)."""
+    """One sequence's committed history plus its pending token: the last known token, not yet committed (the
+    spec's "seed"; ``seed`` arguments are only the sampler's RNG seed)."""
 
     def __init__(self, model: CloverModel, n_ctx: int | None = None) -> None:
         self.model = model
         self.config = model.config
         self.n_ctx = n_ctx or self.config.max_position_embeddings
         self.history = model.new_history()
-        self.seed: int | None = None
+        self.pending: int | None = None
 
     @property
     def position(self) -> int:
-        """The seed's position."""
+        """The pending token's position."""
         return self.history.length
 
     def append_prompt(self, prompt_ids: list[int]) -> int:
-        """Prefill (or continue) with a prompt: causal pass over [old seed, prompt[:-1]]; returns passes run."""
+        """Prefill (or continue) with a prompt: causal pass over [old pending token, prompt[:-1]]; returns the
+        passes run."""
         if not prompt_ids:
-            raise BadInput("the prompt is empty; at least one token is needed as the seed")
-        pending = ([] if self.seed is None else [self.seed]) + list(prompt_ids[:-1])
-        if self.history.length + len(pending) + 1 > self.n_ctx:
-            raise BadInput(f"the prompt needs {self.history.length + len(pending) + 1} positions, "
-                             f"more than the context size {self.n_ctx}")
-        if pending:
-            self.model.forward_causal(pending, self.history)
-        self.seed = prompt_ids[-1]
-        return 1 if pending else 0
+            raise BadInput("the prompt is empty; at least one token is needed (the last one is the pending token)")
+        inputs = ([] if self.pending is None else [self.pending]) + list(prompt_ids[:-1])
+        if self.history.length + len(inputs) + 1 > self.n_ctx:
+            raise BadInput(f"the prompt needs {self.history.length + len(inputs) + 1} positions, "
+                           f"more than the context size {self.n_ctx}")
+        if inputs:
+            self.model.forward_causal(inputs, self.history)
+        self.pending = prompt_ids[-1]
+        return 1 if inputs else 0
 
     def commit(self, tokens: list[int]) -> None:
-        """Causal pass over [seed, tokens[:-1]]; tokens[-1] becomes the seed."""
-        assert self.seed is not None and tokens
-        self.model.forward_causal([self.seed] + tokens[:-1], self.history)
-        self.seed = tokens[-1]
+        """Causal pass over [pending, tokens[:-1]]; tokens[-1] becomes the pending token."""
+        assert self.pending is not None and tokens
+        self.model.forward_causal([self.pending] + tokens[:-1], self.history)
+        self.pending = tokens[-1]
 
     def generate(
         self,
@@ -168,10 +170,10 @@ class Session:
             if self.position >= self.n_ctx:
                 run.stats.stop_reason = "context"
                 return
-            logits = self.model.forward_causal([self.seed], self.history)[0]
+            logits = self.model.forward_causal([self.pending], self.history)[0]
             run.stats.causal_passes += 1
             token, _ = run.sampler.choose(logits)
-            self.seed = token
+            self.pending = token
             if token in run.stops:
                 run.stats.stop_reason = "eos"
                 return
@@ -196,7 +198,7 @@ class Session:
 
     def _window(self, canvas: list[int | None]) -> list[int]:
         mask = self.config.mask_token_id
-        return [self.seed] + [mask if token is None else token for token in canvas[:-1]]
+        return [self.pending] + [mask if token is None else token for token in canvas[:-1]]
 
     def _block_width(self, run: _Run) -> int:
         """B, or what is left of the context (spec 4.1, context end); 0 ends generation."""
@@ -269,7 +271,7 @@ class Session:
         """
         sampler = run.sampler
         out: list[int] = []
-        inputs = [self.seed] + drafts[:-1]
+        inputs = [self.pending] + drafts[:-1]
         for j, (token_in, draft) in enumerate(zip(inputs, drafts), start=1):
             logits = self.model.forward_causal([token_in], self.history)[0]
             q = sampler.sampling_distribution(logits)
@@ -282,7 +284,7 @@ class Session:
                 residual = q.clone()
                 residual[draft] = 0.0
                 token = sampler.draw(residual / residual.sum())
-            self.seed = token
+            self.pending = token
             if token in run.stops:
                 return out, True
             out.append(token)

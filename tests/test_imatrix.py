@@ -263,7 +263,7 @@ def test_masked_window_plan() -> None:
     seen = set()
     for _ in range(400):
         window, rows = masked_window(seg, 7, rng)
-        assert window[0] == 100  # the seed is always known
+        assert window[0] == 100  # the pending token is always known
         assert rows == sorted(set(rows)) and 1 <= len(rows) <= 8 and all(0 <= r < 8 for r in rows)
         masked_inputs = [j for j in range(1, 8) if window[j] == 7]
         assert masked_inputs == [r + 1 for r in rows if r + 1 < 8]

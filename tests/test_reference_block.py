@@ -21,7 +21,7 @@ def random_window(model: CloverModel, width: int, seed: int, masked_fraction: fl
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 3000, (width,), generator=gen)
     masked = torch.rand(width, generator=gen) < masked_fraction
-    masked[0] = False  # the seed is always known
+    masked[0] = False  # the pending token is always known
     return torch.where(masked, torch.full_like(ids, model.config.mask_token_id), ids)
 
 

@@ -116,10 +116,10 @@ def test_eos_cuts_the_block_and_becomes_the_seed():
 
     session = Session(ScriptedModel(block))
     result = session.generate([1, 2, 3], block_size=8, threshold=0.5, max_new_tokens=64)
-    p = 2  # the seed's position
+    p = 2  # the pending token's position
     assert result.tokens == [7, 7]
     assert result.stats.stop_reason == "eos"
-    assert session.seed == EOS and session.history.length == p + 3  # committed through p+2
+    assert session.pending == EOS and session.history.length == p + 3  # committed through p+2
     assert result.stats.steps_per_block == [1]
 
 

@@ -8,7 +8,7 @@
 // costs more than the pass itself. So auto runs *chains* of same-width causal passes: width 1 is an ar step,
 // width w > 1 verifies w - 1 draft tokens and yields 1 to w tokens. The drafts come from the history: the tokens
 // that followed the latest earlier occurrence of the last n tokens (llama.cpp's common_ngram_simple_draft,
-// n = 3, 2, 1), extended by further lookups and padded with the seed, so no pass is spent on drafting. The width
+// n = 3, 2, 1), extended by further lookups and padded with the pending token, so no pass is spent on drafting. The width
 // is the one with the best expected tokens per ms in a steady chain,
 //     E(w) / cost(w),  E(w) = sum_{k<w} q(1) .. q(k),
 // with q(k) the running rate at which draft token k is accepted after k - 1 accepted ones, and cost from the
@@ -87,7 +87,7 @@ double clover_block_ms(const clover_pass_costs & c, int32_t w) {
     return c.block_fixed_ms + w * c.block_row_ms;
 }
 
-// drafts continuing history + seed: n-gram lookups (n = 3, 2, 1), repeated on the extended sequence
+// drafts continuing history + pending token: n-gram lookups (n = 3, 2, 1), repeated on the extended sequence
 std::vector<llama_token> clover_ngram_draft(const clover_engine * eng, int32_t max_len) {
     auto lookup = [](const std::vector<llama_token> & seq, llama_token last, int32_t len) {
         llama_tokens more;
@@ -96,12 +96,12 @@ std::vector<llama_token> clover_ngram_draft(const clover_engine * eng, int32_t m
         }
         return more;
     };
-    std::vector<llama_token> draft = lookup(eng->history, eng->seed, max_len);
+    std::vector<llama_token> draft = lookup(eng->history, eng->pending, max_len);
     if (draft.empty() || (int32_t) draft.size() >= max_len) {
         return draft;
     }
     std::vector<llama_token> seq = eng->history;  // extend: look up again after the drafted tokens
-    seq.push_back(eng->seed);
+    seq.push_back(eng->pending);
     seq.insert(seq.end(), draft.begin(), draft.end() - 1);
     while ((int32_t) draft.size() < max_len) {
         const llama_tokens more = lookup(seq, draft.back(), max_len - (int32_t) draft.size());
@@ -135,7 +135,7 @@ struct clover_shadow_draft {
     }
 };
 
-// argmax drafts and their confidences from one block pass over [seed, MASK ..] of the given width
+// argmax drafts and their confidences from one block pass over [pending, MASK ..] of the given width
 bool clover_block_draft(clover_run & run, int32_t width, std::vector<llama_token> & drafts, std::vector<double> & conf) {
     clover_engine * eng = run.eng;
     std::vector<llama_token> window;
@@ -247,7 +247,7 @@ bool clover_run_auto(clover_run & run) {
             kind  = CLOVER_DRAFT_BLOCK;
         } else if (width > 1) {
             drafts = clover_ngram_draft(eng, width - 1);
-            drafts.resize(width - 1, eng->seed);  // a short draft is padded: the chain keeps its shape
+            drafts.resize(width - 1, eng->pending);  // a short draft is padded: the chain keeps its shape
         } else if (st.shadow.draft.empty() && w_max > 1) {
             st.shadow.draft = clover_ngram_draft(eng, std::min(w_max - 1, CLOVER_SHADOW_LEN));
         }
@@ -268,7 +268,7 @@ bool clover_run_auto(clover_run & run) {
             st.shadow = {};
             st.width  = width;
         } else {
-            st.shadow.observe(eng->seed, st.chain_rate);  // the ar step's token is the new seed
+            st.shadow.observe(eng->pending, st.chain_rate);  // the ar step's token is the new pending token
             st.width = 1;
         }
         if (round.hit_eog) {
@@ -383,7 +383,7 @@ bool clover_measure_costs(clover_engine * eng, clover_pass_costs & out) {
                                         "(free %d, max_block_size %d)", room, eng->max_block_size);
         return false;
     }
-    const llama_token tok = eng->has_seed ? eng->seed : 0;
+    const llama_token tok = eng->has_pending ? eng->pending : 0;
     double ar = 1e30, c2 = 1e30, cw = 1e30, rebuild = 1e30, b2 = 1e30, bw = 1e30;
     const double t_start = clover_now_ms();
     for (int rep = 0; rep < 4 && (rep < 1 || clover_now_ms() - t_start < 200.0); ++rep) {

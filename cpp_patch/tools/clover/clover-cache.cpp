@@ -106,7 +106,7 @@ static bool clover_cache_restore(clover_engine * eng, clover_checkpoint & cp) {
     }
     cp.last_use   = ++eng->cache_clock;
     eng->n_past   = cp.n_past;
-    eng->has_seed = false;
+    eng->has_pending = false;
     eng->history.resize(cp.n_past);
     clover_cache_forget_after(eng, cp.n_past);
     return true;
@@ -150,8 +150,8 @@ int32_t clover_engine_reuse_prefix(struct clover_engine * engine, const llama_to
     }
     eng->checkpoint_at = common;
     if (common == eng->n_past) {
-        // the prompt extends the committed history; the uncommitted seed is passed again with the prompt
-        eng->has_seed = false;
+        // the prompt extends the committed history; the pending token is passed again with the prompt
+        eng->has_pending = false;
         eng->cache_stats.n_reused_tokens += common;
         return common;
     }
@@ -211,8 +211,8 @@ int32_t clover_engine_set_history(struct clover_engine * engine, const llama_tok
     }
     llama_set_causal_attn(eng->ctx, true);
     eng->n_past   = n_tokens;
-    eng->has_seed = false;
-    eng->seed     = 0;
+    eng->has_pending = false;
+    eng->pending     = 0;
     eng->history.assign(tokens, tokens + n_tokens);
     clover_cache_forget_all(eng);  // the checkpoints described the previous history
     return 0;

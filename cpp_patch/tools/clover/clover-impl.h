@@ -82,11 +82,13 @@ struct clover_engine {
 
     std::vector<llama_token> eog_ids;  // the vocab's end-of-generation set
 
-    // committed history: positions [0, n_past) on seq 0, whose tokens are history; the seed sits at n_past
-    int32_t                  n_past   = 0;
+    // committed history: positions [0, n_past) on seq 0, whose tokens are history; the pending token (the last
+    // known token, not yet committed: the spec's "seed"; `seed` in this code is only the sampler's RNG seed)
+    // sits at n_past
+    int32_t                  n_past      = 0;
     std::vector<llama_token> history;
-    bool                     has_seed = false;
-    llama_token              seed     = 0;
+    bool                     has_pending = false;
+    llama_token              pending     = 0;
 
     llama_batch batch = {};
     int32_t     batch_cap = 0;

@@ -588,7 +588,7 @@ static bool clover_timed_causal(clover_run & run, const llama_token * tokens, in
 void clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window) {
     const int32_t w = (int32_t) canvas.size();
     window.resize(w);
-    window[0] = run.eng->seed;
+    window[0] = run.eng->pending;
     for (int32_t j = 0; j + 1 < w; ++j) {
         window[j + 1] = canvas[j] == CLOVER_EMPTY ? run.eng->info.mask_token_id : canvas[j];
     }
@@ -716,16 +716,16 @@ static bool clover_run_diffusion(clover_run & run) {
         }
         clover_histogram_add(run.stats->steps_per_block, steps);
 
-        // commit: causal pass over [seed, produced[:-1]]; the last produced token becomes the seed
+        // commit: causal pass over [pending, produced[:-1]]; the last produced token becomes the pending token
         std::vector<llama_token> commit(limit);
-        commit[0] = eng->seed;
+        commit[0] = eng->pending;
         for (int32_t j = 0; j + 1 < limit; ++j) {
             commit[j + 1] = canvas[j];
         }
         if (!clover_timed_causal(run, commit.data(), limit, {}, "commit pass")) {
             return false;
         }
-        eng->seed = canvas[limit - 1];
+        eng->pending = canvas[limit - 1];
         if (eog_at == limit) {
             if (!clover_emit(run, canvas.data(), limit - 1)) {
                 return false;
@@ -797,17 +797,17 @@ static llama_token clover_accept(clover_run & run, const float * logits, llama_t
     return clover_draw(run.smp, run.smp.probs);
 }
 
-// Verification and acceptance (spec 4.2, steps 2-4): one causal pass over [seed, drafts[0 .. width-2]] with all
+// Verification and acceptance (spec 4.2, steps 2-4): one causal pass over [pending, drafts[0 .. width-2]] with all
 // width rows; output a_j is compared with draft d_j (j <= n_drafts; a missing draft is never accepted, so all
 // drafts accepted gives a_{n_drafts+1} as a free token). m = min(c+1, width, R, first end-of-generation); emits
-// a_1 .. a_m but an end-of-generation token, keeps history through p+m-1, and a_m becomes the seed. With
+// a_1 .. a_m but an end-of-generation token, keeps history through p+m-1, and a_m becomes the pending token. With
 // width 1 and no draft this is exactly an ar step.
 bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round) {
     clover_engine * eng = run.eng;
     const int32_t p = eng->n_past;
     std::vector<llama_token> inputs(width);
     std::vector<int32_t>     rows(width);
-    inputs[0] = eng->seed;
+    inputs[0] = eng->pending;
     for (int32_t j = 0; j < width; ++j) {
         rows[j] = j;
         if (j + 1 < width) {
@@ -819,7 +819,7 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
     }
     round = {};
     std::vector<llama_token> out;
-    llama_token next_seed = eng->seed;
+    llama_token next_pending = eng->pending;
     for (int32_t j = 1; j <= width; ++j) {
         const float * logits = clover_get_row(eng, j - 1);
         if (!logits) {
@@ -829,7 +829,7 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
         const llama_token token = clover_accept(run, logits, j <= n_drafts ? drafts[j - 1] : -1, accepted);
         round.m           = j;
         round.n_accepted += accepted ? 1 : 0;
-        next_seed         = token;
+        next_pending         = token;
         if (run.is_stop(token)) {
             round.hit_eog = true;
             break;
@@ -841,11 +841,11 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
     }
     round.n_compared = std::min(round.m, n_drafts);
 
-    // keep history through p+m-1, roll back p+m .. p+width-1; a_{p+m} is the next seed
+    // keep history through p+m-1, roll back p+m .. p+width-1; a_{p+m} is the next pending token
     if (!clover_rollback(eng, p + round.m)) {
         return false;
     }
-    eng->seed = next_seed;
+    eng->pending = next_pending;
     return clover_emit(run, out.data(), (int32_t) out.size());
 }
 
@@ -915,7 +915,7 @@ static bool clover_resolve_params(const clover_engine * eng, const clover_gen_pa
 static bool clover_check_params(const clover_engine * eng, const clover_gen_params * params, const llama_token * prompt,
                                 int32_t n_prompt, std::string & err) {
     if (!prompt || n_prompt <= 0) {
-        err = "the prompt is empty; at least one token is needed as the seed";
+        err = "the prompt is empty; at least one token is needed (the last one is the pending token)";
         return false;
     }
     for (int32_t i = 0; i < n_prompt; ++i) {
@@ -982,12 +982,12 @@ static bool clover_init_sampler(const clover_engine * eng, const clover_gen_para
     return true;
 }
 
-// causal pass over [old seed, prompt[0 .. n-2]] in n_batch chunks; prompt[n-1] becomes the seed
+// causal pass over [old pending token, prompt[0 .. n-2]] in n_batch chunks; prompt[n-1] becomes the pending token
 static bool clover_prefill(clover_engine * eng, const llama_token * prompt, int32_t n_prompt, clover_stats * stats) {
     std::vector<llama_token> pending;
     pending.reserve(n_prompt);
-    if (eng->has_seed) {
-        pending.push_back(eng->seed);
+    if (eng->has_pending) {
+        pending.push_back(eng->pending);
     }
     pending.insert(pending.end(), prompt, prompt + n_prompt - 1);
     if ((int64_t) eng->n_past + (int64_t) pending.size() + 1 > eng->n_ctx) {
@@ -1015,8 +1015,8 @@ static bool clover_prefill(clover_engine * eng, const llama_token * prompt, int3
     }
     clover_cache_save(eng);  // where the answer starts
     stats->t_prefill_ms = clover_now_ms() - t0;
-    eng->seed     = prompt[n_prompt - 1];
-    eng->has_seed = true;
+    eng->pending     = prompt[n_prompt - 1];
+    eng->has_pending = true;
     return true;
 }
 
@@ -1436,8 +1436,8 @@ void clover_engine_reset(struct clover_engine * engine) {
         llama_memory_clear(engine->mem, true);
     }
     engine->n_past   = 0;
-    engine->has_seed = false;
-    engine->seed     = 0;
+    engine->has_pending = false;
+    engine->pending     = 0;
     engine->history.clear();
     clover_cache_forget_all(engine);  // the checkpoints describe positions that are gone
 }

@@ -203,7 +203,7 @@ struct llama_context * clover_engine_context(struct clover_engine * engine);
 
 // Forget the history: the next generate starts with a fresh prefill.
 void clover_engine_reset(struct clover_engine * engine);
-// Positions committed to the history so far (the seed's position), or 0 after a reset.
+// Positions committed to the history so far (the pending token's position), or 0 after a reset.
 int32_t clover_engine_n_past(const struct clover_engine * engine);
 // The engine's context size: the positions a history may use (params.n_ctx resolved; llama.cpp's own context may
 // be larger, as it is made at least n_batch).
