@@ -322,6 +322,7 @@ class Generation:
         self.cancelled = False
         self._rc = 0
         self._finished = False
+        self._blocks: Iterator[list[int]] | None = None  # __next__'s view of events()
         call.user_on_tokens = self._push
         if steps:
             user_on_step = call.user_on_step
@@ -372,7 +373,12 @@ class Generation:
             yield kind, payload
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (payload for kind, payload in self.events() if kind == "block")
+        return self
+
+    def __next__(self) -> list[int]:
+        if self._blocks is None:
+            self._blocks = (payload for kind, payload in self.events() if kind == "block")
+        return next(self._blocks)
 
     def _finish(self) -> None:
         self._thread.join()
