@@ -489,9 +489,9 @@ def cancel_on_sigint(run: Generation) -> Iterator[None]:
 def run_chat(args: argparse.Namespace) -> int:
     from .cli import model_kwargs
 
-    model = Model(args.model, **model_kwargs(args))
+    model = Model(args.model, **model_kwargs(args), cache_ram_mib=args.cache_ram,  # prefix reuse (docs/serve.md)
+                  checkpoint_every=args.checkpoint_every)
     try:
-        model.set_cache(args.cache_ram, args.checkpoint_every)  # prefix reuse (docs/serve.md)
         template = load_template(model.llama_model, args.model, args.chat_template)
         if template is None:
             raise BadInput(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")

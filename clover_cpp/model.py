@@ -442,8 +442,8 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
         params.max_block_size = int(max_block_size)
     if n_threads:
         params.n_threads = int(n_threads)
-    elif native.env_int("CLOVER_THREADS", 0):
-        params.n_threads = native.env_int("CLOVER_THREADS", 0)
+    else:
+        params.n_threads = native.env_int("CLOVER_THREADS", params.n_threads)
     if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.native.LlamaModel
         n_gpu_layers = native.env_int("CLOVER_N_GPU_LAYERS", 0)
     params.n_gpu_layers = int(n_gpu_layers)

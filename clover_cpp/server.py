@@ -623,10 +623,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from .cli import model_kwargs
 
-    model = Model(args.model, **model_kwargs(args), n_parallel=args.parallel)
+    # prefix reuse (docs/serve.md): Model shares the --cache-ram budget among the slots
+    model = Model(args.model, **model_kwargs(args), n_parallel=args.parallel, cache_ram_mib=args.cache_ram,
+                  checkpoint_every=args.checkpoint_every)
     try:
-        for i in range(model.n_parallel):  # prefix reuse (docs/serve.md): the budget is shared among the slots
-            model.slot(i).set_cache(args.cache_ram / model.n_parallel, args.checkpoint_every)
         template = load_template(model.llama_model, args.model, args.chat_template)
         max_block = model.max_block_size  # the engine's resolution of --max-block-size
         if args.block_size is not None and args.block_size > max_block:
