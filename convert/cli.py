@@ -28,7 +28,7 @@ from clover_ref.errors import BadInput
 
 from clover_quantize.file_types import FILE_TYPES
 
-from .converter import ConvertOptions, ConvertResult, convert, quantization_type
+from .converter import UNQUANTIZED_FILE_TYPES, ConvertOptions, ConvertResult, convert, quantization_type
 from .tensor_plan import OutType
 
 PROG = "clover-convert"
@@ -50,7 +50,7 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
-QUANT_TYPES = [t.name for t in FILE_TYPES if t.name not in ("F32", "F16", "BF16")]
+QUANT_TYPES = [t.name for t in FILE_TYPES if t.name not in UNQUANTIZED_FILE_TYPES]
 
 
 def out_type(text: str) -> str:

@@ -59,6 +59,10 @@ class ConvertResult:
     quantized: OnePassResult | None = None  # a quantization type: llama.cpp's plan and the time split
 
 
+# clover-quantize types that are conversions, not quantizations
+UNQUANTIZED_FILE_TYPES = ("F32", "F16", "BF16")
+
+
 def quantization_type(label: str) -> FileType | None:
     """The clover-quantize type an ``--outtype`` names (case-insensitive), or None for a conversion type.
     ``q8_0`` in lower case stays the converter's own Q8_0 (as convert_hf_to_gguf writes it); ``Q8_0`` is
@@ -69,16 +73,19 @@ def quantization_type(label: str) -> FileType | None:
         ft = file_type(label)
     except UnknownTypeError:
         return None
-    return None if ft.name in ("F32", "F16", "BF16") else ft
+    return None if ft.name in UNQUANTIZED_FILE_TYPES else ft
+
+
+def _first_matrix_dtype(index: CheckpointIndex) -> str | None:
+    """The safetensors dtype of the checkpoint's first matrix (what ``auto`` and the one-pass route go by)."""
+    return next((source.dtype for source in index.tensors.values() if len(source.shape) >= 2), None)
 
 
 def source_out_type(index: CheckpointIndex) -> OutType:
     """The precision of the checkpoint's matrices (the first one's dtype): what the two-step route converts
     to before quantizing, so that nothing is rounded twice."""
-    for source in index.tensors.values():
-        if len(source.shape) >= 2:
-            return {"BF16": OutType.BF16, "F16": OutType.F16, "F32": OutType.F32}[source.dtype]
-    return OutType.BF16
+    dtype = _first_matrix_dtype(index)
+    return {"BF16": OutType.BF16, "F16": OutType.F16, "F32": OutType.F32}[dtype] if dtype else OutType.BF16
 
 
 def resolve_out_type(label: str, index: CheckpointIndex | None, raw_config: dict[str, Any]) -> OutType:
@@ -86,10 +93,8 @@ def resolve_out_type(label: str, index: CheckpointIndex | None, raw_config: dict
     config-only checkpoint uses config.json's ``torch_dtype``/``dtype`` and otherwise bf16."""
     if label != "auto":
         return OutType.from_label(label)
-    if index is not None:
-        for source in index.tensors.values():
-            if len(source.shape) >= 2:
-                return _AUTO_TYPES[source.dtype]
+    if index is not None and (dtype := _first_matrix_dtype(index)) is not None:
+        return _AUTO_TYPES[dtype]
     declared = raw_config.get("torch_dtype") or raw_config.get("dtype")
     return {"float16": OutType.F16, "float32": OutType.F16}.get(str(declared), OutType.BF16)
 

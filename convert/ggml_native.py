@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from clover_cpp import native
+from clover_quantize.file_types import tensor_nbytes
 from clover_ref.errors import CloverError
 
 
@@ -73,11 +74,6 @@ def requires_imatrix(qtype: GGMLQuantizationType) -> bool:
     return bool(_bind().ggml_quantize_requires_imatrix(int(qtype)))
 
 
-def row_bytes(qtype: GGMLQuantizationType, n_per_row: int) -> int:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return n_per_row // block * size
-
-
 def quantize_rows(qtype: GGMLQuantizationType, values: np.ndarray, out: np.ndarray,
                   imatrix: np.ndarray | None) -> None:
     """Quantize the float32 rows ``values`` [nrows, n_per_row] into ``out`` (uint8, exactly their size) with
@@ -85,7 +81,7 @@ def quantize_rows(qtype: GGMLQuantizationType, values: np.ndarray, out: np.ndarr
     lib = _bind()
     nrows, n_per_row = values.shape
     assert values.dtype == np.float32 and values.flags.c_contiguous
-    assert out.dtype == np.uint8 and out.flags.c_contiguous and out.size == nrows * row_bytes(qtype, n_per_row)
+    assert out.dtype == np.uint8 and out.flags.c_contiguous and out.size == tensor_nbytes(qtype, (n_per_row, nrows))
     im = None
     if imatrix is not None:
         assert imatrix.dtype == np.float32 and imatrix.size == n_per_row

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from clover_quantize.importance import Imatrix, ImatrixError
 from clover_quantize.gguf_input import read_input
 from clover_quantize.run import Plan, QuantizeOptions, output_keys, plan_quantization
-from clover_quantize.file_types import FileType
+from clover_quantize.file_types import FileType, tensor_nbytes
 
 from . import ggml_native
 from .encoding import encode_chunk
@@ -277,7 +277,7 @@ class _TensorWriter:
     def _quantize(self, tensor: TensorPlan, dst: GGMLQuantizationType, data: np.ndarray, rows: int,
                   first_row: int) -> np.ndarray:
         n_per_row = tensor.row_length
-        row_bytes = ggml_native.row_bytes(dst, n_per_row)
+        row_bytes = tensor_nbytes(dst, (n_per_row,))
         out = np.empty(rows * row_bytes, dtype=np.uint8)
         rows_per_expert = tensor.shape[-2] if len(tensor.shape) >= 2 else 1
         importance = self._imatrix.entries.get(tensor.name) if self._imatrix is not None else None

@@ -37,10 +37,6 @@ def load_special_vocab(model_dir: Path) -> SpecialVocab:
     return vocab
 
 
-def _read_json(path: Path) -> Any:
-    return read_json(path)
-
-
 def _set_special_token(vocab: SpecialVocab, typ: str, token_id: Any) -> None:
     if not isinstance(token_id, int) or isinstance(token_id, bool):
         return
@@ -63,13 +59,13 @@ def _merges(raw: Any, path: Path) -> list[str]:
 
 def _load_from_tokenizer_json(vocab: SpecialVocab, model_dir: Path) -> None:
     tokenizer_file = model_dir / "tokenizer.json"
-    tokenizer = _read_json(tokenizer_file) if tokenizer_file.is_file() else None
+    tokenizer = read_json(tokenizer_file) if tokenizer_file.is_file() else None
     added_tokens: list[dict[str, Any]] = []
     if tokenizer:
         vocab.merges = _merges(tokenizer.get("model", {}).get("merges"), tokenizer_file)
         added_tokens = tokenizer.get("added_tokens", [])
     config_file = model_dir / "tokenizer_config.json"
-    tokenizer_config = _read_json(config_file) if config_file.is_file() else None
+    tokenizer_config = read_json(config_file) if config_file.is_file() else None
     if tokenizer:
         _apply_post_processor(vocab, tokenizer, tokenizer_config)
     if not tokenizer_config:
@@ -102,7 +98,7 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | l
             alternative = [{"name": "default", "template": alternative}]
             alternative += [{"name": p.stem, "template": p.read_text(encoding="utf-8")} for p in extra]
     elif (model_dir / "chat_template.json").is_file():
-        alternative = _read_json(model_dir / "chat_template.json").get("chat_template")
+        alternative = read_json(model_dir / "chat_template.json").get("chat_template")
     template = tokenizer_config.get("chat_template", alternative)
     if template is None or isinstance(template, (str, list)):
         return template
@@ -195,7 +191,7 @@ def _load_from_config_json(vocab: SpecialVocab, model_dir: Path) -> None:
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         return
-    config = _read_json(config_file)
+    config = read_json(config_file)
     for typ in vocab.special_token_types:
         token_id = config.get(f"{typ}_token_id")
         if token_id is None and isinstance(config.get("text_config"), dict):

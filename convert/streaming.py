@@ -167,9 +167,6 @@ class ChunkPipeline:
         self._refill()
         return chunk, data
 
-    def _check_finite(self, tensor: TensorPlan, nonfinite: int) -> None:
-        check_finite(self._plan, tensor, nonfinite, self._allow_nonfinite)
-
     def write_tensor(self, tensor: TensorPlan, fp: IO[bytes]) -> None:
         """Write every chunk of ``tensor`` (the next tensor in file order) and check the byte count."""
         written = 0
@@ -182,7 +179,7 @@ class ChunkPipeline:
             written += data.nbytes
             nonfinite += bad
             self.on_bytes(data.nbytes)
-        self._check_finite(tensor, nonfinite)
+        check_finite(self._plan, tensor, nonfinite, self._allow_nonfinite)
         if written != tensor.nbytes:
             raise RuntimeError(f"tensor {tensor.name} produced {written} bytes, expected {tensor.nbytes}")
 
