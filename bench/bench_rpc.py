@@ -29,6 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+from native_support import free_port  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 PROMPT = "import os\nimport sys\n\n\ndef walk(root):\n    \"\"\"Yield every file below root.\"\"\"\n"
 TOKENS = 64
@@ -58,12 +60,6 @@ def worker(gguf: str, rpc: str | None) -> dict:
                          "ms_per_block_pass": s.ms_per_block_pass, "ms_per_token": (s.block_ms + s.causal_ms)
                          / max(1, s.generated_tokens), "passes": s.block_passes + s.causal_passes}
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_servers(exe: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], str]:

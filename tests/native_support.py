@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -48,6 +49,23 @@ def skip_or_fail(reason: str) -> None:
     if os.environ.get("CLOVER_REQUIRE_NATIVE") == "1":
         pytest.fail(f"CLOVER_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
     pytest.skip(f"{reason} (set CLOVER_REQUIRE_NATIVE=1 to make this a failure)")
+
+
+def native_tool(name: str) -> Path:
+    """A tool of the native build (build/native/bin: llama-server, rpc-server, ...); skip_or_fail when missing."""
+    from clover_cpp import native
+
+    path = native.lib_dir().parent / "bin" / name
+    if not path.exists():
+        skip_or_fail(f"{path} is missing (scripts/build_native.sh builds it)")
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:

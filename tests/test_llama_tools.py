@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 import subprocess
 import time
 import urllib.request
@@ -24,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from native_support import REPO_ROOT, clover_convert, record, require_engine, skip_or_fail, stop_process
+from native_support import (REPO_ROOT, clover_convert, free_port, native_tool, record, require_engine,
+                            stop_process)
 
 DEMO = REPO_ROOT / "models" / "clover-demo"
 PPL_CTX = 256
@@ -34,31 +34,16 @@ CHAT_TOKENS = 32
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
 
 
-def tool(name: str) -> Path:
-    from clover_cpp import native
-
-    path = native.lib_dir().parent / "bin" / name
-    if not path.exists():
-        skip_or_fail(f"{path} is missing (scripts/build_native.sh builds it)")
-    return path
-
-
 @pytest.fixture(scope="module")
 def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     require_engine()
     return clover_convert(DEMO, tmp_path_factory.mktemp("llama-tools") / "clover-demo-f32.gguf", "f32")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def llama_server(demo_gguf: Path) -> Iterator[str]:
     """llama-server on the demo GGUF, bound to localhost, one slot; its base URL."""
-    exe = tool("llama-server")
+    exe = native_tool("llama-server")
     port = free_port()
     log_path = demo_gguf.parent / "llama-server.log"
     with open(log_path, "w") as log:
@@ -152,7 +137,7 @@ def test_llama_perplexity_matches_reference(demo_gguf: Path, tmp_path: Path) -> 
 
     text_file = tmp_path / "held-out.py"
     text_file.write_text(held_out_text(PPL_CHUNKS * PPL_CTX * 6), encoding="utf-8")
-    done = subprocess.run([str(tool("llama-perplexity")), "-m", str(demo_gguf), "-f", str(text_file),
+    done = subprocess.run([str(native_tool("llama-perplexity")), "-m", str(demo_gguf), "-f", str(text_file),
                            "-c", str(PPL_CTX), "-b", str(PPL_CTX), "--chunks", str(PPL_CHUNKS), "-t", "2"],
                           capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from native_support import REPO_ROOT, clover_convert, require_engine, skip_or_fail, stop_process
+from native_support import REPO_ROOT, clover_convert, free_port, native_tool, require_engine, stop_process
 
 DEMO = REPO_ROOT / "models" / "clover-demo"
 PROMPT = "def binary_search(items, target):\n"
@@ -48,21 +48,6 @@ print(json.dumps(out))
 """
 
 
-def tool(name: str) -> Path:
-    from clover_cpp import native
-
-    path = native.lib_dir().parent / "bin" / name
-    if not path.exists():
-        skip_or_fail(f"{path} is missing (scripts/build_native.sh builds it)")
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 60
     while True:
@@ -85,7 +70,7 @@ def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def rpc_servers(demo_gguf: Path) -> Iterator[str]:
     """Two rpc-servers bound to 127.0.0.1 (rpc-server has no authentication); "host:port,host:port"."""
-    exe = tool("rpc-server")
+    exe = native_tool("rpc-server")
     procs, endpoints = [], []
     try:
         for i in range(2):
