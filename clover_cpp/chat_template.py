@@ -1,8 +1,8 @@
 """The model's chat template (``tokenizer.chat_template`` in the GGUF), rendered for chat and serve.
 
-Rendering is ``chat_render.render_chat`` (Jinja configured like transformers' ``apply_chat_template``) with the
-template text read from the GGUF; the reference renders with the same function, so both build the same prompt
-text.
+Rendering is ``clover_ref.chat_render.render_chat`` (Jinja configured like transformers'
+``apply_chat_template``) with the template text read from the GGUF; the reference renders with the same function,
+so both build the same prompt text.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import jinja2
 
+from clover_ref.chat_render import render_chat
 from clover_ref.errors import BadInput
 
 from . import native
-from .chat_render import render_chat
 
 
 class TemplateError(BadInput):

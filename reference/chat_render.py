@@ -1,6 +1,7 @@
 """Chat-template rendering as transformers' ``apply_chat_template`` does it, without transformers: a sandboxed
-Jinja environment with its ``tojson`` filter and ``raise_exception`` global. Used by chat and serve
-(chat_template.py) and by the reference's tokenizer module; needs jinja2 only.
+Jinja environment with its ``tojson`` filter and ``raise_exception`` global. A small module both sides import:
+chat and serve (clover_cpp/chat_template.py) and the reference's tokenizer module. It needs jinja2 only (no
+torch, no tokenizers).
 """
 
 from __future__ import annotations

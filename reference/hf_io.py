@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from .config import CloverConfig
 from .errors import CloverInputError
 from .layout import canonical_name, tensor_shapes
-from .safetensors_header import INDEX_FILE, SINGLE_FILE, SourceTensor, read_safetensors_header, read_weight_map
+from .safetensors_header import INDEX_FILE, SINGLE_FILE, read_safetensors_header, read_weight_map
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,9 +32,8 @@ def shard_files(model_dir: Path) -> dict[str, Path]:
     return {name: single for name in read_header(single)}
 
 
-def read_header(path: Path) -> dict[str, SourceTensor]:
-    """The tensors of a safetensors header, validated against the file (the converter's reader)."""
-    return read_safetensors_header(path)
+# The tensors of a safetensors header, validated against the file (the converter's reader).
+read_header = read_safetensors_header
 
 
 def iter_tensors(model_dir: Path) -> Iterator[tuple[str, str, Path]]:

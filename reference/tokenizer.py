@@ -23,8 +23,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import processors, trainers
 
 try:
+    from . import chat_render
     from .errors import CloverInputError
 except ImportError:  # run as a plain script: python reference/tokenizer.py --retrain
+    import chat_render  # type: ignore[no-redef]
     from errors import CloverInputError  # type: ignore[no-redef]
 
 # transformers' Qwen3_5Tokenizer split regex, verbatim.
@@ -189,11 +191,9 @@ def render_chat(
     add_generation_prompt: bool = True,
     template: str | None = None,
 ) -> str:
-    """Render a conversation with the chat template (the shipped one unless ``template`` is given): the runtime's
-    renderer (clover_cpp.chat_render), the same text as transformers' ``apply_chat_template(..., tokenize=False)``."""
-    from clover_cpp.chat_render import render_chat as render  # noqa: PLC0415 - only the chat paths need jinja2
-
-    return render(messages, template if template is not None else chat_template(), tools=tools,
+    """Render a conversation with the chat template (the shipped one unless ``template`` is given): the renderer
+    chat and serve use (chat_render.py), the same text as transformers' ``apply_chat_template(..., tokenize=False)``."""
+    return chat_render.render_chat(messages, template if template is not None else chat_template(), tools=tools,
                   enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt)
 
 
