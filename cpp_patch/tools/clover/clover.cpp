@@ -3,6 +3,7 @@
 // that the PyTorch reference (reference/decode.py) implements; in greedy mode this engine is token-identical to it.
 
 #include "clover.h"
+#include "clover-cpp.h"
 #include "clover-impl.h"
 #include "clover-log.h"
 
@@ -1075,7 +1076,6 @@ struct clover_load_plan {
     int32_t              max_block = 0;
     int32_t              n_ctx     = 0;
     int32_t              n_batch   = 0;
-    int32_t              n_ubatch  = 0;
     int32_t              n_parallel = 1;
     clover_offload       offload;
     llama_model_params   mparams = {};
@@ -1152,7 +1152,6 @@ static bool clover_make_load_plan(const char * path, const clover_engine_params 
     }
     plan.max_block  = max_block;
     plan.n_ctx      = n_ctx / n_parallel;  // per slot, as llama-server divides -c among its -np slots
-    plan.n_ubatch   = n_ubatch;
     plan.n_parallel = n_parallel;
     plan.n_batch   = n_batch;
     return true;
@@ -1243,11 +1242,6 @@ static bool clover_check_plan_fits(const char * path, const clover_engine_params
     return !check_host || clover_check_host_fit(devs, params.fit_margin_mib, plan.n_parallel, msg);
 }
 
-struct clover_engine_deleter {
-    void operator()(clover_engine * eng) const { clover_engine_free(eng); }
-};
-typedef std::unique_ptr<clover_engine, clover_engine_deleter> clover_engine_ptr;
-
 // the model and context of a plan; each failure says why in msg, and what was made so far is freed
 static clover_engine_ptr clover_engine_make(const char * path, clover_load_plan & plan, std::string & msg) {
     llama_model_ptr model(llama_model_load_from_file(path, plan.mparams));
@@ -1318,7 +1312,7 @@ struct clover_engine * clover_engine_load(const char * path, struct clover_engin
             eng->eog_ids.push_back(t);
         }
     }
-    if (!clover_make_slots(eng.get(), plan.n_parallel, plan.n_ubatch, msg)) {
+    if (!clover_make_slots(eng.get(), plan.n_parallel, (int32_t) plan.cparams.n_ubatch, msg)) {
         clover_set_err(err, err_size, msg);
         return nullptr;
     }

@@ -10,6 +10,7 @@
 // output schema shared with clover-cpp and clover-ref (docs/generate-output.schema.json).
 
 #include "clover.h"
+#include "clover-cpp.h"
 #include "llama.h"
 
 #include <algorithm>
@@ -19,7 +20,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -396,10 +396,6 @@ static void clover_cli_print_json(const llama_vocab * vocab, const clover_model_
            clover_cli_stop_name(stats.stop_reason), n_threads, stats.t_block_ms, stats.t_causal_ms);
 }
 
-struct clover_cli_engine_deleter {
-    void operator()(clover_engine * eng) const { clover_engine_free(eng); }
-};
-
 int main(int argc, char ** argv) {
 #ifndef _WIN32
     // ggml's abort hook attaches gdb for a backtrace, which can hang for minutes under a supervisor; ggml reads this
@@ -427,8 +423,7 @@ int main(int argc, char ** argv) {
         }
         a.eparams.max_block_size = mb;
     }
-    std::unique_ptr<clover_engine, clover_cli_engine_deleter> eng(
-        clover_engine_load(a.model_path.c_str(), a.eparams, err, sizeof(err)));
+    clover_engine_ptr eng(clover_engine_load(a.model_path.c_str(), a.eparams, err, sizeof(err)));
     if (!eng) {
         fprintf(stderr, "error: %s\n", err);
         return 1;
