@@ -255,10 +255,17 @@ class SparseMoe(nn.Module):
         self.shared_expert.down_proj = Linear(c.shared_expert_intermediate_size, c.hidden_size, bias=False)
         self.shared_expert_gate = Linear(c.hidden_size, 1, bias=False)
 
+    def router_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's softmax over all experts."""
+        return self.gate(x).softmax(-1)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k experts and their weights, renormalised over the chosen ones."""
+        weights, experts = self.router_probs(x).topk(self.top_k, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = self.gate(x).softmax(-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights, experts = self.route(x)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)

@@ -6,7 +6,8 @@ crash is that test's failure with a message, not a dead test session.
 
 OUT_DIR/result.json: per setting, the weight buffer types llama.cpp allocated and the greedy tokens of ar,
 diffusion and spec; where the two settings' tokens differ, the plain model's decision margin at the first
-difference. OUT_DIR/logits.npz: causal and block logits per setting and of the f16 file.
+difference. OUT_DIR/logits.npz: causal and block logits per setting and of the f16 file, and the plain model's routing
+margin of each of those rows (plain_causal_margin, plain_block_margin).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native_support import REPO_ROOT, causal_and_block_logits  # noqa: E402
+from routing_support import NativeRouterMargins  # noqa: E402
 
 from clover_cpp import Model, native  # noqa: E402
 
@@ -134,6 +136,17 @@ def first_difference(prompt: list[int], extra: dict, plain: dict, mode: str, rep
     return {"at": f"token {i}", "margin": replay.causal_gap(prompt + b[:i])}
 
 
+def routing_margins(path: Path, docs: list) -> tuple[np.ndarray, np.ndarray]:
+    """The plain model's routing margin of each causal and block row (tests/routing_support.py), from a
+    run of its own: reading the router splits the graph."""
+    model = native.LlamaModel(path)
+    top_k = int(model.meta(f"{model.meta('general.architecture')}.expert_used_count"))
+    model.close()
+    router = NativeRouterMargins(top_k)
+    causal_and_block_logits(path, docs, WINDOW, use_extra_bufts=False, router=router)
+    return np.array(router.margins["causal"]), np.array(router.margins["block"])
+
+
 def main() -> int:
     path, f16, out_dir = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     docs = documents(path)
@@ -146,6 +159,7 @@ def main() -> int:
         arrays[f"{name}_causal"], arrays[f"{name}_block"] = causal_and_block_logits(path, docs, WINDOW, flag)
         result[name] = {"buffer_types": bufts, "modes": decode_modes(path, prompt, flag)}
         print(f"{name}: {bufts}", flush=True)
+    arrays["plain_causal_margin"], arrays["plain_block_margin"] = routing_margins(path, docs)
     replay = PlainReplay(path)
     try:
         result["differences"] = {mode: first_difference(prompt, result["extra"]["modes"][mode],

@@ -198,27 +198,37 @@ Windows = list[tuple[int, list[int]]]  # (segment boundary p, masked rows of the
 
 
 def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], window: int,
-                            use_extra_bufts: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                            use_extra_bufts: bool = True, router: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """For each (tokens, windows) document, on a fresh history: the causal logits of every position (the
     tokens appended segment by segment) and, at each boundary p, the block logits of the masked rows of
     the window tokens[p:p+window] over the history tokens[:p]. Rows of all documents, concatenated.
-    ``use_extra_bufts=False`` loads the weights without AMX or repacked layouts."""
+    ``use_extra_bufts=False`` loads the weights without AMX or repacked layouts. ``router``: a
+    routing_support.NativeRouterMargins that collects the native routing margins of the same rows."""
     from clover_cpp import native
 
     model = native.LlamaModel(path, use_extra_bufts=use_extra_bufts)
-    ctx = native.create_context(model, n_ctx=1024, n_ubatch=64, n_batch=512)
+    ctx = native.create_context(model, n_ctx=1024, n_ubatch=64, n_batch=512,
+                                eval_callback=router.eval_callback if router else None)
     mask = model.mask_token()
     causal, block = [], []
+
+    def run_causal(ids: list[int]) -> None:
+        causal.append(ctx.causal(ids))
+        if router:
+            router.end_pass("causal", len(ids))
+
     try:
         for tokens, windows in docs:
             ctx.clear()
             done = 0
             for p, masked in windows:
-                causal.append(ctx.causal(tokens[done:p]))
+                run_causal(tokens[done:p])
                 done = p
                 canvas = [mask if j in masked else t for j, t in enumerate(tokens[p:p + window])]
                 block.append(ctx.block(canvas, rows=masked))
-            causal.append(ctx.causal(tokens[done:]))
+                if router:
+                    router.end_pass("block", len(canvas), masked)
+            run_causal(tokens[done:])
         return np.concatenate(causal), np.concatenate(block)
     finally:
         ctx.close()
