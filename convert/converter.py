@@ -233,10 +233,9 @@ def _check_quantization_options(options: ConvertOptions, quant: FileType | None)
     if options.dry_run:
         raise OptionError(f"--dry-run plans a conversion, not --outtype {quant.name}: plan with "
                           "`clover-convert --dry-run --skeleton` and `clover-quantize SKELETON --dry-run TYPE`")
-    if quant.needs_imatrix and options.imatrix is None:
-        raise OptionError(f"--outtype {quant.name} needs an importance matrix: pass --imatrix FILE, "
-                          "or choose a K-quant such as Q4_K_M (docs/quantize.md: an imatrix without a "
-                          "full-precision GGUF)")
+    if quant.wants_imatrix and options.imatrix is None:
+        log.warning("--outtype %s without --imatrix is allowed, as in llama-quantize, but an importance matrix "
+                    "improves it most (docs/quantize.md: an imatrix without a full-precision GGUF)", quant.name)
 
 
 def _inputs(model_dir: Path, index: CheckpointIndex | None, metadata: Path | None) -> list[Path]:
