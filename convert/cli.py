@@ -2,7 +2,7 @@
 
     clover-convert MODEL_DIR [OUT.gguf | --outfile OUT.gguf] [--outtype f32|f16|bf16|q8_0|auto|TYPE]
         [--imatrix FILE] [--split-max-size N(K|M|G)] [--split-max-tensors N] [--dry-run] [--metadata FILE]
-        [--threads N]
+        [--threads N] [--mask-token ID|TEXT] [--block-size N] [--threshold X]
 
 TYPE is one of clover-quantize's types (Q4_K_M, Q8_0, IQ4_XS, ...): the checkpoint is converted and
 quantized in one pass (clover_convert.onepass), with the file clover-quantize would write.
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence, TextIO
 
 from clover_ref import cli_runner, safe_output
+from clover_ref.block_settings import Overrides
 from clover_ref.cli_runner import OneLineParser
 from clover_ref.errors import BadInput
 
@@ -48,6 +49,16 @@ def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
+
+
+def unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
 
 
 QUANT_TYPES = [t.name for t in FILE_TYPES if t.name not in UNQUANTIZED_FILE_TYPES]
@@ -90,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="threads that read and encode chunks ahead of the writer; each adds one chunk "
                              "(about 100 MiB) of memory (default: min(2, CPUs)); with a quantization type, the "
                              "threads that quantize each chunk's rows (default: all CPUs; memory does not grow)")
+    settings = parser.add_argument_group("block-diffusion settings (spec 2.2; override config.json and "
+                                         "generation_config.json)")
+    settings.add_argument("--mask-token", metavar="ID|TEXT",
+                          help="the mask token, by id or by its text (default: mask_token_id or mask_id, else the "
+                               "one added special token whose text contains 'mask')")
+    settings.add_argument("--block-size", type=positive_int, metavar="N",
+                          help="the block size (default: block_size, block_length or diffusion_block_size; 32)")
+    settings.add_argument("--threshold", type=unit_float, metavar="X",
+                          help="the LowConfidence threshold in [0, 1] (default: confidence_threshold, threshold "
+                               "or diffusion_threshold; 0.95)")
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="convert weights that hold NaN or inf (a warning names each tensor and the count); "
                              "without it they are an error")
@@ -124,6 +145,7 @@ def _run(args: argparse.Namespace) -> int:
         split_max_size=args.split_max_size, split_max_tensors=args.split_max_tensors, dry_run=args.dry_run,
         skeleton=args.skeleton,
         metadata=args.metadata, threads=threads, allow_nonfinite=args.allow_nonfinite, imatrix=args.imatrix,
+        block_settings=Overrides(args.mask_token, args.block_size, args.threshold),
     )
     with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary directory
         result = convert(options)
@@ -153,7 +175,7 @@ class _StderrHandler(logging.Handler):
 
 def _log_warnings_to_stderr() -> None:
     """Warnings of the converter and the gguf library as ``clover-convert: warning: ...`` lines."""
-    for name in ("clover_convert", "gguf"):
+    for name in ("clover_convert", "clover_ref.block_settings", "gguf"):
         logger = logging.getLogger(name)
         for handler in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
             logger.removeHandler(handler)

@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, Metadata, naming_convention, si
 from gguf.utility import model_weight_count_rounded_notation
 from tqdm import tqdm
 
+from clover_ref.block_settings import Overrides
 from clover_ref.config import CONFIG_FILE, CloverConfig
 from clover_ref.errors import BadInput, CloverInputError, missing_path_reason, read_json
 
@@ -47,6 +48,7 @@ class ConvertOptions:
     allow_nonfinite: bool = False  # NaN/inf weights: a warning per tensor instead of an error
     progress: bool | None = None  # None: a progress bar only when stderr is a terminal
     imatrix: Path | None = None  # with a quantization type (clover-quantize's --imatrix)
+    block_settings: Overrides = Overrides()  # --mask-token, --block-size, --threshold (spec 2.2)
 
 
 @dataclass
@@ -155,7 +157,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     if not model_dir.is_dir():
         raise CloverInputError(options.model_dir, missing_path_reason(options.model_dir)
                                or "is not a directory (expected a Hugging Face checkpoint)")
-    config = CloverConfig.load(model_dir)
+    config = CloverConfig.load(model_dir, options.block_settings)
     raw_config = read_json(model_dir / CONFIG_FILE)
     metadata_override = _load_metadata_override(options.metadata)
     quant = quantization_type(options.outtype)
@@ -233,10 +235,9 @@ def _check_quantization_options(options: ConvertOptions, quant: FileType | None)
     if options.dry_run:
         raise OptionError(f"--dry-run plans a conversion, not --outtype {quant.name}: plan with "
                           "`clover-convert --dry-run --skeleton` and `clover-quantize SKELETON --dry-run TYPE`")
-    if quant.needs_imatrix and options.imatrix is None:
-        raise OptionError(f"--outtype {quant.name} needs an importance matrix: pass --imatrix FILE, "
-                          "or choose a K-quant such as Q4_K_M (docs/quantize.md: an imatrix without a "
-                          "full-precision GGUF)")
+    if quant.wants_imatrix and options.imatrix is None:
+        log.warning("--outtype %s without --imatrix is allowed, as in llama-quantize, but an importance matrix "
+                    "improves it most (docs/quantize.md: an imatrix without a full-precision GGUF)", quant.name)
 
 
 def _inputs(model_dir: Path, index: CheckpointIndex | None, metadata: Path | None) -> list[Path]:

@@ -86,7 +86,7 @@ class OnePassResult:
 def check_imatrix(imatrix: Imatrix, plan: Plan, file_type: FileType) -> None:
     """Refuse, before any data is written, what llama_model_quantize would refuse midway (an importance vector
     whose size does not match its tensor) and what it would silently accept: an imatrix that names none of
-    the model's tensors, or one that lacks a tensor an IQ type needs."""
+    the model's tensors, or one that lacks a tensor that ggml cannot quantize without one."""
     quantized = [t for t in plan.tensors if t.dst_type != t.src_type]
     if not any(t.name in imatrix.entries for t in plan.tensors):
         first = next(iter(imatrix.entries))
@@ -99,9 +99,7 @@ def check_imatrix(imatrix: Imatrix, plan: Plan, file_type: FileType) -> None:
             what = f"{t.shape[0]} columns" + (f" x {n_expert} experts" if len(t.shape) > 2 else "")
             raise ImatrixError(f"{imatrix.path}: '{t.name}' holds {values.size} values, but the model's tensor "
                                f"needs {t.shape[0] * n_expert} ({what}): an imatrix of another model?")
-        needs = ((file_type.needs_imatrix and t.dst_type.name.startswith("IQ"))
-                 or ggml_native.requires_imatrix(t.dst_type))
-        if values is None and needs and t.name not in _NEVER_NEED_IMATRIX:
+        if values is None and ggml_native.requires_imatrix(t.dst_type) and t.name not in _NEVER_NEED_IMATRIX:
             raise ImatrixError(f"{imatrix.path}: has no entry for '{t.name}', which {file_type.name} quantizes "
                                f"to {t.dst_type.name} and needs one for (make the imatrix from this model)")
 

@@ -18,7 +18,7 @@ from clover_ref import cli_runner, safe_output
 from clover_ref.cli_runner import OneLineParser
 from clover_ref.errors import BadInput
 
-from .run import Plan, QuantizeOptions, native_call_running, quantize
+from .run import Plan, QuantizeOptions, imatrix_advice, native_call_running, quantize
 from .file_types import FILE_TYPES, UnknownTypeError, file_type, tensor_type
 
 PROG = "clover-quantize"
@@ -101,12 +101,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     opts = _options(args)
+    advice = imatrix_advice(opts.file_type, opts.input) if opts.imatrix is None else None
+    if advice:
+        print(f"{PROG}: note: {advice}", file=sys.stderr)
     with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary folder
         result = quantize(opts)
     if opts.dry_run:
         print_plan(result.plan, sys.stdout)
-        if opts.file_type.needs_imatrix and opts.imatrix is None:
-            print(f"note: writing {opts.file_type.name} needs --imatrix FILE", file=sys.stdout)
     else:
         for path in result.paths:
             print(path)

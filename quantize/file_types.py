@@ -20,11 +20,12 @@ class FileType:
     name: str
     ftype: int
     description: str
-    needs_imatrix: bool = False
+    wants_imatrix: bool = False
 
 
-# llama_ftype values from llama.h (LLAMA_FTYPE_MOSTLY_*). The IQ types are only offered with an importance
-# matrix: without one their quality falls well below the K-quant of the same size.
+# llama_ftype values from llama.h (LLAMA_FTYPE_MOSTLY_*). As in llama-quantize, IQ4_NL and IQ4_XS are allowed
+# without an importance matrix (ggml quantizes them without one; only IQ1/IQ2/IQ3_XXS cannot) and warn, since an
+# imatrix improves them most.
 FILE_TYPES: tuple[FileType, ...] = (
     FileType("F32", 0, "32-bit float, no quantization"),
     FileType("F16", 1, "16-bit float"),
@@ -38,8 +39,8 @@ FILE_TYPES: tuple[FileType, ...] = (
     FileType("Q4_K_S", 14, "4.5 bpw K-quant"),
     FileType("Q4_0", 2, "4.5 bpw legacy"),
     FileType("Q3_K_M", 12, "3.9 bpw K-quant mix"),
-    FileType("IQ4_NL", 25, "4.5 bpw non-linear, needs an importance matrix", needs_imatrix=True),
-    FileType("IQ4_XS", 30, "4.25 bpw non-linear, needs an importance matrix", needs_imatrix=True),
+    FileType("IQ4_NL", 25, "4.5 bpw non-linear, best with an importance matrix", wants_imatrix=True),
+    FileType("IQ4_XS", 30, "4.25 bpw non-linear, best with an importance matrix", wants_imatrix=True),
 )
 
 _BY_NAME = {t.name: t for t in FILE_TYPES}

@@ -118,12 +118,16 @@ def default_output(path: Path, ft: FileType) -> Path:
     return path.with_name(f"{stem}-{ft.name}.gguf")
 
 
+def imatrix_advice(ft: FileType, model: Path | str) -> str | None:
+    """The note for a type that is allowed without an importance matrix but much better with one."""
+    if not ft.wants_imatrix:
+        return None
+    return (f"{ft.name} without --imatrix is allowed, as in llama-quantize, but an importance matrix improves it "
+            f"most: `clover-cpp imatrix -m {model} -f calib.txt -o imatrix.gguf`, then --imatrix imatrix.gguf")
+
+
 def check_options(opts: QuantizeOptions, model: InputModel) -> None:
     """The checks llama.cpp would make late (or not at all), made before any work, with clear messages."""
-    if opts.file_type.needs_imatrix and opts.imatrix is None and not opts.dry_run:
-        raise InputError(f"{opts.file_type.name} needs an importance matrix: pass --imatrix FILE "
-                         f"(make one with `clover-cpp imatrix -m {opts.input} -f calib.txt -o imatrix.gguf`), "
-                         "or choose a K-quant such as Q4_K_M")
     if model.quantized and not opts.allow_requantize:
         t = model.quantized[0]
         raise InputError(f"{opts.input}: tensor {t.name} is already {t.type.name}: quantizing a quantized file "

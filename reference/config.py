@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import block_settings
 from .errors import CloverInputError, missing_path_reason, read_json
 
 # the largest block size a checkpoint may declare; the engine's GGUF loader refuses the same
@@ -278,6 +279,10 @@ class CloverConfig:
                 values["rope_parameters"] = rope
         if "mask_token_id" not in values:
             raise CloverInputError(path, "is required for a Clover checkpoint", field="mask_token_id")
+        shared = text.get("num_shared_experts", top.get("num_shared_experts", 1))
+        if shared != 1 or isinstance(shared, bool):
+            raise CloverInputError(path, f"is {shared!r}; only 1 shared expert is supported (spec 2.1: the layout "
+                                   "of more is not known)", field="num_shared_experts")
         for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
             if name not in values and name in top:
                 values[name] = top[name]
@@ -319,12 +324,18 @@ class CloverConfig:
         return out
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "CloverConfig":
+    def load(cls, model_dir: str | Path, overrides: block_settings.Overrides = block_settings.Overrides()
+             ) -> "CloverConfig":
+        """config.json of ``model_dir``, with the block-diffusion settings found as spec 2.2 says
+        (block_settings: other names, generation_config.json, the mask token by name) and ``overrides``."""
         path = Path(model_dir) / CONFIG_FILE
         if not path.is_file():
             raise CloverInputError(path,
                                    missing_path_reason(path) or "not found; a Clover checkpoint needs a config.json")
-        return cls.from_dict(read_json(path), path)
+        data = read_json(path)
+        if not isinstance(data, dict):
+            raise CloverInputError(path, "config must be a JSON object")
+        return cls.from_dict(block_settings.resolve(Path(model_dir), data, overrides), path)
 
     def save(self, model_dir: str | Path) -> Path:
         path = Path(model_dir) / CONFIG_FILE

@@ -111,6 +111,47 @@ def test_mask_token_id_outside_the_vocabulary(model: Path, out_dir: Path, capsys
     assert_fails(capsys, model, out_dir, "config.json", "field 'mask_token_id'", "3072")
 
 
+def test_two_shared_experts(model: Path, out_dir: Path, capsys) -> None:
+    edit_config(model, num_shared_experts=2)
+    assert_fails(capsys, model, out_dir, "config.json", "field 'num_shared_experts'", "only 1")
+
+
+def _drop_mask_id(model: Path) -> None:
+    data = json.loads((model / "config.json").read_text())
+    del data["mask_token_id"]
+    (model / "config.json").write_text(json.dumps(data))
+
+
+def test_no_mask_token_and_two_candidates(model: Path, out_dir: Path, capsys) -> None:
+    """spec 2.2: the mask token by name only when exactly one candidate exists; the message lists them."""
+    _drop_mask_id(model)
+    path = model / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["added_tokens"].append({"id": 3070, "content": "<|MASK_2|>", "special": True, "single_word": False,
+                                 "lstrip": False, "rstrip": False, "normalized": False})
+    path.write_text(json.dumps(data))
+    assert_fails(capsys, model, out_dir, "config.json", "field 'mask_token_id'", "3007 '<|mask|>'",
+                 "3070 '<|MASK_2|>'", "--mask-token")
+
+
+def test_no_mask_token_and_no_candidate(model: Path, out_dir: Path, capsys) -> None:
+    _drop_mask_id(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = model / name
+        path.write_text(path.read_text().replace("<|mask|>", "<|blank|>"))
+    assert_fails(capsys, model, out_dir, "config.json", "field 'mask_token_id'", "are none", "--mask-token")
+
+
+@pytest.mark.parametrize(("option", "fragment"), [
+    (("--mask-token", "<|nope|>"), "--mask-token '<|nope|>' is not a token"),
+    (("--threshold", "1.5"), "expected a number in [0, 1]"),
+    (("--block-size", "0"), "expected a positive integer"),
+])
+def test_bad_block_setting_options(model: Path, out_dir: Path, capsys, option: tuple[str, str],
+                                   fragment: str) -> None:
+    assert_fails(capsys, model, out_dir, fragment, extra=option)
+
+
 def test_calibrated_lists_of_different_lengths(model: Path, out_dir: Path, capsys) -> None:
     edit_config(model, calibrated_block_sizes=[4, 8, 16], calibrated_thresholds=[0.9, 0.95])
     assert_fails(capsys, model, out_dir, "config.json", "field 'calibrated_thresholds'", "2 entries", "has 3")
