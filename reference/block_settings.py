@@ -121,10 +121,11 @@ def resolve(model_dir: Path, config: dict[str, Any], overrides: Overrides = Over
         if not isinstance(generation, dict):
             raise CloverInputError(generation_path, "must be a JSON object")
         sources.append((GENERATION_CONFIG_FILE, generation))
-    out = {k: v for k, v in config.items() if k not in NAMES}
+    every_name = {name for names in NAMES.values() for name in names}
+    out = {k: v for k, v in config.items() if k not in every_name}
     text = out.get("text_config")
     if isinstance(text, dict):
-        out["text_config"] = {k: v for k, v in text.items() if k not in NAMES}
+        out["text_config"] = {k: v for k, v in text.items() if k not in every_name}
     for field_name, names in NAMES.items():
         found = _first(sources, names)
         if found is not None:

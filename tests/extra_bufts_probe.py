@@ -16,6 +16,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -68,13 +69,16 @@ def decode_modes(path: Path, prompt: list[int], use_extra_bufts: bool) -> dict[s
     return out
 
 
-class PlainReplay:
-    """Decision margins of the plain (no extra buffer types) model, from native causal and block passes."""
+class Replay:
+    """One decision replayed with native causal and block passes: its margins on the plain model (no extra
+    buffer types), and how far the other setting moves that decision's logits."""
 
-    def __init__(self, path: Path) -> None:
-        self.model = native.LlamaModel(path, use_extra_bufts=False)
+    def __init__(self, path: Path, use_extra_bufts: bool = False) -> None:
+        self.model = native.LlamaModel(path, use_extra_bufts=use_extra_bufts)
         self.ctx = native.Context(self.model, n_ctx=512, n_ubatch=64)
         self.mask = self.model.mask_token()
+        self.other: Replay | None = None  # the extra-buffers model, for logit_diff
+        self.logit_diff = 0.0  # of the last decision replayed
 
     def _probs(self, row: np.ndarray) -> tuple[np.ndarray, float]:
         x = row.astype(np.float64)
@@ -83,22 +87,35 @@ class PlainReplay:
         p = np.exp(x - x.max())
         return p / p.sum(), float(top2[1] - top2[0])
 
+    def causal_logits(self, context: list[int]) -> np.ndarray:
+        self.ctx.clear()
+        return self.ctx.causal(context)[-1]
+
+    def step_logits(self, context: list[int], window: list[int], masked: list[int]) -> np.ndarray:
+        self.ctx.clear()
+        self.ctx.causal(context[:-1])
+        return self.ctx.block(window, rows=masked)
+
+    def _compare(self, logits: np.ndarray, replay: Callable[["Replay"], np.ndarray]) -> None:
+        other = replay(self.other) if self.other is not None else logits
+        self.logit_diff = float(np.abs(other.astype(np.float64) - logits).max())
+
     def causal_gap(self, context: list[int]) -> float:
         """Top-2 logit gap of the next-token decision after ``context``."""
-        self.ctx.clear()
-        return self._probs(self.ctx.causal(context)[-1])[1]
+        logits = self.causal_logits(context)
+        self._compare(logits, lambda r: r.causal_logits(context))
+        return self._probs(logits)[1]
 
     def step_margin(self, context: list[int], before: list[int], got: list[int], want: list[int],
                     threshold: float) -> float:
         """The smallest margin of the LowConfidence step that turned canvas ``before`` into ``want`` (plain)
         and ``got`` (extra), over the targets where the two differ: argmax gaps, |ln conf - ln threshold|,
         and when no target cleared the threshold, the log-ratio of the two best confidences."""
-        self.ctx.clear()
-        self.ctx.causal(context[:-1])
         window = [context[-1]] + before[:-1]
         masked = [j for j, t in enumerate(before) if t == self.mask]
         differing = {j for j in masked if got[j] != want[j]} or set(masked)
-        logits = self.ctx.block(window, rows=masked)
+        logits = self.step_logits(context, window, masked)
+        self._compare(logits, lambda r: r.step_logits(context, window, masked))
         margins, confs = [], []
         for j, row in zip(masked, logits):
             p, gap = self._probs(row)
@@ -116,8 +133,10 @@ class PlainReplay:
         self.model.close()
 
 
-def first_difference(prompt: list[int], extra: dict, plain: dict, mode: str, replay: PlainReplay) -> dict | None:
-    """Where the two settings' outputs first differ, and the plain model's margin there."""
+def first_difference(prompt: list[int], extra: dict, plain: dict, mode: str, replay: Replay) -> dict | None:
+    """Where the two settings' outputs first differ, the plain model's margin there, and how far the extra
+    buffer types move that decision's logits (logit_diff: the probe's fixed passes may never reach the
+    shapes where a repacked kernel is used, so their difference can be 0 while a decode pass differs)."""
     if mode == "diffusion":
         for k, ((n_before, got), (_, want)) in enumerate(zip(extra["steps"], plain["steps"])):
             if got != want:
@@ -125,7 +144,7 @@ def first_difference(prompt: list[int], extra: dict, plain: dict, mode: str, rep
                 before = prev[1] if prev else [replay.mask] * len(want)
                 context = prompt + plain["tokens"][:n_before]
                 margin = replay.step_margin(context, before, got, want, plain["threshold"])
-                return {"at": f"step {k}", "margin": margin}
+                return {"at": f"step {k}", "margin": margin, "logit_diff": replay.logit_diff}
         if extra["tokens"] == plain["tokens"]:
             return None
         return {"at": "after equal canvases", "margin": math.inf}
@@ -133,7 +152,8 @@ def first_difference(prompt: list[int], extra: dict, plain: dict, mode: str, rep
         return None
     a, b = extra["tokens"], plain["tokens"]
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return {"at": f"token {i}", "margin": replay.causal_gap(prompt + b[:i])}
+    margin = replay.causal_gap(prompt + b[:i])
+    return {"at": f"token {i}", "margin": margin, "logit_diff": replay.logit_diff}
 
 
 def routing_margins(path: Path, docs: list) -> tuple[np.ndarray, np.ndarray]:
@@ -160,12 +180,14 @@ def main() -> int:
         result[name] = {"buffer_types": bufts, "modes": decode_modes(path, prompt, flag)}
         print(f"{name}: {bufts}", flush=True)
     arrays["plain_causal_margin"], arrays["plain_block_margin"] = routing_margins(path, docs)
-    replay = PlainReplay(path)
+    replay = Replay(path)
+    replay.other = Replay(path, use_extra_bufts=True)
     try:
         result["differences"] = {mode: first_difference(prompt, result["extra"]["modes"][mode],
                                                         result["plain"]["modes"][mode], mode, replay)
                                  for mode in ("ar", "diffusion", "spec")}
     finally:
+        replay.other.close()
         replay.close()
     np.savez(out_dir / "logits.npz", **arrays)
     (out_dir / "result.json").write_text(json.dumps(result))

@@ -15,7 +15,9 @@ so an int8 activation can round one step apart. What must hold:
   that the plain model itself routes decisively (its router margins, read from the native graph);
 - **decoding:** greedy ar, diffusion and spec give the same tokens, or first differ at a decision of the
   plain model whose margin (top-2 gap, or distance of ln(confidence) to ln(threshold)) is below
-  TIE_FACTOR times the largest logit difference measured between the settings.
+  TIE_FACTOR times the largest logit difference measured between the settings: over the fixed passes, or
+  at that decision replayed in both settings, whichever is larger (a repacked kernel may serve only some
+  pass shapes: on an AVX-512 EPYC demo IQ4_XS gave bitwise-equal fixed passes and a diffusion step apart).
 What this CPU exercised (AMX, or only the repacked layouts) is printed as a note.
 """
 
@@ -104,9 +106,11 @@ def test_extra_buffer_types_agree_with_plain_buffers(model: str, qtype: str, f16
     dump_results()
     for mode, where in result["differences"].items():
         if where is not None:
-            assert where["margin"] < TIE_FACTOR * max_diff, \
+            # the larger of the fixed passes' difference and that decision's own, replayed in both settings
+            moved = max(max_diff, where.get("logit_diff", 0.0))
+            assert where["margin"] < TIE_FACTOR * moved, \
                 f"{model} {qtype} {mode}: the settings diverge at {where['at']}, where the plain model's margin " \
-                f"{where['margin']:.4g} is not a near-tie (tolerance {TIE_FACTOR * max_diff:.3g})"
+                f"{where['margin']:.4g} is not a near-tie (tolerance {TIE_FACTOR * moved:.3g})"
     for setting in (extra, plain):
         for mode, run in setting["modes"].items():
             assert len(run["tokens"]) == 32, (mode, len(run["tokens"]))
