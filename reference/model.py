@@ -18,6 +18,7 @@ from torch import nn
 
 from . import precision
 from .config import CloverConfig
+from .coreset import check_top_p, route_in_coreset
 from .history import AttentionCache, DeltaNetState, History
 from .precision import Linear
 
@@ -259,13 +260,14 @@ class SparseMoe(nn.Module):
         """Each row's softmax over all experts."""
         return self.gate(x).softmax(-1)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's top-k experts and their weights, renormalised over the chosen ones."""
-        weights, experts = self.router_probs(x).topk(self.top_k, dim=-1)
+    def route(self, x: torch.Tensor, coreset_top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k experts and their weights, renormalised over the chosen ones; with
+        ``coreset_top_p`` < 1 (block passes only) the rows of ``x`` choose inside their block coreset."""
+        weights, experts = route_in_coreset(self.router_probs(x), coreset_top_p, self.top_k)
         return weights / weights.sum(-1, keepdim=True), experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
+    def forward(self, x: torch.Tensor, coreset_top_p: float = 1.0) -> torch.Tensor:
+        weights, experts = self.route(x, coreset_top_p)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
@@ -296,9 +298,10 @@ class DecoderLayer(nn.Module):
             return self.self_attn.block(h, cache, position, rotary)
         return self.self_attn.causal(h, cache, position, rotary)
 
-    def forward(self, x: torch.Tensor, cache, position: int, rotary: Rotary, block: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache, position: int, rotary: Rotary, block: bool,
+                coreset_top_p: float = 1.0) -> torch.Tensor:
         x = x + self.mix(self.input_layernorm(x), cache, position, rotary, block)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), coreset_top_p if block else 1.0)
 
 
 class TextModel(nn.Module):
@@ -334,10 +337,10 @@ class CloverModel(nn.Module):
                 layers.append(AttentionCache(empty, empty.clone()))
         return History(0, layers)
 
-    def _run(self, ids: torch.Tensor, history: History, block: bool) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, history: History, block: bool, coreset_top_p: float = 1.0) -> torch.Tensor:
         x = self.model.embed_tokens(ids)
         for layer, cache in zip(self.model.layers, history.layers):
-            x = layer(x, cache, history.length, self.rotary, block)
+            x = layer(x, cache, history.length, self.rotary, block, coreset_top_p)
         return self.model.norm(x)
 
     @torch.no_grad()
@@ -356,17 +359,21 @@ class CloverModel(nn.Module):
 
     @torch.no_grad()
     def forward_block(
-        self, window_ids: list[int] | torch.Tensor, history: History, rows: list[int] | None = None
+        self, window_ids: list[int] | torch.Tensor, history: History, rows: list[int] | None = None,
+        coreset_top_p: float = 1.0,
     ) -> torch.Tensor:
         """Block pass of a window at positions [history.length, history.length + B). ``history`` is only read.
 
         Returns logits [B, vocab] (or only the requested ``rows``); row i predicts position history.length+i+1.
+        ``coreset_top_p`` < 1 routes the window's rows inside their block expert coreset (spec 3.3, coreset.py;
+        every window row counts, output rows or not); 1 is per-row routing.
         """
         ids = torch.as_tensor(window_ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("a block pass needs a window of at least one position")
+        check_top_p(coreset_top_p)
         with precision.pass_rows(ids.numel()):
-            hidden = self._run(ids, history, block=True)
+            hidden = self._run(ids, history, block=True, coreset_top_p=coreset_top_p)
             if rows is not None:
                 hidden = hidden[rows]
             return self.lm_head(hidden)

@@ -85,7 +85,8 @@ def flipped(model: Any, tie: NearTie) -> Iterator[None]:
     expert in place of its k-th, weighted as the reference weights its top-k."""
     moe = _moe_layers(model)[tie.layer]
 
-    def route(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self: Any, x: torch.Tensor, coreset_top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        assert coreset_top_p == 1.0, "flips inside a coreset are not modelled yet"
         probs = self.router_probs(x)
         _, experts = probs.topk(self.top_k, dim=-1)
         experts = experts.clone()
