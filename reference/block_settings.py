@@ -103,7 +103,8 @@ def _mask_by_name(model_dir: Path, config_path: Path) -> tuple[int, str]:
     raise CloverInputError(config_path, "no mask token: none of "
                            f"{', '.join(NAMES['mask_token_id'])} is in {CONFIG_FILE} or {GENERATION_CONFIG_FILE}, "
                            f"and the tokenizer's added special tokens containing 'mask' are {listed}: "
-                           "name it with --mask-token ID|TEXT", field="mask_token_id")
+                           "add mask_token_id to config.json, or name it with clover-convert --mask-token ID|TEXT",
+                           field="mask_token_id")
 
 
 def resolve(model_dir: Path, config: dict[str, Any], overrides: Overrides = Overrides()) -> dict[str, Any]:

@@ -103,8 +103,14 @@ def mutants(base: Path, seed: int = 0) -> list[CheckpointMutant]:
             field = key.split(".")[-1]
             add(f"config-{key}-{v!r}", (field, key), _config(_set(key, v)))
     # block_size defaults
-    for key in ("hidden_size", "num_hidden_layers", "mask_token_id", "num_experts", "vocab_size"):
+    for key in ("hidden_size", "num_hidden_layers", "num_experts", "vocab_size"):
         add(f"config-missing-{key}", (key, "config.json"), _config(_delete(key)))
+
+    def no_mask(d: Path) -> None:  # no id, and no added token to find it by name (spec 2.2)
+        _config(_delete("mask_token_id"))(d)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (d / name).write_text((d / name).read_text().replace("<|mask|>", "<|blank|>"))
+    add("config-missing-mask_token_id", ("mask_token_id", "config.json"), no_mask)
 
     def deep(d: Path) -> None:
         text = (d / "config.json").read_text().rstrip()[:-1]

@@ -109,10 +109,14 @@ def test_invalid_json_config(broken: Path, capsys, text: str) -> None:
 
 @pytest.mark.parametrize("nested", [False, True])
 def test_missing_mask_token_id(tmp_path: Path, capsys, nested: bool) -> None:
+    """No mask id and no added token to find it by name (spec 2.2): refused, naming the field."""
     init_checkpoint(tmp_path, "tiny", seed=0, config_only=True, nested=nested)
     edit_config(tmp_path, lambda d: d.pop("mask_token_id"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((tmp_path / name).read_text().replace("<|mask|>", "<|blank|>"))
     rc, _, err = run_main(capsys, *generate_args(tmp_path))
-    assert_one_line_error(rc, err, tmp_path / "config.json", "mask_token_id")
+    line = assert_one_line_error(rc, err, tmp_path / "config.json", "mask_token_id")
+    assert "add mask_token_id to config.json" in line
 
 
 def _set(key: str, value) -> Callable[[dict], None]:
