@@ -142,14 +142,18 @@ def test_llama_perplexity_matches_reference(demo_gguf: Path, tmp_path: Path) -> 
                           capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    # "[k]x" on stdout: the running PPL after chunk k, so chunk PPL_CHUNKS's is the final estimate. The
-    # "Final estimate" line goes through common_log's worker thread, which can lose its last lines at exit on a
-    # loaded machine; when it is there it must agree.
+    # "[k]x": the running PPL after chunk k, so chunk PPL_CHUNKS's is the final estimate. These lines and the
+    # "Final estimate" one go through common_log's worker thread, which can lose its last lines at exit on a
+    # loaded machine (seen: [4] missing while [1]-[3] were there). So the last chunk printed is compared
+    # with the reference over as many chunks; the final estimate, when there, must agree with chunk
+    # PPL_CHUNKS.
     running = {int(k): float(v) for k, v in re.findall(r"\[(\d+)\]([0-9.]+)", done.stdout)}
-    assert PPL_CHUNKS in running, out[-3000:]
-    ppl_cpp = running[PPL_CHUNKS]
+    assert running, out[-3000:]
+    chunks = max(running)
+    ppl_cpp = running[chunks]
     final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
-    assert final is None or float(final.group(1)) == pytest.approx(ppl_cpp, abs=1e-3), out[-3000:]
+    assert final is None or chunks < PPL_CHUNKS or float(final.group(1)) == pytest.approx(ppl_cpp, abs=1e-3), \
+        out[-3000:]
 
     # the tokens llama-perplexity scored: common_tokenize(ctx, text, add_special=true, parse_special=false)
     model = native.LlamaModel(demo_gguf)
@@ -161,9 +165,9 @@ def test_llama_perplexity_matches_reference(demo_gguf: Path, tmp_path: Path) -> 
     finally:
         model.close()
     assert len(tokens) >= PPL_CHUNKS * PPL_CTX
-    ppl_ref = reference_ppl(tokens, bos, PPL_CTX, PPL_CHUNKS)
+    ppl_ref = reference_ppl(tokens, bos, PPL_CTX, chunks)
     record("llama_perplexity_demo", {"llama_perplexity": ppl_cpp, "reference": ppl_ref, "n_ctx": PPL_CTX,
-                                     "chunks": PPL_CHUNKS})
+                                     "chunks": chunks})
     assert abs(ppl_cpp / ppl_ref - 1.0) <= PPL_REL_TOL, (ppl_cpp, ppl_ref)
     # a trained model on code: far below the uniform guess (the vocabulary size)
     assert ppl_ref < model.n_vocab / 20
