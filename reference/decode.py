@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .coreset import check_top_p
 from .errors import BadInput
 from .generate_output import PassCounts
 from .model import CloverModel
@@ -67,6 +68,7 @@ class _Run:
     stops: set[int]
     stats: GenerationStats
     on_block: Callable[[list[int]], None] | None
+    coreset_top_p: float = 1.0  # block passes only (spec 3.3); 1 is per-row routing
     tokens: list[int] = field(default_factory=list)
 
     @property
@@ -130,6 +132,7 @@ class Session:
         stop_ids: list[int] | None = None,
         banned_ids: list[int] | None = None,
         on_block: Callable[[list[int]], None] | None = None,
+        coreset_top_p: float = 1.0,
     ) -> GenerationResult:
         if mode not in MODES:
             raise BadInput(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -144,7 +147,12 @@ class Session:
         start = time.perf_counter()
         stats.prefill_passes = self.append_prompt(prompt_ids)
         prefilled = time.perf_counter()
-        run = _Run(max_new_tokens, block_size, threshold, draft_steps, sampler, stops, stats, on_block)
+        try:
+            check_top_p(coreset_top_p)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        run = _Run(max_new_tokens, block_size, threshold, draft_steps, sampler, stops, stats, on_block,
+                   coreset_top_p)
         {"ar": self._ar, "diffusion": self._diffusion, "spec": self._spec}[mode](run)
         stats.prefill_ms = (prefilled - start) * 1e3
         stats.decode_ms = (time.perf_counter() - prefilled) * 1e3
@@ -184,7 +192,8 @@ class Session:
     def _step(self, canvas: list[int | None], run: _Run) -> None:
         """One block pass; fill every masked target above the threshold, or the single most confident one."""
         masked = [j for j, token in enumerate(canvas) if token is None]
-        logits = self.model.forward_block(self._window(canvas), self.history, rows=masked)
+        logits = self.model.forward_block(self._window(canvas), self.history, rows=masked,
+                                          coreset_top_p=run.coreset_top_p)
         run.stats.block_passes += 1
         choices = [run.sampler.choose(row) for row in logits]
         threshold = np.float32(run.threshold)
@@ -256,7 +265,8 @@ class Session:
             self._step(canvas, run)
         masked = [j for j, token in enumerate(canvas) if token is None]
         if masked:
-            logits = self.model.forward_block(self._window(canvas), self.history, rows=masked)
+            logits = self.model.forward_block(self._window(canvas), self.history, rows=masked,
+                                          coreset_top_p=run.coreset_top_p)
             run.stats.block_passes += 1
             for j, row in zip(masked, logits):
                 canvas[j] = run.sampler.argmax(row)

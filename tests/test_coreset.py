@@ -94,3 +94,19 @@ def test_a_cut_routes_every_row_inside_one_set(tiny_model: Any) -> None:
     assert not torch.equal(cut, tiny_model.forward_block(window, history.clone()))
     with pytest.raises(ValueError, match="coreset_top_p"):
         tiny_model.forward_block(window, history.clone(), coreset_top_p=0.0)
+
+
+def test_the_reference_decoder_takes_a_top_p(tiny_model: Any) -> None:
+    """Session.generate(coreset_top_p=): 1 is the default's output, a cut may change it, (0, 1] is enforced."""
+    from clover_ref.decode import Session
+    from clover_ref.errors import BadInput
+
+    prompt = np.random.default_rng(1).integers(0, 3000, size=12).tolist()
+
+    def run(**kw: Any) -> list[int]:
+        return Session(tiny_model, n_ctx=256).generate(prompt, mode="diffusion", max_new_tokens=16, **kw).tokens
+
+    assert run(coreset_top_p=1.0) == run()
+    assert len(run(coreset_top_p=0.5)) == 16
+    with pytest.raises(BadInput, match="coreset_top_p"):
+        run(coreset_top_p=1.5)
