@@ -69,8 +69,9 @@ class TracingSession(Session):
         shadowed = vars(self.model).get("forward_block")  # an enclosing capture's wrapper, if any
         original = self.model.forward_block
 
-        def forward_block(window: Any, history: Any, rows: list[int] | None = None) -> torch.Tensor:
-            out = original(window, history, rows=rows)
+        def forward_block(window: Any, history: Any, rows: list[int] | None = None,
+                          coreset_top_p: float = 1.0) -> torch.Tensor:
+            out = original(window, history, rows=rows, coreset_top_p=coreset_top_p)
             calls.append((list(range(len(window))) if rows is None else list(rows), out))
             return out
 

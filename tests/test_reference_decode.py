@@ -47,7 +47,8 @@ class ScriptedModel:
             history.length += 1
         return torch.stack(rows)
 
-    def forward_block(self, window, history: History, rows=None) -> torch.Tensor:
+    def forward_block(self, window, history: History, rows=None, coreset_top_p: float = 1.0) -> torch.Tensor:
+        assert coreset_top_p == 1.0, "the scripted model has no experts"
         window = torch.as_tensor(window).tolist()
         self.windows.append(window)
         targets = range(len(window)) if rows is None else rows
@@ -92,7 +93,8 @@ def test_block_pass_asks_only_for_masked_targets():
     model = ScriptedModel(lambda p, w, j: peaked(7, 1.0))
     asked: list[list[int]] = []
     inner = model.forward_block
-    model.forward_block = lambda window, history, rows=None: (asked.append(list(rows)), inner(window, history, rows))[1]
+    model.forward_block = lambda window, history, rows=None, **kw: (asked.append(list(rows)),
+                                                                    inner(window, history, rows, **kw))[1]
     Session(model).generate([1, 2], threshold=0.99, block_size=4, max_new_tokens=4)
     assert asked == [[0, 1, 2, 3], [1, 2, 3], [2, 3], [3]]
 
