@@ -4,7 +4,7 @@ The released checkpoint's names for the mask token, block size and threshold are
 looked for under several names: in config.json (top level, then ``text_config``), then in
 generation_config.json, the first present name winning. The mask token may instead be the one added special
 token whose text contains "mask" (case-insensitive), when there is exactly one. Command-line options override
-everything (``Overrides``). What was found, and where, is kept for the converter's log.
+everything (``Overrides``). Where a setting was found under another name is logged at INFO level.
 """
 
 from __future__ import annotations
@@ -38,9 +38,6 @@ class Overrides:
     block_size: int | None = None
     threshold: float | None = None
 
-    def any(self) -> bool:
-        return self.mask_token is not None or self.block_size is not None or self.threshold is not None
-
 
 def _first(sources: list[tuple[str, dict[str, Any]]], names: tuple[str, ...]) -> tuple[Any, str] | None:
     """The first present name, searched source by source: (value, "file: name")."""
@@ -51,22 +48,27 @@ def _first(sources: list[tuple[str, dict[str, Any]]], names: tuple[str, ...]) ->
     return None
 
 
-def added_tokens(model_dir: Path) -> dict[int, tuple[str, bool]]:
-    """The tokenizer's added tokens, id -> (text, special): tokenizer.json's ``added_tokens``, else
-    tokenizer_config.json's ``added_tokens_decoder``. Empty when neither file has them."""
+def _read_object(path: Path) -> dict[str, Any]:
+    """A JSON file's object; {} when the file is absent or holds another kind of value."""
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    return data if isinstance(data, dict) else {}
+
+
+def added_tokens(model_dir: Path, tokenizer: dict[str, Any] | None = None) -> dict[int, tuple[str, bool]]:
+    """The tokenizer's added tokens, id -> (text, special): tokenizer.json's ``added_tokens`` (``tokenizer``,
+    when the caller has read that file already), else tokenizer_config.json's ``added_tokens_decoder``.
+    Empty when neither file has them."""
+    if tokenizer is None:
+        tokenizer = _read_object(model_dir / TOKENIZER_FILE)
     found: dict[int, tuple[str, bool]] = {}
-    path = model_dir / TOKENIZER_FILE
-    if path.is_file():
-        data = read_json(path)
-        entries = data.get("added_tokens") if isinstance(data, dict) else None
-        for entry in entries or []:
-            if isinstance(entry, dict) and isinstance(entry.get("id"), int) and isinstance(entry.get("content"), str):
-                found[entry["id"]] = (entry["content"], bool(entry.get("special", False)))
-    path = model_dir / TOKENIZER_CONFIG_FILE
-    if not found and path.is_file():
-        data = read_json(path)
-        decoder = data.get("added_tokens_decoder") if isinstance(data, dict) else None
-        for key, entry in (decoder or {}).items():
+    for entry in tokenizer.get("added_tokens") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), int) and isinstance(entry.get("content"), str):
+            found[entry["id"]] = (entry["content"], bool(entry.get("special", False)))
+    if not found:
+        decoder = _read_object(model_dir / TOKENIZER_CONFIG_FILE).get("added_tokens_decoder")
+        for key, entry in (decoder if isinstance(decoder, dict) else {}).items():
             if str(key).isdigit() and isinstance(entry, dict) and isinstance(entry.get("content"), str):
                 found[int(key)] = (entry["content"], bool(entry.get("special", False)))
     return found
@@ -80,16 +82,14 @@ def mask_candidates(model_dir: Path) -> list[tuple[int, str]]:
 
 def _token_id(model_dir: Path, text: str) -> int:
     """--mask-token TEXT: the id of that token, among the added tokens, then the BPE vocabulary."""
-    for i, (content, _) in added_tokens(model_dir).items():
+    path = model_dir / TOKENIZER_FILE
+    tokenizer = _read_object(path)
+    for i, (content, _) in added_tokens(model_dir, tokenizer).items():
         if content == text:
             return i
-    path = model_dir / TOKENIZER_FILE
-    vocab = {}
-    if path.is_file():
-        data = read_json(path)
-        model = data.get("model") if isinstance(data, dict) else None
-        vocab = model.get("vocab") if isinstance(model, dict) and isinstance(model.get("vocab"), dict) else {}
-    if isinstance(vocab.get(text), int):
+    model = tokenizer.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict) and isinstance(vocab.get(text), int):
         return vocab[text]
     raise CloverInputError(None, f"--mask-token {text!r} is not a token of {path}")
 
