@@ -139,6 +139,10 @@ class Session:
         block_size, threshold = self.resolve_block(block_size, threshold)
         if draft_steps and temperature > 0:
             raise BadInput("draft_steps applies to greedy decoding only (temperature 0)")
+        try:
+            check_top_p(coreset_top_p)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
         params = SamplingParams(temperature, top_k, top_p, seed)
         excluded = [self.config.mask_token_id] + list(banned_ids or [])
         sampler = Sampler(self.config.vocab_size, excluded, params)
@@ -147,10 +151,6 @@ class Session:
         start = time.perf_counter()
         stats.prefill_passes = self.append_prompt(prompt_ids)
         prefilled = time.perf_counter()
-        try:
-            check_top_p(coreset_top_p)
-        except ValueError as exc:
-            raise BadInput(str(exc)) from None
         run = _Run(max_new_tokens, block_size, threshold, draft_steps, sampler, stops, stats, on_block,
                    coreset_top_p)
         {"ar": self._ar, "diffusion": self._diffusion, "spec": self._spec}[mode](run)
@@ -266,7 +266,7 @@ class Session:
         masked = [j for j, token in enumerate(canvas) if token is None]
         if masked:
             logits = self.model.forward_block(self._window(canvas), self.history, rows=masked,
-                                          coreset_top_p=run.coreset_top_p)
+                                              coreset_top_p=run.coreset_top_p)
             run.stats.block_passes += 1
             for j, row in zip(masked, logits):
                 canvas[j] = run.sampler.argmax(row)

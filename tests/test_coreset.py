@@ -108,5 +108,7 @@ def test_the_reference_decoder_takes_a_top_p(tiny_model: Any) -> None:
 
     assert run(coreset_top_p=1.0) == run()
     assert len(run(coreset_top_p=0.5)) == 16
+    session = Session(tiny_model, n_ctx=256)
     with pytest.raises(BadInput, match="coreset_top_p"):
-        run(coreset_top_p=1.5)
+        session.generate(prompt, mode="diffusion", coreset_top_p=1.5)
+    assert session.position == 0  # refused before the prompt was prefilled
