@@ -25,7 +25,7 @@ import re
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -49,9 +49,17 @@ def _moe_layers(model: Any) -> list[Any]:
     return [layer.mlp for layer in model.model.layers]
 
 
-def routing_margins(model: Any, run: Callable[[], Any]) -> tuple[Any, np.ndarray, list[list[NearTie]]]:
-    """Run ``run()`` (one reference pass: each MoE layer called once) and return its result, the margins
-    p_k - p_{k+1} as [layers, rows], and each layer's near-ties (margin < NEAR_TIE)."""
+class RoutedPass(NamedTuple):
+    """One reference pass with its routing: ``run()``'s result, the margins p_k - p_{k+1} as [layers, rows],
+    each layer's near-ties (margin < NEAR_TIE), and each layer's router probabilities [rows, n_expert]."""
+    result: Any
+    margins: np.ndarray
+    ties: list[list[NearTie]]
+    probs: list[torch.Tensor]
+
+
+def routing_margins(model: Any, run: Callable[[], Any]) -> RoutedPass:
+    """Run ``run()`` (one reference pass: each MoE layer called once) with its routing recorded."""
     calls: dict[int, torch.Tensor] = {}
 
     def recorder(index: int) -> Callable[..., None]:
@@ -76,7 +84,7 @@ def routing_margins(model: Any, run: Callable[[], Any]) -> tuple[Any, np.ndarray
         margins.append(margin)
         ties.append([NearTie(index, int(r), float(margin[r]), int(order[r, k - 1]), int(order[r, k]))
                      for r in np.flatnonzero(margin < NEAR_TIE)])
-    return result, np.stack(margins), ties
+    return RoutedPass(result, np.stack(margins), ties, [calls[i] for i in sorted(calls)])
 
 
 @contextlib.contextmanager
@@ -122,7 +130,7 @@ def compare_with_near_ties(name: str, got: np.ndarray, model: Any, run: Callable
                            tol: float) -> RoutedParity:
     """Apply the near-tie rule to one reference pass ``run()`` (logits [rows, vocab]) against the native
     ``got``; ``tol`` is absolute. Raises AssertionError naming each row that matches no routing."""
-    ref, margins, ties = routing_margins(model, run)
+    ref, margins, ties, _ = routing_margins(model, run)
     ref = ref.float().numpy().astype(np.float64)
     got = np.asarray(got, dtype=np.float64)
     assert got.shape == ref.shape, (got.shape, ref.shape)

@@ -36,7 +36,7 @@ def avx512_window(mid_model: Any) -> tuple[Any, Any]:
 
 def test_the_avx512_row_is_a_routing_near_tie(mid_model: Any, avx512_window: tuple[Any, Any]) -> None:
     run, _ = avx512_window
-    _, margins, ties = routing_margins(mid_model, run)
+    _, margins, ties, _ = routing_margins(mid_model, run)
     assert margins.shape == (4, 32)
     (tie,) = [t for t in ties[3] if t.row == 18]
     assert tie.margin < 1e-5
@@ -47,7 +47,7 @@ def test_one_flip_reproduces_the_avx512_logits(mid_model: Any, avx512_window: tu
     """The reference with row 18's tied choice flipped, plus kernel-sized noise on every row, is what the
     Xeon computed: it fails the plain bound, and the near-tie rule accepts it through that flip."""
     run, ref = avx512_window
-    (tie,) = [t for t in routing_margins(mid_model, run)[2][3] if t.row == 18]
+    (tie,) = [t for t in routing_margins(mid_model, run).ties[3] if t.row == 18]
     with flipped(mid_model, tie), torch.no_grad():
         xeon = run().numpy().astype(np.float64)
     noise = np.random.default_rng(0).uniform(-4e-4, 4e-4, size=xeon.shape)
@@ -65,7 +65,7 @@ def test_one_flip_reproduces_the_avx512_logits(mid_model: Any, avx512_window: tu
 def test_the_rule_does_not_excuse_an_error_elsewhere(mid_model: Any, avx512_window: tuple[Any, Any]) -> None:
     """The same flip, plus an error of 0.1 on one token of a decisive row: that row matches no routing."""
     run, ref = avx512_window
-    _, margins, ties = routing_margins(mid_model, run)
+    _, margins, ties, _ = routing_margins(mid_model, run)
     (tie,) = [t for t in ties[3] if t.row == 18]
     with flipped(mid_model, tie), torch.no_grad():
         got = run().numpy().astype(np.float64)
