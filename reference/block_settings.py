@@ -28,15 +28,21 @@ NAMES: dict[str, tuple[str, ...]] = {
     "mask_token_id": ("mask_token_id", "mask_id"),
     "block_size": ("block_size", "block_length", "diffusion_block_size"),
     "confidence_threshold": ("confidence_threshold", "threshold", "diffusion_threshold"),
+    "coreset_top_p": ("coreset_top_p", "block_coreset_top_p"),
+    "history_rows": ("history_rows",),
 }
 
 
 @dataclass(frozen=True)
 class Overrides:
-    """clover-convert's --mask-token (an id or the token's text), --block-size and --threshold."""
+    """clover-convert's --mask-token (an id or the token's text), --block-size, --threshold, --coreset-top-p,
+    --history-rows and --history-readout-scale (no name for the last is known: spec 2.2)."""
     mask_token: str | None = None
     block_size: int | None = None
     threshold: float | None = None
+    coreset_top_p: float | None = None
+    history_rows: int | None = None
+    history_readout_scale: float | None = None
 
 
 def _first(sources: list[tuple[str, dict[str, Any]]], names: tuple[str, ...]) -> tuple[Any, str] | None:
@@ -143,6 +149,10 @@ def resolve(model_dir: Path, config: dict[str, Any], overrides: Overrides = Over
             if out.pop(name, None) is not None:
                 log.warning("%s: %s is dropped: --block-size/--threshold override the settings it was made for",
                             config_path, name)
+    for field_name in ("coreset_top_p", "history_rows", "history_readout_scale"):
+        value = getattr(overrides, field_name)
+        if value is not None:
+            out[field_name] = value
     if overrides.mask_token is not None:
         text = overrides.mask_token.strip()
         out["mask_token_id"] = int(text) if text.isdigit() else _token_id(model_dir, overrides.mask_token)

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=None)
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--draft-steps", type=int, default=0)
+    gen.add_argument("--coreset-top-p", type=float, default=None,
+                     help="the block expert coreset's top_p in (0, 1] (default: the model's coreset_top_p)")
     gen.add_argument("-n", "--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -81,7 +83,8 @@ def run_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = generate(model, prompt_ids, mode=args.mode, block_size=args.block_size, threshold=args.threshold,
                       draft_steps=args.draft_steps, max_new_tokens=args.max_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      coreset_top_p=args.coreset_top_p)
     seconds = time.perf_counter() - start
     text = tokenizer.decode(result.tokens, skip_special_tokens=False)
     if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,11 @@ MAX_BLOCK_SIZE = 256
 CONFIG_FILE = "config.json"
 MODEL_TYPE = "clover_moe"
 TEXT_MODEL_TYPE = "qwen3_5_moe_text"
-ARCHITECTURES = ["CloverMoeForBlockDiffusion"]
+ARCHITECTURES = ["CloverMoeModelLM"]
+# spec v1's architecture and config field: retired (spec 2.1), refused with a message that names v2
+V1_ARCHITECTURES = ("CloverMoeForBlockDiffusion",)
+V1_FIELDS = ("linear_conv_right_kernel_dim",)
+DEFAULT_HISTORY_ROWS = 32
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 # Fields that belong to the clover extension; everything else is a Qwen3.5-MoE text field.
@@ -33,7 +38,10 @@ CLOVER_FIELDS = (
     "confidence_threshold",
     "calibrated_block_sizes",
     "calibrated_thresholds",
-    "linear_conv_right_kernel_dim",
+    "coreset_top_p",
+    "history_rows",
+    "history_readout_scale",
+    "num_shared_experts",
 )
 
 
@@ -43,6 +51,21 @@ def qwen_twin_config(config: dict[str, Any]) -> dict[str, Any]:
     twin = {k: v for k, v in config.items() if k not in CLOVER_FIELDS}
     twin.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
     return twin
+
+
+def _refuse_v1(data: Any, path: str | Path | None) -> None:
+    """Spec v1 checkpoints are retired (spec 2.1): they never existed outside this project."""
+    if not isinstance(data, dict):
+        return
+    architectures = data.get("architectures") or []
+    old = [a for a in architectures if a in V1_ARCHITECTURES] if isinstance(architectures, list) else []
+    if old:
+        raise CloverInputError(path, f"is {old[0]!r}, a spec v1 Clover checkpoint, which is retired; this toolkit "
+                               f"reads spec v2 ({ARCHITECTURES[0]}, the released format)", field="architectures")
+    for name in V1_FIELDS:
+        if name in data or name in (data.get("text_config") or {}):
+            raise CloverInputError(path, "is a spec v1 field, which is retired; spec v2 takes K_r = "
+                                   "linear_conv_kernel_dim - 1 from the conv_right_weight tensors", field=name)
 
 
 def _default_rope() -> dict[str, Any]:
@@ -101,7 +124,11 @@ class CloverConfig:
     confidence_threshold: float = 0.95
     calibrated_block_sizes: list[int] | None = None
     calibrated_thresholds: list[float] | None = None
-    linear_conv_right_kernel_dim: int = 4
+    coreset_top_p: float = 1.0
+    history_rows: int = DEFAULT_HISTORY_ROWS
+    # None: 1/sqrt(linear_key_head_dim), the causal readout's scale (spec 2.2; the release's is not public)
+    history_readout_scale: float | None = None
+    num_shared_experts: int = 1
     # --- bookkeeping ---
     nested_text_config: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -133,6 +160,18 @@ class CloverConfig:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_right_kernel(self) -> int:
+        """K_r, the right-context taps of a GDN layer: linear_conv_kernel_dim - 1 (spec 2.3)."""
+        return self.linear_conv_kernel_dim - 1
+
+    @property
+    def readout_scale(self) -> float:
+        """The history readout's scale (spec 3.2 step 4)."""
+        if self.history_readout_scale is None:
+            return 1.0 / math.sqrt(self.linear_key_head_dim)
+        return float(self.history_readout_scale)
 
     @property
     def rotary_dim(self) -> int:
@@ -174,12 +213,23 @@ class CloverConfig:
             "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
             "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
             "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "block_size",
-            "max_position_embeddings", "linear_conv_right_kernel_dim",
+            "max_position_embeddings", "history_rows",
         )
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, f"must be a positive integer, got {value!r}")
+        if self.linear_conv_kernel_dim < 2:
+            raise bad("linear_conv_kernel_dim", f"is {self.linear_conv_kernel_dim}; block mode needs at least 2 "
+                      "(K_r = linear_conv_kernel_dim - 1 right taps, spec 2.3)")
+        if not _is_number(self.coreset_top_p) or not (0.0 < self.coreset_top_p <= 1.0):
+            raise bad("coreset_top_p", f"must lie in (0, 1], got {self.coreset_top_p!r}")
+        if self.history_readout_scale is not None and not (
+                _is_number(self.history_readout_scale) and math.isfinite(self.history_readout_scale)):
+            raise bad("history_readout_scale", f"must be a finite number, got {self.history_readout_scale!r}")
+        if self.num_shared_experts != 1 or isinstance(self.num_shared_experts, bool):
+            raise bad("num_shared_experts", f"is {self.num_shared_experts!r}; only 1 shared expert is supported "
+                      "(spec 2.1: the layout of more is not known)")
         if self.hidden_act != "silu":
             raise bad("hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -246,6 +296,7 @@ class CloverConfig:
         """Build from a config.json dict, top-level or with a nested ``text_config``."""
         if not isinstance(data, dict):
             raise CloverInputError(path, "config must be a JSON object")
+        _refuse_v1(data, path)
         known = {f.name for f in dataclasses.fields(cls)} - {"nested_text_config", "extra"}
         nested = isinstance(data.get("text_config"), dict)
         text = dict(data["text_config"]) if nested else dict(data)
@@ -279,10 +330,6 @@ class CloverConfig:
                 values["rope_parameters"] = rope
         if "mask_token_id" not in values:
             raise CloverInputError(path, "is required for a Clover checkpoint", field="mask_token_id")
-        shared = text.get("num_shared_experts", top.get("num_shared_experts", 1))
-        if shared != 1 or isinstance(shared, bool):
-            raise CloverInputError(path, f"is {shared!r}; only 1 shared expert is supported (spec 2.1: the layout "
-                                   "of more is not known)", field="num_shared_experts")
         for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
             if name not in values and name in top:
                 values[name] = top[name]
@@ -304,7 +351,9 @@ class CloverConfig:
         return out
 
     def clover_fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in CLOVER_FIELDS}
+        """The clover fields; an unset history_readout_scale (the default) is left out."""
+        return {name: getattr(self, name) for name in CLOVER_FIELDS
+                if not (name == "history_readout_scale" and self.history_readout_scale is None)}
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json dict; nested if the config was read nested."""

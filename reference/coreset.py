@@ -67,13 +67,33 @@ def block_coreset(probs: torch.Tensor, top_p: float, top_k: int) -> Coreset:
 
 
 def route_in_coreset(probs: torch.Tensor, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top_k experts within the window's coreset, and their probabilities (not renormalised):
-    ([W, top_k] weights, [W, top_k] expert ids). top_p = 1 and one-row windows give per-row top-k."""
-    if check_top_p(top_p) >= 1.0 or probs.shape[0] == 1:
+    """Each row's top_k experts within its window's coreset, and their probabilities (not renormalised).
+
+    ``probs`` is one window's rows [W, n_expert], or a batch of windows [N, W, n_expert] (one coreset per
+    window; training uses this). Returns ([..., top_k] weights, [..., top_k] expert ids). top_p = 1 and
+    one-row windows give per-row top-k. Differentiable in ``probs`` (only the choice of experts is not)."""
+    if check_top_p(top_p) >= 1.0 or probs.shape[-2] == 1:
         return probs.topk(top_k, dim=-1)
-    allowed = block_coreset(probs, top_p, top_k).allowed(probs.shape[-1])
+    if probs.dim() == 2:
+        allowed = block_coreset(probs.detach(), top_p, top_k).allowed(probs.shape[-1])
+    else:
+        allowed = _coreset_masks(probs.detach(), top_p, top_k)[:, None, :]
     _, experts = probs.masked_fill(~allowed, -1.0).topk(top_k, dim=-1)
     return probs.gather(-1, experts), experts
+
+
+def _coreset_masks(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """block_coreset for a batch of windows [N, W, n_expert] at once: [N, n_expert] bool masks."""
+    n_expert = probs.shape[-1]
+    mass = probs.float().mean(-2)
+    order = torch.sort(mass, dim=-1, descending=True, stable=True).indices
+    cumulative = torch.cumsum(torch.gather(mass, -1, order), -1, dtype=torch.float32)
+    reached = cumulative >= top_p
+    cut = torch.where(reached.any(-1), reached.float().argmax(-1) + 1, torch.full_like(reached[:, 0], n_expert,
+                                                                                      dtype=torch.long))
+    size = cut.clamp(min=top_k, max=n_expert)
+    in_sorted = torch.arange(n_expert, device=probs.device)[None, :] < size[:, None]
+    return torch.zeros_like(in_sorted).scatter(-1, order, in_sorted)
 
 
 CUT_NEAR_TIE = 1e-5

@@ -132,13 +132,15 @@ class Session:
         stop_ids: list[int] | None = None,
         banned_ids: list[int] | None = None,
         on_block: Callable[[list[int]], None] | None = None,
-        coreset_top_p: float = 1.0,
+        coreset_top_p: float | None = None,
     ) -> GenerationResult:
         if mode not in MODES:
             raise BadInput(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         block_size, threshold = self.resolve_block(block_size, threshold)
         if draft_steps and temperature > 0:
             raise BadInput("draft_steps applies to greedy decoding only (temperature 0)")
+        if coreset_top_p is None:  # the model's trained value (spec 3.3; config.json's coreset_top_p)
+            coreset_top_p = self.config.coreset_top_p
         try:
             check_top_p(coreset_top_p)
         except ValueError as exc:

@@ -82,11 +82,11 @@ def init_scale(name: str, shape: tuple[int, ...], config: CloverConfig) -> tuple
         return 0.0, 0.05
     if leaf == "dt_bias":
         return 1.0, 0.1
-    if name.endswith("conv1d_right.weight"):
+    if leaf == "conv_right_weight":
         return 0.0, 0.5 / math.sqrt(shape[-1])
-    if leaf == "hist_bias":
+    if leaf in ("bd_softmax_history_bias", "bd_softmax_history_c"):
         return 0.0, 0.5
-    if leaf == "block_scale":
+    if leaf == "bd_softmax_logit_scale":
         scale = math.sqrt(config.linear_key_head_dim)
         return scale, 0.1 * scale
     return 0.0, 1.0 / math.sqrt(shape[-1])

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from .config import CloverConfig
 from .errors import CloverInputError
-from .layout import canonical_name, tensor_shapes
+from .layout import (CONV_RIGHT, canonical_name, check_conv_right_shape, is_v1_tensor, normalize_conv_right,
+                     tensor_shapes)
 from .safetensors_header import INDEX_FILE, SINGLE_FILE, read_safetensors_header, read_weight_map
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,8 +51,10 @@ def iter_tensors(model_dir: Path) -> Iterator[tuple[str, str, Path]]:
         warnings.warn(f"{model_dir}: ignoring {len(skipped)} vision/MTP tensors (e.g. '{skipped[0]}')", stacklevel=2)
 
 
-def load_state_dict(model_dir: str | Path, config: CloverConfig) -> dict[str, torch.Tensor]:
+def load_state_dict(model_dir: str | Path, config: CloverConfig, conv_right_order: str = "cd"
+                    ) -> dict[str, torch.Tensor]:
     """Load all tensors as float32, fusing per-expert matrices into the stacked layout the model uses.
+    conv_right_weight of any accepted rank becomes [conv_dim, K_r] (``conv_right_order``: spec 2.3).
 
     Every expected tensor must be present with the shape the config implies; any other tensor is an error.
     """
@@ -68,12 +71,18 @@ def load_state_dict(model_dir: str | Path, config: CloverConfig) -> dict[str, to
             except Exception as exc:  # safetensors raises SafetensorError for inconsistent headers
                 raise CloverInputError(path, f"is not a valid safetensors file ({exc})") from None
         expected = per_expert.get(name, fused.get(name))
+        if expected is None and is_v1_tensor(name):
+            raise CloverInputError(path, f"holds tensor '{stored}', a spec v1 block tensor, which is retired; this "
+                                         "toolkit reads spec v2 (conv_right_weight, bd_softmax_*: the released format)")
         if expected is None:
             raise CloverInputError(path, f"holds tensor '{stored}', which a Clover model does not have")
         try:
             tensor = handles[path].get_tensor(stored)  # type: ignore[attr-defined]
         except Exception as exc:  # a tensor the index names but the shard does not hold
             raise CloverInputError(path, f"cannot read tensor '{stored}' ({exc})") from None
+        if name.endswith(CONV_RIGHT):
+            check_conv_right_shape(tuple(tensor.shape), config, stored, path)
+            tensor = normalize_conv_right(tensor, config, conv_right_order)
         if tuple(tensor.shape) != expected:
             raise CloverInputError(path, f"tensor '{stored}' has shape {list(tensor.shape)}, but config.json "
                                          f"implies {list(expected)}")

@@ -148,7 +148,8 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv = c.linear_num_key_heads, c.linear_num_value_heads
         self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = c.key_dim, c.value_dim, c.conv_dim
-        self.kernel, self.right_kernel = c.linear_conv_kernel_dim, c.linear_conv_right_kernel_dim
+        self.kernel, self.right_kernel = c.linear_conv_kernel_dim, c.conv_right_kernel
+        self.history_rows, self.readout_scale = c.history_rows, c.readout_scale
         self.eps = c.rms_norm_eps
         self.in_proj_qkv = Linear(c.hidden_size, c.conv_dim, bias=False)
         self.in_proj_z = Linear(c.hidden_size, c.value_dim, bias=False)
@@ -161,12 +162,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.dv))
         self.out_proj = Linear(c.value_dim, c.hidden_size, bias=False)
-        # Clover block-mode tensors
-        self.conv1d_right = nn.Module()
-        self.conv1d_right.weight = nn.Parameter(torch.zeros(c.conv_dim, 1, c.linear_conv_right_kernel_dim))
-        self.hist_key = nn.Parameter(torch.zeros(self.nv, self.dk))
-        self.hist_bias = nn.Parameter(torch.zeros(self.nv))
-        self.block_scale = nn.Parameter(torch.full((self.nv,), math.sqrt(self.dk)))
+        # block-diffusion tensors (spec 2.3), initialised as a fresh model would be
+        self.conv_right_weight = nn.Parameter(torch.zeros(c.conv_dim, self.right_kernel))
+        self.bd_softmax_logit_scale = nn.Parameter(torch.full((self.nv,), math.sqrt(self.dk)))
+        self.bd_softmax_history_bias = nn.Parameter(torch.zeros(self.nv))
+        self.bd_softmax_history_c = nn.Parameter(torch.zeros(self.nv))
 
     def empty_state(self) -> DeltaNetState:
         return DeltaNetState(torch.zeros(self.conv_dim, self.kernel - 1), torch.zeros(self.nv, self.dk, self.dv))
@@ -191,22 +191,29 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(*x.shape[:-1], -1))
 
     def block_taps(self, padded: torch.Tensor, b: int) -> torch.Tensor:
-        """Spec section 3, GDN step 2: both convolutions over [.., K-1 history inputs, B window inputs, R zeros, C],
-        then SiLU."""
+        """Spec section 3.2, GDN step 2: both convolutions over [.., K-1 history inputs, B window inputs, K_r zeros,
+        C], then SiLU."""
         left = self.conv1d.weight[:, 0, :]  # tap j reads offset j - (K-1)
-        right = self.conv1d_right.weight[:, 0, :]  # tap t-1 reads offset +t
+        right = self.conv_right_weight  # column d-1 reads offset +d
         u = sum(left[:, j] * padded[..., j: j + b, :] for j in range(self.kernel))
         start = self.kernel - 1
-        u = u + sum(right[:, t - 1] * padded[..., start + t: start + t + b, :] for t in range(1, self.right_kernel + 1))
+        u = u + sum(right[:, d - 1] * padded[..., start + d: start + d + b, :] for d in range(1, self.right_kernel + 1))
         return F.silu(u)
 
+    def history_logit(self, width: int) -> torch.Tensor:
+        """Spec 3.2 step 5: the history slot's logit per head, bias + c ln(W / history_rows), the same for every
+        row of a window of ``width`` rows."""
+        return self.bd_softmax_history_bias + self.bd_softmax_history_c * math.log(width / self.history_rows)
+
     def block_mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
-        """Spec section 3, GDN steps 4-6: each target mixes the history readout S^T q with the window's values.
+        """Spec section 3.2, GDN steps 4-6: each row mixes the history readout S^T q with the window's values.
         q, k [..., B, H, dk], v [..., B, H, dv], ssm [..., H, dk, dv] -> o [..., B, H, dv]."""
-        readout = precision.activations("...hkv,...bhk->...bhv", ssm, q / math.sqrt(self.dk))
-        window_scores = precision.activations("...ihk,...jhk->...hij", q, k) * self.block_scale[:, None, None]
-        history_score = precision.activations("...ihk,hk->...hi", q, self.hist_key) + self.hist_bias[:, None]
-        weights = torch.cat((history_score[..., None], window_scores), dim=-1).softmax(-1)  # [.., h, i, 1+B]
+        width = q.shape[-3]
+        readout = precision.activations("...hkv,...bhk->...bhv", ssm, q * self.readout_scale)
+        scale = self.bd_softmax_logit_scale[:, None, None]
+        window_scores = precision.activations("...ihk,...jhk->...hij", q, k) * scale
+        history_score = self.history_logit(width)[:, None, None].expand(*window_scores.shape[:-1], 1)
+        weights = torch.cat((history_score, window_scores), dim=-1).softmax(-1)  # [.., h, i, 1+B]
         return weights[..., 0].transpose(-1, -2)[..., None] * readout + \
             precision.activations("...hij,...jhv->...ihv", weights[..., 1:], v)
 
@@ -226,7 +233,8 @@ class GatedDeltaNet(nn.Module):
         return self.finish(torch.stack(outputs), x)
 
     def block_conv(self, mixed: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        """Spec section 3, GDN step 2: the causal conv over history and window plus the right-context branch, then SiLU.
+        """Spec section 3.2, GDN step 2: the causal conv over history and window plus the right-context branch, then
+        SiLU.
 
         mixed: [B, conv_dim]; inputs past the window end count as zero.
         """
@@ -260,14 +268,21 @@ class SparseMoe(nn.Module):
         """Each row's softmax over all experts."""
         return self.gate(x).softmax(-1)
 
-    def route(self, x: torch.Tensor, coreset_top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, coreset_top_p: float = 1.0, window: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts and their weights, renormalised over the chosen ones; with
-        ``coreset_top_p`` < 1 (block passes only) the rows of ``x`` choose inside their block coreset."""
-        weights, experts = route_in_coreset(self.router_probs(x), coreset_top_p, self.top_k)
+        ``coreset_top_p`` < 1 (block passes only) the rows of ``x`` choose inside their block coreset: one
+        coreset for all rows, or one per run of ``window`` consecutive rows (a batch of windows)."""
+        probs = self.router_probs(x)
+        if window is not None and coreset_top_p < 1.0:
+            weights, experts = route_in_coreset(probs.view(-1, window, probs.shape[-1]), coreset_top_p, self.top_k)
+            weights, experts = weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k)
+        else:
+            weights, experts = route_in_coreset(probs, coreset_top_p, self.top_k)
         return weights / weights.sum(-1, keepdim=True), experts
 
-    def forward(self, x: torch.Tensor, coreset_top_p: float = 1.0) -> torch.Tensor:
-        weights, experts = self.route(x, coreset_top_p)
+    def forward(self, x: torch.Tensor, coreset_top_p: float = 1.0, window: int | None = None) -> torch.Tensor:
+        weights, experts = self.route(x, coreset_top_p, window)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)

@@ -40,12 +40,15 @@ from .config import CloverConfig
 from .factory import random_model
 from .tokenizer import MASK_TOKEN, copy_tokenizer, load_tokenizer, special_token_ids, TOKENIZER_DIR
 
+# The block expert coreset the demo model trains its block loss with (spec 3.3), recorded in its config.json:
+# 0.9 keeps about half of the 8 experts in a 32-row window (bench/results/bench_coreset.md).
+DEMO_CORESET_TOP_P = 0.9
 DEMO_MODEL = dict(
     hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
     vocab_size=3072, max_position_embeddings=4096, block_size=32, confidence_threshold=0.9,
-    calibrated_block_sizes=[8, 16, 32], calibrated_thresholds=[0.9, 0.9, 0.9],
+    calibrated_block_sizes=[8, 16, 32], calibrated_thresholds=[0.9, 0.9, 0.9], coreset_top_p=DEMO_CORESET_TOP_P,
     rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]},
     rms_norm_eps=1e-6,
 )
@@ -143,7 +146,7 @@ def block_loss(model, ids: torch.Tensor, histories, block: int, first: int, rng:
     masked = window_masks(w, block, suffix_share, rng).to(ids.device)
     window[:, 1:][masked] = model.config.mask_token_id
     counted = torch.cat((masked, torch.ones(w, 1, dtype=torch.bool, device=ids.device)), dim=1)
-    logits = block_logits_at(model, window, rows, starts, histories)
+    logits = block_logits_at(model, window, rows, starts, histories, model.config.coreset_top_p)
     return F.cross_entropy(logits[counted], targets[counted])
 
 

@@ -146,9 +146,10 @@ def _attention_block(layer: GatedAttention, x: torch.Tensor, history: LayerHisto
 
 
 def block_logits_at(model: CloverModel, windows: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
-                    histories: list[LayerHistory]) -> torch.Tensor:
+                    histories: list[LayerHistory], coreset_top_p: float = 1.0) -> torch.Tensor:
     """Block-pass logits [W, B, V] of windows [W, B]; window i starts at starts[i] (a multiple of CHUNK,
-    at least CHUNK) in sequence rows[i] and reads that sequence's history [0, starts[i])."""
+    at least CHUNK) in sequence rows[i] and reads that sequence's history [0, starts[i]). Each window routes
+    inside its own block coreset at ``coreset_top_p`` (spec 3.3; 1 is per-row routing)."""
     if bool((starts % CHUNK != 0).any()) or bool((starts <= 0).any()):
         raise ValueError(f"window starts must be positive multiples of {CHUNK}")
     w, b = windows.shape
@@ -160,7 +161,7 @@ def block_logits_at(model: CloverModel, windows: torch.Tensor, rows: torch.Tenso
         else:
             mixed = _attention_block(layer.self_attn, h, history, rows, starts, model.rotary)
         x = x + mixed
-        x = x + layer.mlp(layer.post_attention_layernorm(x).reshape(w * b, -1)).view(w, b, -1)
+        x = x + layer.mlp(layer.post_attention_layernorm(x).reshape(w * b, -1), coreset_top_p, window=b).view(w, b, -1)
     return model.lm_head(model.model.norm(x))
 
 

@@ -14,8 +14,12 @@ logits move by far more than the parity tolerance (0.1 against 0.0044, seen on A
   alternative routing, each one that a backend's rounding could pick. A genuine error (a wrong expert
   weight, a wrong tap) matches no variant and fails (tests/test_native_clover.py injects one).
 
-The reference's routing is ``SparseMoe.route`` (reference/model.py); the block coreset of spec 3.3 will
-have its own near-ties (a cut whose cumulative mass is within 1e-5 of top_p), to be added here.
+The reference's routing is ``SparseMoe.route`` (reference/model.py). With the block coreset of spec 3.3
+(top_p < 1) there are two more places where backends may round apart, and ``coreset_near_ties`` finds them:
+a cut that is a near-tie (``clover_ref.coreset.cut_is_near_tie``: a cumulative mass within 1e-5 of top_p, or
+tied block masses at the cut), and a row whose k-th and (k+1)-th experts inside the coreset are within
+NEAR_TIE. Flips of those are not modelled: a coreset pass with any such tie is left out of the strict
+comparison, and the tests require that most of their passes have none.
 """
 
 from __future__ import annotations
@@ -93,7 +97,8 @@ def flipped(model: Any, tie: NearTie) -> Iterator[None]:
     expert in place of its k-th, weighted as the reference weights its top-k."""
     moe = _moe_layers(model)[tie.layer]
 
-    def route(self: Any, x: torch.Tensor, coreset_top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self: Any, x: torch.Tensor, coreset_top_p: float = 1.0, window: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         assert coreset_top_p == 1.0, "flips inside a coreset are not modelled yet"
         probs = self.router_probs(x)
         _, experts = probs.topk(self.top_k, dim=-1)
@@ -240,3 +245,51 @@ class NativeRouterMargins:
             assert len(m) == len(out), f"a router saw {len(m)} rows of a {n_rows}-row pass with {len(out)} outputs"
             worst = np.minimum(worst, m)
         self.margins.setdefault(kind, []).extend(worst.tolist())
+
+
+def coreset_near_ties(model: Any, run: Callable[[], Any], top_p: float) -> list[str]:
+    """The near-ties of a block pass routed inside its coreset at ``top_p`` (spec 3.3), described: a cut that
+    is a near-tie, or a row whose k-th and (k+1)-th experts within the coreset are closer than NEAR_TIE.
+    Empty when the pass is decisive (or when top_p = 1 or the window has one row: per-row routing)."""
+    if top_p >= 1.0:
+        return []
+    probs = routing_margins(model, run).probs
+    return routing_near_ties(probs, [moe.top_k for moe in _moe_layers(model)], top_p)
+
+
+def routing_near_ties(probs: list[torch.Tensor], top_ks: list[int], top_p: float) -> list[str]:
+    """The routing near-ties of one block pass from its router probabilities (one [rows, n_expert] per MoE
+    layer): per row, the k-th and (k+1)-th experts closer than NEAR_TIE (inside the coreset when top_p < 1),
+    and a coreset cut that is a near-tie."""
+    from clover_ref.coreset import block_coreset, cut_is_near_tie
+
+    found: list[str] = []
+    for layer, (p, k) in enumerate(zip(probs, top_ks)):
+        allowed = torch.ones(p.shape[-1], dtype=torch.bool)
+        if top_p < 1.0 and p.shape[0] > 1:
+            coreset = block_coreset(p, top_p, k)
+            if cut_is_near_tie(coreset, top_p, k):
+                found.append(f"layer {layer}: the cut")
+            allowed = coreset.allowed(p.shape[-1])
+        if int(allowed.sum()) <= k:
+            continue
+        values = p.masked_fill(~allowed, -1.0).sort(dim=-1, descending=True).values
+        for row in np.flatnonzero((values[:, k - 1] - values[:, k]).numpy() < NEAR_TIE):
+            found.append(f"layer {layer}: row {row}")
+    return found
+
+
+@contextlib.contextmanager
+def recording_router_probs(model: Any) -> Iterator[list[torch.Tensor]]:
+    """Inside the body, the router probabilities of each MoE call, in call order (a block pass: one per layer)."""
+    calls: list[torch.Tensor] = []
+
+    def hook(module: Any, inputs: tuple[torch.Tensor, ...], _output: Any) -> None:
+        calls.append(module.router_probs(inputs[0]).float())
+
+    handles = [moe.register_forward_hook(hook) for moe in _moe_layers(model)]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import math
 
+import pytest
 import torch
 
 from clover_ref.history import DeltaNetState
@@ -63,7 +65,7 @@ def test_right_conv_branch_reads_later_window_inputs_only_when_nonzero(tiny_mode
     with_branch = layer.block_conv(mixed, state), layer.block_conv(later, state)
     assert not torch.equal(with_branch[0][:5], with_branch[1][:5]), "the right branch must read ahead"
     zeroed = copy.deepcopy(layer)
-    zeroed.conv1d_right.weight.zero_()
+    zeroed.conv_right_weight.zero_()
     without = zeroed.block_conv(mixed, state), zeroed.block_conv(later, state)
     assert torch.equal(without[0][:5], without[1][:5]), "with the branch at zero the conv is causal"
     assert not torch.equal(without[0][5:], without[1][5:])
@@ -81,8 +83,43 @@ def test_history_unit_at_minus_infinity_ignores_the_delta_rule_state(tiny_model)
     cut = copy.deepcopy(tiny_model)
     for layer in cut.model.layers:
         if layer.is_linear:
-            layer.linear_attn.hist_bias.fill_(float("-inf"))
+            layer.linear_attn.bd_softmax_history_bias.fill_(float("-inf"))
     assert torch.equal(cut.forward_block(window, history), cut.forward_block(window, other))
+
+
+def test_right_conv_has_kernel_minus_one_taps(tiny_model):
+    """spec 2.3: K_r = linear_conv_kernel_dim - 1; the last window row reads nothing to its right."""
+    layer = tiny_model.model.layers[0].linear_attn
+    assert layer.conv_right_weight.shape == (layer.conv_dim, layer.kernel - 1) == (layer.conv_dim, 3)
+    state = prefilled(tiny_model, 6).layers[0]
+    mixed = torch.randn(8, layer.conv_dim, generator=torch.Generator().manual_seed(9))
+    later = mixed.clone()
+    later[7] += 1.0
+    a, b = layer.block_conv(mixed, state), layer.block_conv(later, state)
+    assert torch.equal(a[:4], b[:4]), "row i reads at most 3 rows ahead"
+    assert not torch.equal(a[4], b[4])
+
+
+@pytest.mark.parametrize("width", [1, 4, 8, 32])
+def test_history_slot_logit_is_the_same_for_every_row(tiny_model, width):
+    """spec 3.2 step 5: l_iH = bias + c ln(W / history_rows), independent of the row and of q."""
+    layer = tiny_model.model.layers[0].linear_attn
+    want = layer.bd_softmax_history_bias + layer.bd_softmax_history_c * math.log(width / 32)
+    assert torch.allclose(layer.history_logit(width), want)
+
+
+def test_history_c_matters_only_below_history_rows(tiny_model):
+    """Changing bd_softmax_history_c changes nothing at W = history_rows and changes block logits below it."""
+    history = prefilled(tiny_model, 5)
+    changed = copy.deepcopy(tiny_model)
+    for layer in changed.model.layers:
+        if layer.is_linear:
+            layer.linear_attn.bd_softmax_history_c.add_(1.5)
+    rows = tiny_model.config.history_rows
+    full = random_window(tiny_model, rows, seed=10)
+    assert torch.equal(tiny_model.forward_block(full, history), changed.forward_block(full, history))
+    short = random_window(tiny_model, 8, seed=11)
+    assert not torch.allclose(tiny_model.forward_block(short, history), changed.forward_block(short, history))
 
 
 def test_rows_select_outputs_without_changing_them(tiny_model):

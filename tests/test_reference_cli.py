@@ -22,7 +22,7 @@ from clover_ref.tokenizer import SHIPPED_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):"
-HIST_KEY = "model.layers.0.linear_attn.hist_key"
+HIST_KEY = "model.layers.0.linear_attn.bd_softmax_history_bias"
 
 
 def clover_ref_command() -> list[str]:
@@ -246,7 +246,7 @@ def test_tensor_shape_disagrees_with_config(broken: Path, capsys) -> None:
     edit_tensors(broken, edit)
     rc, _, err = run_main(capsys, *generate_args(broken))
     line = assert_one_line_error(rc, err, broken / "model.safetensors")
-    assert HIST_KEY in line and "[4, 8]" in line and "[4, 16]" in line
+    assert HIST_KEY in line and "[4, 8]" in line and "implies [4]" in line
 
 
 def test_config_disagrees_with_tensors(broken: Path, capsys) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -23,6 +24,9 @@ from clover_ref.tokenizer import load_tokenizer
 
 PROMPT = [17, 250, 3, 999, 42, 1800, 7, 2047, 64]
 SHARD_RE = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+
+# the clover fields a config writes: an unset history_readout_scale (the default) is left out
+WRITTEN_FIELDS = tuple(n for n in CLOVER_FIELDS if n != "history_readout_scale")
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -105,13 +109,12 @@ def test_stored_names_and_shapes_follow_the_spec(tiny_checkpoint: Path, tiny_mod
         clover = [k for k in expected if k.startswith(f"model.layers.{layer}.") and is_clover_tensor(k)]
         assert len(clover) == (4 if config.is_linear(layer) else 0)
     c = config
-    assert expected["model.layers.0.linear_attn.conv1d_right.weight"] == (c.conv_dim, 1, c.linear_conv_right_kernel_dim)
-    assert expected["model.layers.0.linear_attn.hist_key"] == (c.linear_num_value_heads, c.linear_key_head_dim)
-    assert expected["model.layers.0.linear_attn.hist_bias"] == (c.linear_num_value_heads,)
-    assert expected["model.layers.0.linear_attn.block_scale"] == (c.linear_num_value_heads,)
+    assert expected["model.layers.0.linear_attn.conv_right_weight"] == (c.conv_dim, c.linear_conv_kernel_dim - 1)
+    for name in ("bd_softmax_logit_scale", "bd_softmax_history_bias", "bd_softmax_history_c"):
+        assert expected[f"model.layers.0.linear_attn.{name}"] == (c.linear_num_value_heads,)
     # Clover tensors are random, not zero, in every preset.
     state = tiny_model.state_dict()
-    for name in ("conv1d_right.weight", "hist_key", "hist_bias"):
+    for name in ("conv_right_weight", "bd_softmax_history_bias", "bd_softmax_history_c"):
         assert state[f"model.layers.0.linear_attn.{name}"].abs().sum() > 0
 
 
@@ -161,8 +164,8 @@ def test_nested_text_config_round_trip(tmp_path: Path) -> None:
     text = data["text_config"]
     assert text["model_type"] == TEXT_MODEL_TYPE == "qwen3_5_moe_text"
     assert data["model_type"] == "clover_moe"
-    assert data["architectures"] == ["CloverMoeForBlockDiffusion"]
-    for name in CLOVER_FIELDS:
+    assert data["architectures"] == ["CloverMoeModelLM"]
+    for name in WRITTEN_FIELDS:
         assert name in data, f"clover field {name} must sit at the top level"
         assert name not in text
     for name in ("hidden_size", "num_hidden_layers", "layer_types", "rope_parameters", "vocab_size"):
@@ -170,7 +173,7 @@ def test_nested_text_config_round_trip(tmp_path: Path) -> None:
     names = stored_names(nested_dir)
     assert names and all(n.startswith("model.language_model.") or n == "lm_head.weight" for n in names)
     assert "lm_head.weight" in names
-    assert "model.language_model.layers.0.linear_attn.hist_key" in names
+    assert "model.language_model.layers.0.linear_attn.conv_right_weight" in names
 
     flat, nested = load_model(flat_dir), load_model(nested_dir)
     assert nested.config.nested_text_config and not flat.config.nested_text_config
@@ -231,7 +234,7 @@ def test_config_dict_round_trip_top_level(tiny_model) -> None:
     config = tiny_model.config
     data = config.to_dict()
     assert data["model_type"] == "clover_moe" and "text_config" not in data
-    for name in CLOVER_FIELDS:
+    for name in WRITTEN_FIELDS:
         assert name in data
     again = CloverConfig.from_dict(json.loads(json.dumps(data)))
     assert_same_config(again, config)
@@ -241,7 +244,7 @@ def test_config_dict_round_trip_top_level(tiny_model) -> None:
 def test_config_dict_round_trip_nested(tiny_model) -> None:
     nested = tiny_model.config.replace(nested_text_config=True)
     data = nested.to_dict()
-    assert set(data) >= set(CLOVER_FIELDS) | {"text_config", "model_type", "architectures"}
+    assert set(data) >= set(WRITTEN_FIELDS) | {"text_config", "model_type", "architectures"}
     again = CloverConfig.from_dict(json.loads(json.dumps(data)))
     assert_same_config(again, nested)
     assert again.to_dict() == data
@@ -259,12 +262,12 @@ def test_config_save_load(tiny_model, tmp_path: Path) -> None:
 def test_config_clover_fields_inside_text_config_are_read(tiny_model) -> None:
     """A nested config with clover fields only inside text_config still reads; writing moves them up."""
     data = tiny_model.config.replace(nested_text_config=True).to_dict()
-    for name in CLOVER_FIELDS:
+    for name in WRITTEN_FIELDS:
         data["text_config"][name] = data.pop(name)
     config = CloverConfig.from_dict(data)
     assert config.clover_fields() == tiny_model.config.clover_fields()
     out = config.to_dict()
-    assert all(name in out and name not in out["text_config"] for name in CLOVER_FIELDS)
+    assert all(name in out and name not in out["text_config"] for name in WRITTEN_FIELDS)
 
 
 def test_config_unknown_keys_are_preserved(tiny_model) -> None:
@@ -295,14 +298,16 @@ def test_config_unknown_keys_are_preserved(tiny_model) -> None:
 def test_config_defaults_of_clover_fields(tiny_model) -> None:
     data = tiny_model.config.to_dict()
     for name in ("block_size", "confidence_threshold", "calibrated_block_sizes", "calibrated_thresholds",
-                 "linear_conv_right_kernel_dim"):
+                 "coreset_top_p", "history_rows", "num_shared_experts"):
         del data[name]
     config = CloverConfig.from_dict(data)
     assert config.block_size == 32
     assert config.confidence_threshold == 0.95
     assert config.calibrated_block_sizes == [32]
     assert config.calibrated_thresholds == [0.95]
-    assert config.linear_conv_right_kernel_dim == 4
+    assert config.coreset_top_p == 1.0 and config.history_rows == 32 and config.history_readout_scale is None
+    assert config.readout_scale == 1 / math.sqrt(config.linear_key_head_dim)
+    assert config.conv_right_kernel == config.linear_conv_kernel_dim - 1 == 3
 
 
 def test_all_presets_have_consistent_rotary_sections() -> None:
