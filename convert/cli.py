@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Sequence, TextIO
 
 from clover_ref import cli_runner, safe_output
 from clover_ref.block_settings import Overrides
+from clover_ref.layout import ARCH_SPELLINGS, CONV_RIGHT_ORDERS, GGUF_ARCH
 from clover_ref.cli_runner import OneLineParser
 from clover_ref.errors import BadInput
 
@@ -61,6 +63,26 @@ def unit_float(text: str) -> float:
     return value
 
 
+def coreset_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 QUANT_TYPES = [t.name for t in FILE_TYPES if t.name not in UNQUANTIZED_FILE_TYPES]
 
 
@@ -73,7 +95,8 @@ def out_type(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description="Convert a Clover Hugging Face checkpoint to GGUF "
-                     "(architecture 'clover'), streaming with bounded memory; or convert and quantize it in one "
+                     "(spec v2, architecture 'clover_moe'), streaming with bounded memory; or convert and quantize it "
+                     "in one "
                      "pass (--outtype Q4_K_M and the other clover-quantize types).")
     parser.add_argument("model", type=Path, help="the Hugging Face checkpoint directory")
     parser.add_argument("outfile_arg", type=Path, nargs="?", metavar="OUT.gguf",
@@ -111,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_argument("--threshold", type=unit_float, metavar="X",
                           help="the LowConfidence threshold in [0, 1] (default: confidence_threshold, threshold "
                                "or diffusion_threshold; 0.95)")
+    settings.add_argument("--coreset-top-p", type=coreset_float, metavar="P",
+                          help="the block expert coreset's top_p in (0, 1] (default: coreset_top_p or "
+                               "block_coreset_top_p; 1 = off, per-row routing)")
+    settings.add_argument("--history-rows", type=positive_int, metavar="N",
+                          help="the rows of a full window, the history slot's normaliser (default: history_rows; 32)")
+    settings.add_argument("--history-readout-scale", type=finite_float, metavar="X",
+                          help="the scale of the history readout S^T q (default: 1/sqrt(linear_key_head_dim))")
+    settings.add_argument("--conv-right-order", choices=CONV_RIGHT_ORDERS, default="cd",
+                          help="the layout of a flat conv_right_weight [conv_dim*K_r]: cd = [channel][tap] "
+                               "(default, cortiq's), dc = [tap][channel]")
+    parser.add_argument("--arch-name", default=GGUF_ARCH, metavar="NAME",
+                        help=f"the GGUF architecture string (default {GGUF_ARCH}; the loader also takes "
+                             f"{', '.join(a for a in ARCH_SPELLINGS if a != GGUF_ARCH)})")
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="convert weights that hold NaN or inf (a warning names each tensor and the count); "
                              "without it they are an error")
@@ -145,7 +181,9 @@ def _run(args: argparse.Namespace) -> int:
         split_max_size=args.split_max_size, split_max_tensors=args.split_max_tensors, dry_run=args.dry_run,
         skeleton=args.skeleton,
         metadata=args.metadata, threads=threads, allow_nonfinite=args.allow_nonfinite, imatrix=args.imatrix,
-        block_settings=Overrides(args.mask_token, args.block_size, args.threshold),
+        block_settings=Overrides(args.mask_token, args.block_size, args.threshold, args.coreset_top_p,
+                                 args.history_rows, args.history_readout_scale),
+        conv_right_order=args.conv_right_order, arch=args.arch_name,
     )
     with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary directory
         result = convert(options)

@@ -48,7 +48,9 @@ class ConvertOptions:
     allow_nonfinite: bool = False  # NaN/inf weights: a warning per tensor instead of an error
     progress: bool | None = None  # None: a progress bar only when stderr is a terminal
     imatrix: Path | None = None  # with a quantization type (clover-quantize's --imatrix)
-    block_settings: Overrides = Overrides()  # --mask-token, --block-size, --threshold (spec 2.2)
+    block_settings: Overrides = Overrides()  # --mask-token, --block-size, --threshold, ... (spec 2.2)
+    conv_right_order: str = "cd"  # --conv-right-order (spec 2.3)
+    arch: str = ARCH  # --arch-name (spec 5)
 
 
 @dataclass
@@ -130,6 +132,12 @@ def _describe_model(writer: GGUFWriter, model_dir: Path, metadata_path: Path | N
     total, shared, expert, expert_count = writer.get_total_parameter_count()
     metadata = Metadata.load(metadata_path, model_dir, None, total)
     metadata.license = override.get("general.license", metadata.license)
+    if metadata.sampling_penalty_repeat is None and "general.sampling.penalty_repeat" not in override:
+        # the pinned llama.cpp's Metadata.load also reads generation_config.json's repetition_penalty (the wheel's
+        # gguf does not); the release's penalties are named that way (spec 4)
+        generation = Metadata.load_generation_config(model_dir)
+        if isinstance(generation, dict) and isinstance(generation.get("repetition_penalty"), (int, float)):
+            metadata.sampling_penalty_repeat = float(generation["repetition_penalty"])
     if metadata.name is None:
         metadata.name = model_dir.name
     if metadata.size_label is None and total > 0:
@@ -166,14 +174,14 @@ def convert(options: ConvertOptions) -> ConvertResult:
     imatrix = load_imatrix(options.imatrix) if options.imatrix is not None else None
     out_type = source_out_type(index) if quant is not None and index is not None else \
         resolve_out_type(options.outtype, index, raw_config)
-    plan = build_plan(config, out_type, index)
+    plan = build_plan(config, out_type, index, options.conv_right_order)
     if options.dry_run and not (model_dir / TOKENIZER_FILE).exists():
         log.warning("%s has no %s: the plan leaves out the tokenizer keys", model_dir, TOKENIZER_FILE)
         tokenizer = None
     else:
         tokenizer = read_tokenizer_keys(model_dir, config.vocab_size, config.mask_token_id)
 
-    writer = GGUFWriter(None, ARCH, split_max_tensors=options.split_max_tensors,
+    writer = GGUFWriter(None, options.arch, split_max_tensors=options.split_max_tensors,
                         split_max_size=options.split_max_size)
     pipeline = None if options.dry_run or quant is not None else \
         ChunkPipeline(plan, options.threads, options.allow_nonfinite)

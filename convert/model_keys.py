@@ -1,5 +1,6 @@
-"""Hyper-parameter keys: everything llama.cpp's converter writes for ``qwen35moe`` (no MTP), under ``clover.``,
-then the Clover keys of spec section 5.
+"""Hyper-parameter keys: everything llama.cpp's converter writes for ``qwen35moe`` (no MTP) plus
+``expert_shared_count`` (as upstream's Clover converter), under the architecture's prefix (``clover_moe.``), then
+the block-diffusion keys of spec section 5.
 
 The order and conditions follow the vendored converter: ``TextModel.set_gguf_parameters``
 (``conversion/base.py``), then ``Qwen2MoeModel``, ``Qwen3NextModel`` and ``_Qwen35MRopeMixin``
@@ -15,8 +16,9 @@ from gguf import ExpertGatingFuncType, GGUFValueType, GGUFWriter, Keys, LlamaFil
 
 from clover_ref.config import CloverConfig
 from clover_ref.errors import CloverInputError
+from clover_ref.layout import GGUF_ARCH
 
-ARCH = "clover"
+ARCH = GGUF_ARCH  # the default; --arch-name writes another (the writer's arch is the key prefix)
 
 # Optional fields and the keys llama.cpp's TextModel looks them up under, first match wins.
 _FEED_FORWARD_FIELDS = ("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size", "n_inner",
@@ -77,13 +79,16 @@ def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[st
     # Qwen2MoeModel
     writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    # CloverMoeModel (upstream's conversion/clover.py): num_shared_experts, always 1 here (CloverConfig refuses more)
+    writer.add_expert_shared_count(c.num_shared_experts)
     # Qwen3NextModel (the wheel's writer lacks add_recurrent_layers: write the bool array directly)
     writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     writer.add_ssm_state_size(c.linear_key_head_dim)
     writer.add_ssm_group_count(c.linear_num_key_heads)
     writer.add_ssm_time_step_rank(c.linear_num_value_heads)
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    writer.add_key_value(f"{ARCH}.attention.recurrent_layers", [c.is_linear(i) for i in range(c.num_hidden_layers)],
+    writer.add_key_value(f"{writer.arch}.attention.recurrent_layers",
+                         [c.is_linear(i) for i in range(c.num_hidden_layers)],
                          GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
     writer.add_full_attention_interval(c.full_attention_interval)
     writer.add_rope_dimension_count(c.rotary_dim)
@@ -91,13 +96,17 @@ def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[st
 
 
 def add_clover_keys(writer: GGUFWriter, config: CloverConfig) -> None:
-    """The block-diffusion keys of spec section 5 (the mask token id is written with the tokenizer)."""
+    """The block-diffusion keys of spec section 5 (the mask token id is written with the tokenizer). The
+    calibrated block sizes and thresholds are this toolkit's extension (absent from other converters' files)."""
     assert config.calibrated_block_sizes is not None and config.calibrated_thresholds is not None
-    writer.add_uint32(f"{ARCH}.block_size", config.block_size)
-    writer.add_float32(f"{ARCH}.diffusion.threshold", float(config.confidence_threshold))
-    writer.add_key_value(f"{ARCH}.diffusion.calibrated_block_sizes", [int(b) for b in config.calibrated_block_sizes],
+    arch = writer.arch
+    writer.add_uint32(f"{arch}.block_size", config.block_size)
+    writer.add_float32(f"{arch}.diffusion.threshold", float(config.confidence_threshold))
+    writer.add_float32(f"{arch}.diffusion.coreset_top_p", float(config.coreset_top_p))
+    writer.add_uint32(f"{arch}.diffusion.history_rows", config.history_rows)
+    writer.add_float32(f"{arch}.bd.history_readout_scale", float(config.readout_scale))
+    writer.add_key_value(f"{arch}.diffusion.calibrated_block_sizes", [int(b) for b in config.calibrated_block_sizes],
                          GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
-    writer.add_key_value(f"{ARCH}.diffusion.calibrated_thresholds", [float(t) for t in config.calibrated_thresholds],
+    writer.add_key_value(f"{arch}.diffusion.calibrated_thresholds", [float(t) for t in config.calibrated_thresholds],
                          GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
-    writer.add_uint32(f"{ARCH}.ssm.conv_right_kernel", config.linear_conv_right_kernel_dim)
     writer.add_bool(Keys.Diffusion.SHIFT_LOGITS, True)

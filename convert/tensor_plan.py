@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from clover_ref.config import CloverConfig
 from clover_ref.errors import CloverInputError
-from clover_ref.layout import is_clover_tensor, layer_tensor_shapes
+from clover_ref.layout import check_conv_right_shape, is_clover_tensor, is_v1_tensor, layer_tensor_shapes
 
 from clover_quantize.file_types import tensor_nbytes
 
@@ -117,8 +117,10 @@ def choose_type(name: str, shape: tuple[int, ...], out: OutType, always_f32: boo
 
 
 class _PlanBuilder:
-    def __init__(self, config: CloverConfig, out: OutType, index: CheckpointIndex | None) -> None:
+    def __init__(self, config: CloverConfig, out: OutType, index: CheckpointIndex | None,
+                 conv_right_order: str = "cd") -> None:
         self.config = config
+        self.conv_right_order = conv_right_order
         self.out = out
         self.index = index
         self.tensors: list[TensorPlan] = []
@@ -186,7 +188,7 @@ class _PlanBuilder:
 
     def linear_attention(self, hf: str, blk: str, shapes: dict[str, tuple[int, ...]]) -> None:
         c = self.config
-        d, nv, hv, hk = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim
+        d, nv, hv = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim
         a = hf + "linear_attn."
 
         def heads(leaf: str, first: int, head_elements: int) -> list[SourceSpan]:
@@ -205,13 +207,36 @@ class _PlanBuilder:
         self.add(blk + "ssm_out.weight", (d, c.value_dim),
                  self.whole(a + "out_proj.weight", shapes["linear_attn.out_proj.weight"]),
                  column_order=value_column_order(c.linear_num_key_heads, nv, hv))
-        # Clover tensors: the same value-head order, always F32.
-        kr = c.linear_conv_right_kernel_dim
-        self.add(blk + "ssm_conv1d_right.weight", (c.conv_dim, kr),
-                 heads("conv1d_right.weight", 2 * c.key_dim * kr, hv * kr), always_f32=True)
-        self.add(blk + "ssm_hist.weight", (nv, hk), heads("hist_key", 0, hk), always_f32=True)
-        self.add(blk + "ssm_hist.bias", (nv,), heads("hist_bias", 0, 1), always_f32=True)
-        self.add(blk + "ssm_blk_scale.weight", (nv,), heads("block_scale", 0, 1), always_f32=True)
+        # block-diffusion tensors (spec 5): the same value-head order, always F32
+        self.block_diffusion(a, blk, shapes)
+
+    def block_diffusion(self, a: str, blk: str, shapes: dict[str, tuple[int, ...]]) -> None:
+        c = self.config
+        nv, hv, kr = c.linear_num_value_heads, c.linear_value_head_dim, c.conv_right_kernel
+        conv_right = a + "conv_right_weight"
+        shape = self._source_shape(conv_right, shapes["linear_attn.conv_right_weight"])
+        self.expect(conv_right, shape)
+        if self.conv_right_order == "dc" and len(shape) == 1:  # flat [d-1][c]: channel c's taps are strided
+            channels = list(range(2 * c.key_dim)) + [2 * c.key_dim + h * hv + i for h in self.value_heads
+                                                     for i in range(hv)]
+            spans = [SourceSpan(conv_right, d * c.conv_dim + ch, 1) for ch in channels for d in range(kr)]
+        else:
+            spans = self.by_value_head(conv_right, shape, 2 * c.key_dim * kr, hv * kr)
+        self.add(blk + "bd_conv_right.weight", (c.conv_dim, kr), spans, always_f32=True)
+        for leaf, gguf_name in (("bd_softmax_logit_scale", "bd_logit_scale"),
+                                ("bd_softmax_history_bias", "bd_history_bias"),
+                                ("bd_softmax_history_c", "bd_history_c")):
+            self.add(blk + gguf_name, (nv,), self.by_value_head(a + leaf, shapes["linear_attn." + leaf], 0, 1),
+                     always_f32=True)
+
+    def _source_shape(self, hf_name: str, canonical: tuple[int, ...]) -> tuple[int, ...]:
+        """conv_right_weight's stored shape (any accepted rank, K_r checked against the kernel), or the
+        canonical one when planning without weights."""
+        source = self.index.tensors.get(hf_name) if self.index is not None else None
+        if source is None:
+            return canonical
+        check_conv_right_shape(tuple(source.shape), self.config, source.name, source.path)
+        return tuple(source.shape)
 
     def full_attention(self, hf: str, blk: str, shapes: dict[str, tuple[int, ...]]) -> None:
         for hf_leaf, gguf_leaf in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
@@ -261,9 +286,11 @@ def _merge_adjacent(spans: list[SourceSpan]) -> list[SourceSpan]:
     return merged
 
 
-def build_plan(config: CloverConfig, out: OutType, index: CheckpointIndex | None) -> ConversionPlan:
-    """Plan the conversion; with an index, also check every tensor against the config and bind the sources."""
-    plan = _PlanBuilder(config, out, index).build()
+def build_plan(config: CloverConfig, out: OutType, index: CheckpointIndex | None,
+               conv_right_order: str = "cd") -> ConversionPlan:
+    """Plan the conversion; with an index, also check every tensor against the config and bind the sources.
+    ``conv_right_order`` is how a flat conv_right_weight is laid out (--conv-right-order, spec 2.3)."""
+    plan = _PlanBuilder(config, out, index, conv_right_order).build()
     if index is not None:
         bind_sources(plan, index)
     return plan
@@ -271,6 +298,11 @@ def build_plan(config: CloverConfig, out: OutType, index: CheckpointIndex | None
 
 def bind_sources(plan: ConversionPlan, index: CheckpointIndex) -> None:
     """Attach the stored tensors, failing on a missing, misshapen or unknown tensor (naming it)."""
+    for hf_name, source in index.tensors.items():
+        if is_v1_tensor(hf_name):
+            raise CloverInputError(source.path, f"holds tensor '{source.name}', a spec v1 block tensor, which is "
+                                                "retired; this toolkit reads spec v2 (conv_right_weight, bd_softmax_*: "
+                                                "the released format)")
     for hf_name, shape in plan.expected_inputs.items():
         source = index.tensors.get(hf_name)
         if source is None:

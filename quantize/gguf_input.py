@@ -11,10 +11,9 @@ from typing import Any
 from gguf import GGMLQuantizationType, GGUFReader
 
 from clover_ref.errors import BadInput
+from clover_ref.layout import ARCH_SPELLINGS, V1_GGUF_ARCH
 
 from .file_types import is_quantized
-
-ARCH = "clover"
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
@@ -93,11 +92,12 @@ def read_input(path: Path) -> InputModel:
             arch = field_value(reader, "general.architecture")
             if not isinstance(arch, str):
                 raise InputError(f"{shard}: general.architecture is missing: not a llama.cpp model GGUF")
-            if arch != ARCH:
-                raise InputError(f"{shard}: general.architecture is '{arch}', not '{ARCH}': "
+            if arch == V1_GGUF_ARCH:
+                raise InputError(f"{shard}: general.architecture is '{arch}', spec v1, which is retired: convert the "
+                                 "checkpoint again with clover-convert (spec v2, architecture clover_moe)")
+            if arch not in ARCH_SPELLINGS:
+                raise InputError(f"{shard}: general.architecture is '{arch}', not one of {', '.join(ARCH_SPELLINGS)}: "
                                  "clover-quantize only quantizes Clover GGUF files (clover-convert makes them)")
-            if field_value(reader, "clover.block_size") is None:
-                raise InputError(f"{shard}: clover.block_size is missing: not a complete Clover GGUF")
             file_type = field_value(reader, "general.file_type")
         for t in reader.tensors:
             tensors.append(InputTensor(t.name, tuple(int(d) for d in t.shape), GGMLQuantizationType(t.tensor_type),

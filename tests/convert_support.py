@@ -28,8 +28,9 @@ from clover_ref.layout import canonical_name, is_clover_tensor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
-CLOVER_KEYS = {"ARCH.block_size", "ARCH.diffusion.threshold", "ARCH.diffusion.calibrated_block_sizes",
-               "ARCH.diffusion.calibrated_thresholds", "ARCH.ssm.conv_right_kernel", "diffusion.shift_logits"}
+CLOVER_KEYS = {"ARCH.block_size", "ARCH.diffusion.threshold", "ARCH.diffusion.coreset_top_p",
+               "ARCH.diffusion.history_rows", "ARCH.bd.history_readout_scale", "ARCH.diffusion.calibrated_block_sizes",
+               "ARCH.diffusion.calibrated_thresholds", "diffusion.shift_logits"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -93,17 +94,16 @@ def expected_gguf(state: dict[str, torch.Tensor], c: CloverConfig) -> Iterator[t
             yield b + "attn_gate.weight", heads(state[a + "in_proj_z.weight"], hv)
             yield b + "ssm_alpha.weight", heads(state[a + "in_proj_a.weight"], 1)
             yield b + "ssm_beta.weight", heads(state[a + "in_proj_b.weight"], 1)
-            for hf, name in (("conv1d.weight", "ssm_conv1d.weight"),
-                             ("conv1d_right.weight", "ssm_conv1d_right.weight")):
-                conv = state[a + hf].squeeze(1)
+            for hf, name in (("conv1d.weight", "ssm_conv1d.weight"), ("conv_right_weight", "bd_conv_right.weight")):
+                conv = state[a + hf].reshape(c.conv_dim, -1)
                 yield b + name, torch.cat([conv[:qk], heads(conv[qk:], hv)])
             yield b + "ssm_a", -torch.exp(heads(state[a + "A_log"], 1))
             yield b + "ssm_dt.bias", heads(state[a + "dt_bias"], 1)
             yield b + "ssm_norm.weight", state[a + "norm.weight"]
             yield b + "ssm_out.weight", heads(state[a + "out_proj.weight"], hv, dim=1)
-            yield b + "ssm_hist.weight", heads(state[a + "hist_key"], 1)
-            yield b + "ssm_hist.bias", heads(state[a + "hist_bias"], 1)
-            yield b + "ssm_blk_scale.weight", heads(state[a + "block_scale"], 1)
+            for hf, name in (("bd_softmax_logit_scale", "bd_logit_scale"),
+                             ("bd_softmax_history_bias", "bd_history_bias"), ("bd_softmax_history_c", "bd_history_c")):
+                yield b + name, heads(state[a + hf], 1)
         else:
             for hf, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
                              ("o_proj", "attn_output")):
@@ -130,8 +130,8 @@ def expected_gguf(state: dict[str, torch.Tensor], c: CloverConfig) -> Iterator[t
 
 
 F32_ALWAYS = ("_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ffn_gate_inp.weight",
-              "ffn_gate_inp_shexp.weight", "ssm_conv1d_right.weight", "ssm_hist.weight", "ssm_hist.bias",
-              "ssm_blk_scale.weight")
+              "ffn_gate_inp_shexp.weight", "bd_conv_right.weight", "bd_logit_scale", "bd_history_bias",
+              "bd_history_c")
 
 
 def expected_type(name: str, shape: tuple[int, ...], outtype: str) -> gguf.GGMLQuantizationType:
@@ -229,6 +229,36 @@ def vendored_convert(model_dir: Path, out: Path, outtype: str) -> Path:
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+def llama_cpp_clover_file(qwen35moe: Path, dst: Path, arch: str = "clover_moe") -> Path:
+    """The file llama.cpp's own Clover converter would write (spec 5; docs/gguf-format.md says what this assumes):
+    the vendored ``qwen35moe`` converter's output for the same trunk, with the architecture and its keys renamed
+    to ``arch`` and ``expert_shared_count`` added after ``expert_shared_feed_forward_length``, as upstream's
+    ``CloverMoeModel`` does (``add_expert_shared_count(num_shared_experts)``). Tensors are copied byte for byte.
+    The arch string itself is a guess (spec 0): upstream's llama-arch.cpp could not be read."""
+    reader = gguf.GGUFReader(str(qwen35moe))
+    old = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = arch + name[len(old):] if name.startswith(old + ".") else name
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), vtype)
+        if key == f"{arch}.expert_shared_feed_forward_length":
+            writer.add_uint32(f"{arch}.expert_shared_count", 1)
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        writer.add_tensor(t.name, np.asarray(t.data), raw_shape=shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
 
 
 def n_elements(shape: tuple[int, ...]) -> int:

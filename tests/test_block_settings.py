@@ -71,7 +71,7 @@ def test_the_mask_token_by_name(model: Path, capsys: pytest.CaptureFixture[str],
     code, _, err = run_convert(capsys, model, tmp_path / "x.gguf", "--outtype", "f32")
     assert code == 0, err
     assert "mask_token_id is not in config.json: using 3007" in err
-    assert fields(tmp_path / "x.gguf", "clover")["tokenizer.ggml.mask_token_id"][1] == MASK
+    assert fields(tmp_path / "x.gguf", "clover_moe")["tokenizer.ggml.mask_token_id"][1] == MASK
 
 
 def test_command_line_overrides(model: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -81,7 +81,7 @@ def test_command_line_overrides(model: Path, capsys: pytest.CaptureFixture[str],
                                "--block-size", "4", "--threshold", "0.5")
     assert code == 0, err
     assert "calibrated_block_sizes is dropped" in err
-    got = fields(tmp_path / "x.gguf", "clover")
+    got = fields(tmp_path / "x.gguf", "clover_moe")
     assert got["tokenizer.ggml.mask_token_id"][1] == MASK
     assert got["ARCH.block_size"][1] == 4
     assert got["ARCH.diffusion.threshold"][1] == pytest.approx(0.5)

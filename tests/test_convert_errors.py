@@ -75,11 +75,12 @@ def test_truncated_safetensors(model: Path, out_dir: Path, capsys) -> None:
 
 def test_header_shape_disagreeing_with_config(model: Path, out_dir: Path, capsys) -> None:
     def reshape(tensors: dict) -> None:
-        name = "model.layers.1.linear_attn.hist_key"
-        tensors[name] = tensors[name].reshape(2, -1).contiguous()
+        name = "model.layers.1.linear_attn.in_proj_z.weight"
+        tensors[name] = tensors[name].reshape(32, -1).contiguous()
 
     rewrite_weights(model, reshape)
-    assert_fails(capsys, model, out_dir, "model.layers.1.linear_attn.hist_key", "[2, 32]", "[4, 16]", "config.json")
+    assert_fails(capsys, model, out_dir, "model.layers.1.linear_attn.in_proj_z.weight", "[32, 128]", "[64, 64]",
+                 "config.json")
 
 
 def test_unknown_tensor(model: Path, out_dir: Path, capsys) -> None:
@@ -91,8 +92,51 @@ def test_unknown_tensor(model: Path, out_dir: Path, capsys) -> None:
 
 
 def test_missing_clover_tensor(model: Path, out_dir: Path, capsys) -> None:
-    rewrite_weights(model, lambda tensors: tensors.pop("model.layers.2.linear_attn.block_scale"))
-    assert_fails(capsys, model, out_dir, "model.layers.2.linear_attn.block_scale", "missing")
+    rewrite_weights(model, lambda tensors: tensors.pop("model.layers.2.linear_attn.bd_softmax_logit_scale"))
+    assert_fails(capsys, model, out_dir, "model.layers.2.linear_attn.bd_softmax_logit_scale", "missing")
+
+
+# ----- spec v2 (sections 2.1-2.3): v1 files, K_r, the block-diffusion tensors' ranks and lengths, the settings
+def test_v1_architecture_is_refused_naming_v2(model: Path, out_dir: Path, capsys) -> None:
+    edit_config(model, architectures=["CloverMoeForBlockDiffusion"])
+    assert_fails(capsys, model, out_dir, "config.json", "field 'architectures'", "spec v1", "spec v2",
+                 "CloverMoeModelLM")
+
+
+def test_v1_config_field_is_refused(model: Path, out_dir: Path, capsys) -> None:
+    edit_config(model, linear_conv_right_kernel_dim=4)
+    assert_fails(capsys, model, out_dir, "config.json", "field 'linear_conv_right_kernel_dim'", "spec v1")
+
+
+def test_v1_block_tensors_are_refused_naming_v2(model: Path, out_dir: Path, capsys) -> None:
+    def to_v1(tensors: dict) -> None:
+        a = "model.layers.0.linear_attn."
+        tensors[a + "hist_key"] = torch.zeros(4, 16, dtype=torch.bfloat16)
+        del tensors[a + "bd_softmax_history_c"]
+
+    rewrite_weights(model, to_v1)
+    assert_fails(capsys, model, out_dir, "model.layers.0.linear_attn.hist_key", "spec v1", "spec v2")
+
+
+@pytest.mark.parametrize("shape, why", [((128, 4), "K_r = 4"), ((128, 2, 3), "must be"), ((128 * 3 + 1,), "must be"),
+                                        ((3, 128), "must be")])
+def test_conv_right_weight_of_a_wrong_rank_or_kernel(model: Path, out_dir: Path, capsys, shape, why) -> None:
+    name = "model.layers.1.linear_attn.conv_right_weight"
+    rewrite_weights(model, lambda tensors: tensors.__setitem__(name, torch.zeros(shape, dtype=torch.bfloat16)))
+    assert_fails(capsys, model, out_dir, name, why)
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 1), ()])
+def test_block_diffusion_vector_of_a_wrong_length(model: Path, out_dir: Path, capsys, shape) -> None:
+    name = "model.layers.0.linear_attn.bd_softmax_history_bias"
+    rewrite_weights(model, lambda tensors: tensors.__setitem__(name, torch.zeros(shape, dtype=torch.bfloat16)))
+    assert_fails(capsys, model, out_dir, name, "[4]")
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.5, "0.9"])
+def test_coreset_top_p_outside_the_unit_interval(model: Path, out_dir: Path, capsys, value) -> None:
+    edit_config(model, coreset_top_p=value)
+    assert_fails(capsys, model, out_dir, "config.json", "field 'coreset_top_p'", "(0, 1]")
 
 
 @pytest.mark.parametrize("dtype, label", [(torch.float64, "F64"), (torch.int32, "I32")])
@@ -146,6 +190,10 @@ def test_no_mask_token_and_no_candidate(model: Path, out_dir: Path, capsys) -> N
     (("--mask-token", "<|nope|>"), "--mask-token '<|nope|>' is not a token"),
     (("--threshold", "1.5"), "expected a number in [0, 1]"),
     (("--block-size", "0"), "expected a positive integer"),
+    (("--coreset-top-p", "0"), "expected a number in (0, 1]"),
+    (("--coreset-top-p", "1.01"), "expected a number in (0, 1]"),
+    (("--history-rows", "0"), "expected a positive integer"),
+    (("--history-readout-scale", "nan"), "expected a finite number"),
 ])
 def test_bad_block_setting_options(model: Path, out_dir: Path, capsys, option: tuple[str, str],
                                    fragment: str) -> None:

@@ -4,6 +4,7 @@ documented transform, and every metadata key the spec names is present with the 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -40,12 +41,12 @@ def assert_round_trip(model_dir: Path, path: Path, outtype: str) -> None:
 
 
 def assert_spec_keys(path: Path, config: CloverConfig, outtype: str) -> None:
-    """Spec section 5: the qwen35moe keys under clover., the clover keys, tokenizer and general keys."""
+    """Spec section 5: the qwen35moe keys under clover_moe., the clover keys, tokenizer and general keys."""
     c = config
-    got = fields(path, "clover")
+    got = fields(path, "clover_moe")
     f32 = lambda x: float(np.float32(x))  # noqa: E731
     want = {
-        "general.architecture": ([V.STRING], "clover"),
+        "general.architecture": ([V.STRING], "clover_moe"),
         "general.type": ([V.STRING], "model"),
         "general.file_type": ([V.UINT32], FILE_TYPES[outtype]),
         "general.quantization_version": ([V.UINT32], 2),
@@ -76,7 +77,10 @@ def assert_spec_keys(path: Path, config: CloverConfig, outtype: str) -> None:
         "ARCH.diffusion.threshold": ([V.FLOAT32], f32(c.confidence_threshold)),
         "ARCH.diffusion.calibrated_block_sizes": ([V.ARRAY, V.UINT32], c.calibrated_block_sizes),
         "ARCH.diffusion.calibrated_thresholds": ([V.ARRAY, V.FLOAT32], [f32(t) for t in c.calibrated_thresholds]),
-        "ARCH.ssm.conv_right_kernel": ([V.UINT32], c.linear_conv_right_kernel_dim),
+        "ARCH.diffusion.coreset_top_p": ([V.FLOAT32], f32(c.coreset_top_p)),
+        "ARCH.diffusion.history_rows": ([V.UINT32], c.history_rows),
+        "ARCH.bd.history_readout_scale": ([V.FLOAT32], f32(1 / math.sqrt(c.linear_key_head_dim))),
+        "ARCH.expert_shared_count": ([V.UINT32], 1),
         "diffusion.shift_logits": ([V.BOOL], True),
         "tokenizer.ggml.mask_token_id": ([V.UINT32], c.mask_token_id),
         # tokenizer
@@ -116,12 +120,15 @@ def test_value_heads_are_tiled(tiny_checkpoint: Path, tmp_path: Path, capsys) ->
     state = hf_state(tiny_checkpoint)
     for h in range(n_v):
         hf_head = (h % n_k) * (n_v // n_k) + h // n_k
-        assert tensors["blk.0.ssm_hist.bias"][h] == state["model.layers.0.linear_attn.hist_bias"][hf_head]
-        assert tensors["blk.0.ssm_blk_scale.weight"][h] == state["model.layers.0.linear_attn.block_scale"][hf_head]
-        np.testing.assert_array_equal(tensors["blk.0.ssm_hist.weight"][h],
-                                      state["model.layers.0.linear_attn.hist_key"][hf_head].numpy())
-    assert n_v > 1 and not np.array_equal(tensors["blk.0.ssm_hist.bias"],
-                                          state["model.layers.0.linear_attn.hist_bias"].numpy())
+        for hf, name in (("bd_softmax_logit_scale", "bd_logit_scale"), ("bd_softmax_history_bias", "bd_history_bias"),
+                         ("bd_softmax_history_c", "bd_history_c")):
+            assert tensors[f"blk.0.{name}"][h] == state[f"model.layers.0.linear_attn.{hf}"][hf_head]
+        v = 2 * config.key_dim + h * config.linear_value_head_dim  # first channel of GGUF value head h
+        hf_v = 2 * config.key_dim + hf_head * config.linear_value_head_dim
+        np.testing.assert_array_equal(tensors["blk.0.bd_conv_right.weight"][v],
+                                      state["model.layers.0.linear_attn.conv_right_weight"][hf_v].numpy())
+    assert n_v > 1 and not np.array_equal(tensors["blk.0.bd_history_bias"],
+                                          state["model.layers.0.linear_attn.bd_softmax_history_bias"].numpy())
 
 
 def _same_tensors(a: Path, b: Path) -> None:
@@ -184,7 +191,7 @@ def test_auto_is_bf16_for_bf16_sources_and_default_name(tiny_checkpoint: Path, t
     code, out, err = run_convert(capsys, model)
     assert code == 0, err
     (path,) = model.glob("*.gguf")
-    got = fields(path, "clover")
+    got = fields(path, "clover_moe")
     assert path.name == f"{got['general.name'][1]}-{got['general.size_label'][1]}-BF16.gguf"
     assert got["general.file_type"][1] == FILE_TYPES["bf16"]
     assert out.strip() == str(path)
@@ -197,7 +204,7 @@ def test_metadata_override(tiny_checkpoint: Path, tmp_path: Path, capsys) -> Non
     code, _, err = run_convert(capsys, tiny_checkpoint, "--outfile", tmp_path, "--outtype", "bf16", "--metadata", meta)
     assert code == 0, err
     (path,) = tmp_path.glob("*.gguf")
-    got = fields(path, "clover")
+    got = fields(path, "clover_moe")
     assert got["general.name"][1] == "Clover Test"
     assert got["general.license"][1] == "apache-2.0"
     assert got["general.base_model.0.name"][1] == "Qwen3.6 35B A3B"
@@ -210,7 +217,7 @@ def test_licence_and_base_model_from_the_model_card(tiny_checkpoint: Path, tmp_p
     model = copy_checkpoint(tiny_checkpoint, tmp_path / "Clover-Tiny-Preview")
     (model / "README.md").write_text("---\nlicense: apache-2.0\nbase_model: Qwen/Qwen3.6-35B-A3B\n---\n# Clover\n")
     out = convert(capsys, model, tmp_path / "x.gguf", "bf16")
-    got = fields(out, "clover")
+    got = fields(out, "clover_moe")
     assert got["general.license"][1] == "apache-2.0"
     assert got["general.base_model.count"][1] == 1
     assert got["general.base_model.0.repo_url"][1] == "https://huggingface.co/Qwen/Qwen3.6-35B-A3B"
@@ -368,3 +375,41 @@ def test_mid_peak_memory_is_bounded(mid_checkpoint: Path, tmp_path: Path) -> Non
     peak_mib = int(done.stdout.split()[-1]) / 1024
     assert (tmp_path / "m.gguf").stat().st_size > 300e6
     assert peak_mib < 512, f"peak RSS {peak_mib:.0f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------ spec v2 format
+@pytest.mark.parametrize("rank", ["3d", "flat", "flat-dc"])
+def test_conv_right_weight_in_every_accepted_rank(tiny_checkpoint: Path, tmp_path: Path, capsys, rank: str) -> None:
+    """spec 2.3: [conv_dim, K_r], [conv_dim, 1, K_r] and flat [conv_dim*K_r] ([c][d-1], or [d-1][c] with
+    --conv-right-order dc) give the same GGUF."""
+    from convert_support import copy_checkpoint, rewrite_weights
+
+    want = convert(capsys, tiny_checkpoint, tmp_path / "want.gguf", "f32")
+    model = copy_checkpoint(tiny_checkpoint, tmp_path / "model")
+
+    def reshape(tensors: dict) -> None:
+        for name in [n for n in tensors if n.endswith("linear_attn.conv_right_weight")]:
+            t = tensors[name]
+            tensors[name] = {"3d": t[:, None, :], "flat": t.reshape(-1), "flat-dc": t.T.reshape(-1)}[rank].contiguous()
+
+    rewrite_weights(model, reshape)
+    extra = ("--conv-right-order", "dc") if rank == "flat-dc" else ()
+    got = convert(capsys, model, tmp_path / "got.gguf", "f32", *extra)
+    _same_tensors(want, got)
+
+
+def test_arch_name_option_and_sampling_keys(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    """spec 5: --arch-name writes another spelling under its own prefix; general.sampling.* come from
+    generation_config.json, as llama.cpp's converter writes them."""
+    from convert_support import copy_checkpoint
+
+    model = copy_checkpoint(tiny_checkpoint, tmp_path / "model")
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                              "repetition_penalty": 1.05}))
+    out = convert(capsys, model, tmp_path / "x.gguf", "f32", "--arch-name", "clover-moe")
+    got = fields(out, "clover-moe")
+    assert got["general.architecture"][1] == "clover-moe"
+    assert got["ARCH.block_size"][1] == 8 and got["ARCH.expert_shared_count"][1] == 1
+    assert got["general.sampling.temp"][1] == pytest.approx(0.6)
+    assert got["general.sampling.top_k"][1] == 20
+    assert got["general.sampling.penalty_repeat"][1] == pytest.approx(1.05)

@@ -15,9 +15,9 @@ import gguf
 import numpy as np
 import pytest
 
-from convert_support import CLOVER_KEYS, convert, fields, make_qwen_twin, vendored_convert
+from convert_support import CLOVER_KEYS, convert, fields, llama_cpp_clover_file, make_qwen_twin, vendored_convert
 
-CLOVER_TENSOR_SUFFIXES = ("ssm_conv1d_right.weight", "ssm_hist.weight", "ssm_hist.bias", "ssm_blk_scale.weight")
+CLOVER_TENSOR_SUFFIXES = ("bd_conv_right.weight", "bd_logit_scale", "bd_history_bias", "bd_history_c")
 # general.size_label counts parameters, and ours has the Clover tensors too
 DIFFERENT_VALUES = {"general.architecture", "general.size_label"}
 
@@ -37,7 +37,7 @@ def mid_twin(mid_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return twin_of(mid_checkpoint, tmp_path_factory)
 
 
-def assert_same_as_vendored(ours: Path, theirs: Path) -> None:
+def assert_same_as_vendored(ours: Path, theirs: Path, their_arch: str = "qwen35moe") -> None:
     our_tensors = {t.name: t for t in gguf.GGUFReader(ours).tensors}
     their_tensors = {t.name: t for t in gguf.GGUFReader(theirs).tensors}
     extra = set(our_tensors) - set(their_tensors)
@@ -57,13 +57,15 @@ def assert_same_as_vendored(ours: Path, theirs: Path) -> None:
             assert a.tobytes() == b.tobytes(), f"{name} differs from llama.cpp's converter"
     assert ulp_differences < sum(n.endswith("ssm_a") for n in their_tensors) * 64  # a few values, not a pattern
 
-    our_keys, their_keys = fields(ours, "clover"), fields(theirs, "qwen35moe")
-    assert set(our_keys) - set(their_keys) == CLOVER_KEYS
+    our_keys, their_keys = fields(ours, "clover_moe"), fields(theirs, their_arch)
+    # upstream's Clover converter adds expert_shared_count to qwen35moe's keys (spec 5)
+    shared = set() if their_arch == "clover_moe" else {"ARCH.expert_shared_count"}
+    assert set(our_keys) - set(their_keys) == CLOVER_KEYS | shared
     assert set(their_keys) <= set(our_keys)
     for key, value in their_keys.items():
         if key not in DIFFERENT_VALUES:
             assert our_keys[key] == value, key
-    assert our_keys["general.architecture"][1] == "clover" and their_keys["general.architecture"][1] == "qwen35moe"
+    assert our_keys["general.architecture"][1] == "clover_moe" and their_keys["general.architecture"][1] == their_arch
 
 
 @pytest.mark.parametrize("outtype", ["f32", "bf16", "q8_0"])
@@ -72,6 +74,15 @@ def test_tiny_equals_llama_cpp_converter(tiny_checkpoint: Path, tiny_twin: Path,
     theirs = vendored_convert(tiny_twin, tmp_path / "theirs.gguf", outtype)
     ours = convert(capsys, tiny_checkpoint, tmp_path / "ours.gguf", outtype)
     assert_same_as_vendored(ours, theirs)
+
+
+def test_trunk_equals_the_llama_cpp_clover_converter_file(tiny_checkpoint: Path, tiny_twin: Path, tmp_path: Path,
+                                                          capsys) -> None:
+    """spec 6: our trunk == what llama.cpp's Clover converter writes, key for key and tensor for tensor (that file
+    made by tests/convert_support.llama_cpp_clover_file from the vendored qwen35moe converter)."""
+    theirs = llama_cpp_clover_file(vendored_convert(tiny_twin, tmp_path / "q.gguf", "f32"), tmp_path / "theirs.gguf")
+    ours = convert(capsys, tiny_checkpoint, tmp_path / "ours.gguf", "f32")
+    assert_same_as_vendored(ours, theirs, their_arch="clover_moe")
 
 
 @pytest.mark.slow

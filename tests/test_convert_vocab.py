@@ -23,7 +23,7 @@ def tiny_gguf_fields(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFac
 
     out = tmp_path_factory.mktemp("vocab") / "tiny.gguf"
     assert main([str(tiny_checkpoint), "--outfile", str(out), "--outtype", "bf16"]) == 0
-    return fields(out, "clover")
+    return fields(out, "clover_moe")
 
 
 def test_token_list_equals_the_hf_vocabulary(tiny_checkpoint: Path, tiny_gguf_fields: dict) -> None:
@@ -61,7 +61,7 @@ def test_config_mask_token_id_wins_over_tokenizer_config(tiny_checkpoint: Path, 
     code, _, err = run_convert(capsys, model, "--outfile", tmp_path / "x.gguf", "--outtype", "bf16")
     assert code == 0, err
     assert "mask token is id 3007 but config.json's mask_token_id is 3001" in err
-    assert fields(tmp_path / "x.gguf", "clover")["tokenizer.ggml.mask_token_id"][1] == 3001
+    assert fields(tmp_path / "x.gguf", "clover_moe")["tokenizer.ggml.mask_token_id"][1] == 3001
 
 
 def test_a_foreign_split_regex_is_warned_about(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
@@ -72,4 +72,4 @@ def test_a_foreign_split_regex_is_warned_about(tiny_checkpoint: Path, tmp_path: 
     code, _, err = run_convert(capsys, model, "--outfile", tmp_path / "x.gguf", "--outtype", "bf16")
     assert code == 0, err
     assert "does not use Qwen3.5's split regex" in err
-    assert fields(tmp_path / "x.gguf", "clover")["tokenizer.ggml.pre"][1] == "qwen35"
+    assert fields(tmp_path / "x.gguf", "clover_moe")["tokenizer.ggml.pre"][1] == "qwen35"

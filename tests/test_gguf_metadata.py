@@ -67,7 +67,7 @@ def test_35b_shape_dry_run_label(tmp_path: Path) -> None:
 def test_convert_writes_hub_metadata(carded: Path, carded_f16: Path) -> None:
     g = general(carded_f16)
     k = Keys.General
-    assert g[k.ARCHITECTURE] == "clover"
+    assert g[k.ARCHITECTURE] == "clover_moe"
     assert g[k.NAME] == "Clover Tiny"
     assert g[k.SIZE_LABEL].count("-A") == 1, g[k.SIZE_LABEL]  # "<total>-A<active>"
     assert g[k.LICENSE] == "apache-2.0"
