@@ -52,6 +52,7 @@ class Settings:
     mode: str = "auto"
     block_size: int | None = None
     threshold: float | None = None
+    coreset_top_p: float | None = None  # None: the GGUF's (spec 3.3)
     enable_thinking: bool = True
     max_tokens: int = 1024
     temperature: float = 0.0
@@ -417,7 +418,8 @@ class ChatApp:
         s = self.settings
         run = self.model.generate(ids[reused:], mode=s.mode, block_size=s.block_size, threshold=s.threshold,
                                   max_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                  seed=s.seed, stop_ids=[] if s.ignore_eos else None, steps=visual)
+                                  seed=s.seed, stop_ids=[] if s.ignore_eos else None, steps=visual,
+                                  coreset_top_p=s.coreset_top_p)
         printer = AnswerPrinter(self.out, self.style, self.show_reasoning)
         pipeline = TextPipeline(lambda t: self.model.detokenize(t, special=False),
                                 parser=OutputParser(in_reasoning, parse_tools=False))
@@ -503,7 +505,8 @@ def run_chat(args: argparse.Namespace) -> int:
         except ImportError:
             pass
         settings = Settings(mode=args.mode, block_size=args.block_size, threshold=args.threshold,
-                            enable_thinking=args.think == "on", max_tokens=args.max_tokens,
+                            coreset_top_p=args.coreset_top_p, enable_thinking=args.think == "on",
+                            max_tokens=args.max_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             ignore_eos=args.ignore_eos)
         app = ChatApp(model, template, settings, max_block, sys.stdout, Style(use_color(args.color, sys.stdout)),

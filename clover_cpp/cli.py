@@ -33,6 +33,9 @@ from .offload import add_offload_args, offload_from_args
 PROG = "clover-cpp"
 
 
+CORESET_HELP = ("the block expert coreset's top_p in (0, 1] for block passes (spec 3.3; default: the GGUF's; "
+                "1 = per-row routing)")
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description="Clover native decoding engine (llama.cpp + libclover).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -45,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "diffusion changes the output")
     gen.add_argument("--block-size", type=int, default=None)
     gen.add_argument("--threshold", type=float, default=None)
+    gen.add_argument("--coreset-top-p", type=float, default=None, metavar="P", help=CORESET_HELP)
     gen.add_argument("--draft-steps", type=int, default=0)
     _add_temperature(gen)
     gen.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=64)
@@ -98,6 +102,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "diffusion changes the output")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
+    p.add_argument("--coreset-top-p", type=float, default=None, metavar="P", help=CORESET_HELP)
     _add_temperature(p)
     p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
@@ -171,9 +176,12 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _check_threshold(args: argparse.Namespace) -> None:
-    """--threshold (generate, chat, serve): a probability; left out, the calibrated one for B."""
+    """--threshold (generate, chat, serve): a probability; left out, the calibrated one for B. --coreset-top-p: in
+    (0, 1]; left out, the GGUF's."""
     if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
         raise BadInput(f"--threshold must be in [0, 1], got {args.threshold}")
+    if args.coreset_top_p is not None and not 0.0 < args.coreset_top_p <= 1.0:  # NaN fails too
+        raise BadInput(f"--coreset-top-p must be in (0, 1], got {args.coreset_top_p}")
 
 
 def _check_top(args: argparse.Namespace) -> None:
@@ -203,7 +211,8 @@ def run_generate(args: argparse.Namespace) -> int:
             raise BadInput("the prompt is empty after tokenization (--prompt)")
         gen = model.generate(prompt_ids, mode=args.mode, block_size=args.block_size, threshold=args.threshold,
                              draft_steps=args.draft_steps, max_tokens=args.max_tokens,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                             coreset_top_p=args.coreset_top_p)
         start = time.perf_counter()
         if args.json:
             tokens = gen.wait()

@@ -53,6 +53,9 @@ class clover_model_info(ctypes.Structure):
         ("calibrated_thresholds", ctypes.c_float * CLOVER_MAX_CALIBRATED),
         ("n_vocab", ctypes.c_int32),
         ("n_ctx_train", ctypes.c_int32),
+        ("coreset_top_p", ctypes.c_float),
+        ("history_rows", ctypes.c_int32),
+        ("has_block_diffusion", ctypes.c_int32),
     ]
 
 
@@ -103,6 +106,7 @@ class clover_gen_params(ctypes.Structure):
         ("n_stop_ids", ctypes.c_int32),
         ("banned_ids", llama_token_p),
         ("n_banned_ids", ctypes.c_int32),
+        ("coreset_top_p", ctypes.c_float),  # <= 0: the GGUF's value
     ]
 
 

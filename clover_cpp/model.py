@@ -65,6 +65,9 @@ class ModelInfo:
     calibrated_thresholds: tuple[float, ...]
     n_vocab: int
     n_ctx_train: int
+    coreset_top_p: float = 1.0
+    history_rows: int = 32
+    has_block_diffusion: bool = True
 
     @classmethod
     def from_c(cls, info: libclover.clover_model_info) -> "ModelInfo":
@@ -72,7 +75,8 @@ class ModelInfo:
         return cls(int(info.block_size), float(info.threshold), int(info.mask_token_id),
                    int(info.conv_right_kernel), tuple(int(x) for x in info.calibrated_block_sizes[:n]),
                    tuple(float(x) for x in info.calibrated_thresholds[:n]), int(info.n_vocab),
-                   int(info.n_ctx_train))
+                   int(info.n_ctx_train), float(info.coreset_top_p), int(info.history_rows),
+                   bool(info.has_block_diffusion))
 
     def threshold_for(self, block_size: int) -> float:
         """The threshold a call without one uses (spec 4.3), as the engine resolves it (clover_info_threshold):
@@ -210,7 +214,8 @@ class _Call:
     def __init__(self, model: "Model", prompt_ids: list[int], mode: str, block_size: int | None,
                  threshold: float | None, draft_steps: int, max_tokens: int, temperature: float, top_k: int,
                  top_p: float, seed: int, stop_ids: Sequence[int] | None, banned_ids: Sequence[int] | None,
-                 on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None) -> None:
+                 on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None, *,
+                 coreset_top_p: float | None = None) -> None:
         L = libclover.lib()
         if mode not in libclover.MODES:
             raise BadInput(f"unknown mode {mode!r}; choose one of {', '.join(libclover.MODES)}")
@@ -220,6 +225,8 @@ class _Call:
             raise BadInput(f"max_tokens must be >= 0, got {max_tokens}")
         if block_size is not None and block_size < 1:
             raise BadInput(f"block size must be at least 1, got {block_size}")
+        if coreset_top_p is not None and not 0.0 < coreset_top_p <= 1.0:  # NaN fails too
+            raise BadInput(f"coreset_top_p must be in (0, 1], got {coreset_top_p!r}")
         n_vocab = model.info.n_vocab
         for what, ids in (("prompt", prompt_ids), ("stop_ids", stop_ids or []), ("banned_ids", banned_ids or [])):
             bad = [t for t in ids if not 0 <= int(t) < n_vocab]
@@ -242,6 +249,7 @@ class _Call:
         p.top_p = float(top_p)
         p.seed = int(seed) & 0xFFFFFFFF
         p.max_tokens = int(max_tokens)
+        p.coreset_top_p = 0.0 if coreset_top_p is None else float(coreset_top_p)  # 0: the GGUF's value
         self._stop, n_stop = libclover.token_array(None if stop_ids is None else list(stop_ids))
         if stop_ids is None:  # NULL with n < 0: the vocabulary's end-of-generation set
             p.stop_ids, p.n_stop_ids = None, -1
@@ -628,18 +636,20 @@ class Model(native.NativeHandle):
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  stop_ids: Sequence[int] | None = None, banned_ids: Sequence[int] | None = None,
                  on_step: Callable[[list[int]], Any] | None = None, buffer: int = 2,
-                 steps: bool = False) -> Generation:
+                 steps: bool = False, coreset_top_p: float | None = None) -> Generation:
         """Continue ``prompt`` on the engine's history; an iterator of committed token lists.
 
         ``stop_ids=None`` uses the vocabulary's end-of-generation tokens; ``[]`` stops on none.
-        ``threshold=None`` uses the calibrated threshold for the block size. ``on_step(canvas)`` is called
+        ``threshold=None`` uses the calibrated threshold for the block size; ``coreset_top_p=None`` the GGUF's
+        block expert coreset (spec 3.3; 1 is per-row routing). ``on_step(canvas)`` is called
         from the worker thread after each LowConfidence step (masked targets hold ``info.mask_token_id``);
         returning False cancels. ``steps=True`` also delivers the canvases through ``Generation.events()``.
         A still-running previous generation is cancelled first.
         """
         self.close_active()
         call = _Call(self, self._prompt_ids(prompt), mode, block_size, threshold, draft_steps, max_tokens,
-                     temperature, top_k, top_p, seed, stop_ids, banned_ids, lambda _t: True, on_step)
+                     temperature, top_k, top_p, seed, stop_ids, banned_ids, lambda _t: True, on_step,
+                     coreset_top_p=coreset_top_p)
         gen = Generation(call, buffer, steps)
         self._active = gen
         return gen
@@ -648,7 +658,7 @@ class Model(native.NativeHandle):
             threshold: float | None = None, draft_steps: int = 0, max_tokens: int = 64, temperature: float = 0.0,
             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None,
             banned_ids: Sequence[int] | None = None, on_step: Callable[[list[int]], Any] | None = None,
-            on_tokens: Callable[[list[int]], Any] | None = None) -> Result:
+            on_tokens: Callable[[list[int]], Any] | None = None, coreset_top_p: float | None = None) -> Result:
         """Synchronous ``generate``: runs in the calling thread and returns all tokens and the stats.
         ``on_tokens(block)`` / ``on_step(canvas)`` returning False cancels."""
         self.close_active()
@@ -659,7 +669,8 @@ class Model(native.NativeHandle):
             return True if on_tokens is None else on_tokens(block) is not False
 
         call = _Call(self, self._prompt_ids(prompt), mode, block_size, threshold, draft_steps, max_tokens,
-                     temperature, top_k, top_p, seed, stop_ids, banned_ids, push, on_step)
+                     temperature, top_k, top_p, seed, stop_ids, banned_ids, push, on_step,
+                     coreset_top_p=coreset_top_p)
         with self._lock:
             rc, wall = call.run()
         call.raise_for(rc)

@@ -307,6 +307,15 @@ class LlamaModel(NativeHandle):
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
 
+    def set_coreset_top_p(self, top_p: float) -> None:
+        """The block expert coreset's top_p of this model's next block passes (spec 3.3; the patch's
+        llama_clover_set_coreset_top_p, which a reused graph reads at every pass). NativeError outside (0, 1]."""
+        lib = llama().llama_cpp._lib
+        lib.llama_clover_set_coreset_top_p.argtypes = [ctypes.c_void_p, ctypes.c_float]
+        lib.llama_clover_set_coreset_top_p.restype = ctypes.c_bool
+        if not lib.llama_clover_set_coreset_top_p(self.ptr, float(top_p)):
+            raise NativeError(f"coreset_top_p must be in (0, 1], got {top_p!r}")
+
     def meta(self, key: str) -> str | None:
         """A metadata value as llama.cpp stringifies it (no arrays)."""
         L = llama()

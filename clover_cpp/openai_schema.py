@@ -3,7 +3,8 @@
 Fields the engine cannot honour either get a 400 (``n`` > 1, ``logprobs``, ``tool_choice`` that forces a
 call, structured ``response_format``, ``suffix``, ``best_of`` > 1) or are accepted and ignored when
 OpenAI clients send them by default (penalties, ``user``, ``parallel_tool_calls``, ``store``...).
-Clover extras: ``mode``, ``block_size``, ``threshold``, ``top_k``, ``ignore_eos``, ``return_token_ids``,
+Clover extras: ``mode``, ``block_size``, ``threshold``, ``coreset_top_p``, ``top_k``, ``ignore_eos``,
+``return_token_ids``,
 ``cache_prompt``.
 """
 
@@ -123,6 +124,7 @@ class CloverFields(_Lenient):
     mode: Literal["ar", "diffusion", "spec", "auto"] | None = None
     block_size: int | None = Field(default=None, ge=1)
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    coreset_top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     ignore_eos: bool = False
     return_token_ids: bool = False
     cache_prompt: bool = True  # llama-server's field: reuse the engine's history prefix (docs/serve.md)

@@ -27,6 +27,7 @@ class Defaults:
     mode: str = "diffusion"
     block_size: int | None = None
     threshold: float | None = None
+    coreset_top_p: float | None = None  # --coreset-top-p; None: the GGUF's
     temperature: float = 0.0
     enable_thinking: bool = True
     # llama-server's -n, --top-k, --top-p and -s/--seed: None = what the context leaves, off, off, random
@@ -121,7 +122,9 @@ class Preparer:
                          top_k=self.defaults.top_k if req.top_k is None else req.top_k,
                          top_p=self.defaults.top_p if req.top_p is None else req.top_p, seed=seed,
                          stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias),
-                         cache_prompt=req.cache_prompt)
+                         cache_prompt=req.cache_prompt,
+                         coreset_top_p=req.coreset_top_p if req.coreset_top_p is not None else
+                         self.defaults.coreset_top_p)
 
     def _check_chars(self, n_chars: int, param: str, what: str) -> None:
         """--max-prompt-chars, checked before tokenizing (a token holds a few characters: a prompt far beyond the

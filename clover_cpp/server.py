@@ -633,7 +633,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise BadInput(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
         model_id = args.alias or Path(args.model).name.removesuffix(".gguf")
         defaults = Defaults(mode=args.mode, block_size=args.block_size, threshold=args.threshold,
-                            temperature=args.temperature, enable_thinking=args.think == "on",
+                            coreset_top_p=args.coreset_top_p, temperature=args.temperature,
+                            enable_thinking=args.think == "on",
                             max_tokens=args.max_tokens, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         limits = Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
                         max_prompt_chars=args.max_prompt_chars, max_queue=args.max_queue,

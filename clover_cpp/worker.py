@@ -38,6 +38,7 @@ class GenParams:
     stop_ids: tuple[int, ...] | None = None  # None: the vocabulary's end-of-generation tokens
     banned_ids: tuple[int, ...] = ()
     cache_prompt: bool = True  # reuse the history's prefix (llama-server's request field of that name)
+    coreset_top_p: float | None = None  # block passes' coreset (spec 3.3); None: the GGUF's
 
 
 _DONE = object()
@@ -103,7 +104,7 @@ class Job:
                                max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed, stop_ids=None if p.stop_ids is None else list(p.stop_ids),
                                banned_ids=list(p.banned_ids) or None,
-                               on_tokens=self._on_tokens,
+                               on_tokens=self._on_tokens, coreset_top_p=p.coreset_top_p,
                                on_step=None if p.mode == "ar" else self._on_step)
             self.stats = result.stats
         except BaseException as exc:  # noqa: BLE001 - reported to the request, the worker lives on

@@ -23,8 +23,16 @@ import torch
 
 from clover_ref.decode import Session
 from clover_ref.sampling import Sampler, SamplingParams
+from routing_support import recording_router_probs, routing_near_ties
 
 REF_TOL = 1e-3  # the parity tolerance of the cpp_patch issue (tests/test_native_clover.py)
+# A trained model's sharper attention carries the CPU's flash-attention rounding further: ggml's CPU kernel takes
+# Q in f16 and accumulates P.V in f16 (F16 V), a few f16 roundings (unit 2^-11) per output. On the demo model the
+# engine's causal logits sit 2.1e-3 (relative) from the reference with flash attention on (llama.cpp's auto, the
+# engine's default) and 2.1e-4 with it off (40 random ids; a 46-token code prompt's block pass: 1.1e-3 and
+# 2.1e-4). Four f16 units bound a logit's error; a fill margin is a log-probability, which moves by up to twice
+# that (the target's logit and the normaliser), so the margins get eight.
+FLASH_ATTN_TOL = 8 * 2**-11
 
 
 class NearTieError(AssertionError):
@@ -38,6 +46,7 @@ class StepTrace:
     threshold: float
     fallback: bool                              # no target cleared the threshold
     scale: float                                # max(1, max|logit|) of the step's rows
+    routing_ties: list[str] = field(default_factory=list)  # the pass's routing near-ties (routing_support)
 
 
 def top2_gap(sampler: Sampler, row: torch.Tensor) -> float:
@@ -99,8 +108,10 @@ class TracingSession(Session):
 
     def _step(self, canvas: list[int | None], run: Any) -> None:
         masked = [j for j, token in enumerate(canvas) if token is None]
-        with self._capturing() as calls:
+        with self._capturing() as calls, recording_router_probs(self.model) as probs:
             super()._step(canvas, run)
+        top_ks = [layer.mlp.top_k for layer in self.model.model.layers]
+        routing_ties = routing_near_ties(probs[-len(top_ks):], top_ks, run.coreset_top_p)
         _, logits = calls[-1]
         targets = {}
         threshold = float(run.threshold)
@@ -115,7 +126,7 @@ class TracingSession(Session):
         mask = self.config.mask_token_id
         scale = max(1.0, float(logits.abs().max()))
         self.trace.append(StepTrace([mask if t is None else int(t) for t in canvas], targets, threshold,
-                                    fallback, scale))
+                                    fallback, scale, routing_ties))
 
 
 def reference_run(model: Any, turns: list[tuple[list[int], dict[str, Any]]]) -> tuple[list[Any], TracingSession]:
@@ -129,12 +140,13 @@ def _excluded(model: Any, banned: list[int] | None) -> Sampler:
     return Sampler(model.config.vocab_size, [model.config.mask_token_id] + list(banned or []), SamplingParams())
 
 
-def causal_gap(model: Any, context: list[int], banned: list[int] | None) -> tuple[float, float]:
+def causal_gap(model: Any, context: list[int], banned: list[int] | None,
+               rel_tol: float = REF_TOL) -> tuple[float, float]:
     """(top-2 logit gap, tolerance) of the reference's next-token decision after ``context``."""
     h = model.new_history()
     with torch.no_grad():
         row = model.forward_causal(context, h)[-1]
-    return top2_gap(_excluded(model, banned), row), REF_TOL * max(1.0, float(row.abs().max()))
+    return top2_gap(_excluded(model, banned), row), rel_tol * max(1.0, float(row.abs().max()))
 
 
 def step_margin(step: StepTrace, native_canvas: list[int] | None) -> float:
@@ -159,6 +171,7 @@ class Ledger:
 
     compared: int = 0
     near_ties: list[dict[str, Any]] = field(default_factory=list)
+    rel_tol: float = REF_TOL  # FLASH_ATTN_TOL for a trained model
 
     def check(self, name: str, native: list[int], ref: list[int], model: Any, context: list[int],
               banned: list[int] | None = None, native_canvases: list[list[int]] | None = None,
@@ -171,7 +184,12 @@ class Ledger:
                 got = native_canvases[k] if k < len(native_canvases) else None
                 if got != step.canvas:
                     margin = step_margin(step, got)
-                    self._tie(name, f"step {k}", margin, REF_TOL * step.scale, native, ref)
+                    if not margin < self.rel_tol * step.scale and step.routing_ties:
+                        # the routing near-tie rule (routing_support): another backend's rounding may route this
+                        # pass differently, top-k or coreset cut, which moves the logits by more than the tolerance
+                        self.near_ties.append({"case": name, "at": f"step {k}", "routing": step.routing_ties[:4]})
+                        return
+                    self._tie(name, f"step {k}", margin, self.rel_tol * step.scale, native, ref)
                     return
             if len(native_canvases) != len(ref_trace):
                 raise AssertionError(f"{name}: native ran {len(native_canvases)} steps, reference "
@@ -181,7 +199,7 @@ class Ledger:
         if native == ref:
             return
         i = next((k for k, (a, b) in enumerate(zip(native, ref)) if a != b), min(len(native), len(ref)))
-        gap, tol = causal_gap(model, context + ref[:i], banned)
+        gap, tol = causal_gap(model, context + ref[:i], banned, self.rel_tol)
         self._tie(name, f"token {i}", gap, tol, native, ref)
 
     def check_rounds(self, name: str, native: list[int], ref: list[int], drafts: list[DraftTrace]) -> None:
@@ -196,7 +214,7 @@ class Ledger:
                                  f"reference's last round")
         compared = max(native[k] if k < len(native) else 0, ref[k])  # drafts d_{p+1} .. d_{p+m} decided it
         round_ = drafts[k]
-        self._tie(name, f"round {k}", min(round_.gaps[:compared]), REF_TOL * round_.scale, native, ref)
+        self._tie(name, f"round {k}", min(round_.gaps[:compared]), self.rel_tol * round_.scale, native, ref)
 
     def _tie(self, name: str, where: str, margin: float, tol: float, native: list[int], ref: list[int]) -> None:
         record = {"case": name, "at": where, "margin": margin, "tol": tol}

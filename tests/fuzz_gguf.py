@@ -234,7 +234,7 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
         g = copy(); g.kvs.append(KV("general.alignment", U32, a)); add(f"alignment-{a}", "alignment", g)
 
     # --- metadata values
-    A = "clover."
+    A = "clover_moe."
     bad_uint = {
         "block_count": (0, 5, 1000, 2**32 - 1),
         "embedding_length": (0, 63, 1000),
@@ -255,7 +255,7 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
         "full_attention_interval": (0,),
         "rope.dimension_count": (0, 7, 64, 1000),
         "block_size": (0, 4096, 100000, 2**31),
-        "ssm.conv_right_kernel": (0, 2, 1000),
+        "diffusion.history_rows": (0,),
     }
     for key, values in bad_uint.items():
         for v in values:  # the message may name a key that the value contradicts (inner_size for state_size)
@@ -276,6 +276,8 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
             add(f"kv-{key}-{v}", (key, "token"), with_kv(key, U32, v))
     floats = {"attention.layer_norm_rms_epsilon": (0.0, -1.0, math.nan, math.inf, 1e30),
               "diffusion.threshold": (math.nan, math.inf, -math.inf, -1.0, 2.0),
+              "diffusion.coreset_top_p": (0.0, -1.0, 1.5, math.nan),
+              "bd.history_readout_scale": (math.nan, math.inf),
               "rope.freq_base": (0.0, -1.0, math.nan, math.inf)}
     for key, values in floats.items():
         for v in values:
@@ -302,10 +304,11 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
     add("kv-arch-unknown", ("general.architecture", "architecture"), with_kv("general.architecture", STR, "nonesuch"))
     add("kv-arch-qwen35moe", ("general.architecture", "architecture", "clover"),
         with_kv("general.architecture", STR, "qwen35moe"))
+    add("kv-arch-clover-v1", ("spec v1", "clover_moe"), with_kv("general.architecture", STR, "clover"))
 
     # wrong types for scalar keys, and missing keys
     typed = ["block_count", "embedding_length", "expert_count", "expert_used_count", "ssm.inner_size",
-             "ssm.conv_right_kernel", "block_size", "diffusion.threshold", "attention.layer_norm_rms_epsilon",
+             "block_size", "diffusion.threshold", "attention.layer_norm_rms_epsilon",
              "rope.dimension_count", "ssm.state_size", "attention.head_count"]
     for key in typed:
         for vtype, value, tag in ((STR, "8", "str"), (ARR, (STR, ["8"]), "arrstr"), (F64, 8.0, "f64"),
@@ -317,22 +320,28 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
         add(f"type-mask_token_id-{tag}", "tokenizer.ggml.mask_token_id",
             with_kv("tokenizer.ggml.mask_token_id", vtype, value))
     required = ["block_count", "embedding_length", "expert_count", "expert_used_count", "ssm.inner_size",
-                "ssm.conv_right_kernel", "block_size", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
+                "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
                 "ssm.conv_kernel", "attention.layer_norm_rms_epsilon", "attention.head_count",
-                "expert_feed_forward_length", "rope.dimension_sections", "diffusion.threshold"]
+                "expert_feed_forward_length", "rope.dimension_sections"]
     for key in required:
         add(f"missing-{key}", (key, "expert_count" if "expert" in key else key), without(A + key))
-    for key in ("general.architecture", "tokenizer.ggml.tokens", "tokenizer.ggml.mask_token_id",
-                "tokenizer.ggml.model", "tokenizer.ggml.merges"):
+    for key in ("general.architecture", "tokenizer.ggml.tokens", "tokenizer.ggml.model", "tokenizer.ggml.merges"):
         add(f"missing-{key}", (key, "tokenizer", "architecture", "merges"), without(key))
+    # spec 5: the block-diffusion keys are optional (llama.cpp's converter writes none): defaults, and the mask
+    # token found by name in the vocabulary
+    for key in ("block_size", "diffusion.threshold", "diffusion.coreset_top_p", "diffusion.history_rows",
+                "bd.history_readout_scale"):
+        add(f"missing-{key}", (), without(A + key), may_load=True, note="optional: spec 2.2's default is used")
+    add("missing-tokenizer.ggml.mask_token_id", (), without("tokenizer.ggml.mask_token_id"), may_load=True,
+        note="optional: the one vocabulary token whose text contains 'mask' is the mask token")
     g = copy(); g.kvs.append(replace(g.kv(A + "block_size"), value=16))
     add("dup-key", (A + "block_size", "duplicate"), g)
 
     # --- tensor infos
     names = [t.name for t in g0.tensors]
     f16_bad = [n for n in names if n.endswith(("norm.weight", "ssm_a", "ssm_conv1d.weight", "ssm_dt.bias",
-                                                 "ssm_conv1d_right.weight", "ssm_hist.weight", "ssm_hist.bias",
-                                                 "ssm_blk_scale.weight"))]
+                                                 "bd_conv_right.weight", "bd_logit_scale", "bd_history_bias",
+                                                 "bd_history_c"))]
     for n in dict.fromkeys(rng.sample(f16_bad, min(24, len(f16_bad)))
                            + ["blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.attn_norm.weight",
                               "output_norm.weight"]):

@@ -141,18 +141,22 @@ def assert_parity(name: str, native_logits: np.ndarray, ref_logits: np.ndarray, 
 # ------------------------------------------------------------------------------------------ GGUF rewrite
 def rewrite_gguf(src: Path, dst: Path, *, kv: dict[str, Any] | None = None,
                  drop_tensors: Iterable[str] = (),
-                 tensor_edit: Callable[[str, np.ndarray], np.ndarray] | None = None) -> Path:
-    """Copy a GGUF with some keys changed (kv: name -> new value, same type) or tensors dropped/edited."""
+                 tensor_edit: Callable[[str, np.ndarray], np.ndarray] | None = None, arch: str | None = None) -> Path:
+    """Copy a GGUF with some keys changed (kv: name -> new value, same type) or tensors dropped/edited; ``arch``
+    renames the architecture and its key prefix."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
+    old_arch = reader.fields["general.architecture"].contents()
+    arch = arch or old_arch
     writer = gguf.GGUFWriter(str(dst), arch)
     kv = dict(kv or {})
     drop = set(drop_tensors)
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
+        if name.startswith(old_arch + "."):
+            name = arch + name[len(old_arch):]
         vtype = field.types[0]
         value = kv.pop(name, None)
         if value is None:

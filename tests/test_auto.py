@@ -104,7 +104,10 @@ def test_auto_equals_ar(tiny: Case, table: str) -> None:
     if table == "AR":
         assert rounds["ngram"] == rounds["block"] == 0, rounds
     elif table == "CHAIN":
-        assert rounds["ngram"] > 0 and accepted > 0, (rounds, accepted)
+        # n-gram rounds are verified here; whether a random model's greedy text repeats its history, so that they
+        # are accepted, depends on its weights (spec v2's tiny model never does): test_auto_on_the_trained_model
+        # checks accepted drafts on the demo model
+        assert rounds["ngram"] > 0, (rounds, accepted)
     else:
         assert rounds["block"] > 0, rounds
 

@@ -39,9 +39,10 @@ VENV_BIN = Path(sys.executable).parent
 # range, a nonzero bool) or llama.cpp ignores it (an out-of-range eos/padding id, with a warning).
 FREE_FIELDS = ("kv tokenizer.ggml.tokens", "kv tokenizer.ggml.merges", "kv tokenizer.ggml.token_type",
                "kv tokenizer.chat_template", "kv general.", "kv tokenizer.ggml.eos_token_id",
-               "kv tokenizer.ggml.padding_token_id", "kv tokenizer.ggml.add_", "kv clover.attention.recurrent_layers",
-               "kv clover.rope.freq_base", "kv clover.attention.layer_norm_rms_epsilon", "kv clover.diffusion.",
-               "kv clover.context_length", "kv diffusion.shift_logits")
+               "kv tokenizer.ggml.padding_token_id", "kv tokenizer.ggml.add_", "kv tokenizer.ggml.mask_token_id",
+               "kv clover_moe.attention.recurrent_layers", "kv clover_moe.rope.freq_base",
+               "kv clover_moe.attention.layer_norm_rms_epsilon", "kv clover_moe.diffusion.",
+               "kv clover_moe.context_length", "kv clover_moe.bd.", "kv diffusion.shift_logits")
 
 
 def _classify(m_expect: tuple[str, ...], may_load: bool, res: dict, prog: str) -> str:

@@ -19,7 +19,8 @@ from native_support import (
     assert_parity, block_window, clover_convert, dump_results, load_in_subprocess, quantize, record, require_native,
     rewrite_gguf,
 )
-from routing_support import NEAR_TIE, NativeRouterMargins, assert_parity_routed, routing_margins
+from routing_support import (NEAR_TIE, NativeRouterMargins, assert_parity_routed, coreset_near_ties,
+                             routing_margins)
 
 REF_TOL = 1e-3     # vs the PyTorch reference
 STOCK_TOL = 1e-5   # vs stock qwen35moe in the same build
@@ -55,7 +56,7 @@ class Bundle:
         self.gguf = clover_convert(checkpoint, tmp / f"{name}-f32.gguf", "f32")
         self.model = native.LlamaModel(self.gguf)
         self.mask = self.model.mask_token()
-        self.block_size = int(self.model.meta("clover.block_size"))
+        self.block_size = int(self.model.meta("clover_moe.block_size"))
         self.ids = _ids(1234, self.model.n_vocab)
         # reference: one causal run over 300 tokens, keeping the history at each block position
         self.hist: dict[int, Any] = {}
@@ -104,7 +105,7 @@ def bundle(request: pytest.FixtureRequest) -> Bundle:
 # ------------------------------------------------------------------------------------------ loading
 def test_metadata_and_rollback_support(tiny: Bundle) -> None:
     m = tiny.model
-    assert m.meta("general.architecture") == "clover"
+    assert m.meta("general.architecture") == "clover_moe"
     assert tiny.block_size == 8
     assert tiny.mask == 3007
     ctx = tiny.context(n_rs_seq=7)
@@ -160,6 +161,82 @@ def test_block_pass_parity(request: pytest.FixtureRequest, model: str) -> None:
     record(f"block/{model}/worst", worst)
 
 
+CORESET_TOP_PS = (0.9, 0.5)
+CORESET_POSITIONS = (1, 37)
+
+
+@pytest.mark.parametrize("model", ["tiny", "mid"])
+def test_block_pass_parity_with_the_coreset(request: pytest.FixtureRequest, model: str) -> None:
+    """spec 3.3: block passes routed inside the window's expert coreset == the reference, at top_p 0.9 and 0.5
+    (top_p 1 is test_block_pass_parity), for B in {1, 4, 8, 32} and every canvas. A pass with a coreset near-tie
+    (routing_support.coreset_near_ties) is left out of the strict check; at least half must have none (mid's
+    random 16-expert router, nearly uniform, ties about a third of its passes)."""
+    bundle: Bundle = request.getfixturevalue(model)
+    strict = skipped = 0
+    worst = 0.0
+    try:
+        for top_p in CORESET_TOP_PS:
+            bundle.model.set_coreset_top_p(top_p)
+            for p in CORESET_POSITIONS:
+                ctx = bundle.context()
+                ctx.causal(bundle.ids[:p], rows=[p - 1])
+                for b in BLOCK_SIZES:
+                    for canvas in CANVASES:
+                        window = block_window(bundle.ids, p, b, canvas, bundle.mask)
+                        run = lambda: bundle.ref.forward_block(window, bundle.hist[p].clone(),  # noqa: E731
+                                                               coreset_top_p=top_p)
+                        ties = coreset_near_ties(bundle.ref, run, top_p)
+                        got = ctx.block(window)
+                        if ties:
+                            skipped += 1
+                            record(f"block-coreset/{model}/top_p{top_p}/p{p}/B{b}/{canvas}/near-tie", ties[:4])
+                            continue
+                        with torch.no_grad():
+                            ref = run().float().numpy()
+                        m = assert_parity(f"block-coreset/{model}/top_p{top_p}/p{p}/B{b}/{canvas}", got, ref,
+                                          REF_TOL)
+                        worst = max(worst, m["rel"])
+                        strict += 1
+    finally:
+        bundle.model.set_coreset_top_p(1.0)  # the GGUF's value: the other tests share the model
+    record(f"block-coreset/{model}/summary", {"strict": strict, "near_tie_skipped": skipped, "worst_rel": worst})
+    assert strict >= skipped, f"only {strict} of {strict + skipped} coreset passes were decisive"
+
+
+def test_the_coreset_changes_routing_and_one_row_windows_route_per_row(tiny: Bundle) -> None:
+    """A coreset below 1 changes a wide window's logits (it is really on); a one-row window is per-row routing
+    at any top_p, bit for bit."""
+    p = 37
+    ctx = tiny.context()
+    ctx.causal(tiny.ids[:p], rows=[p - 1])
+    wide = block_window(tiny.ids, p, 8, "partly", tiny.mask)
+    one = wide[:1]
+    base_wide, base_one = ctx.block(wide), ctx.block(one)
+    try:
+        tiny.model.set_coreset_top_p(0.5)
+        assert np.abs(ctx.block(wide) - base_wide).max() > 1e-2
+        np.testing.assert_array_equal(ctx.block(one), base_one)
+    finally:
+        tiny.model.set_coreset_top_p(1.0)
+
+
+def test_history_c_matters_only_below_history_rows(tiny: Bundle, tmp_path: Path) -> None:
+    """spec 3.2 step 5: bd_history_c multiplies ln(W / history_rows): changing it changes nothing at
+    W = history_rows (32) and changes the block logits at W < 32."""
+    from clover_cpp import native
+
+    changed = rewrite_gguf(tiny.gguf, tmp_path / "history-c.gguf",
+                           tensor_edit=lambda name, data: data + 1.5 if name.endswith("bd_history_c") else data)
+    p = 37
+    out = {}
+    for path in (tiny.gguf, changed):
+        ctx = native.Context(native.LlamaModel(path), n_ctx=512, n_ubatch=64)
+        ctx.causal(tiny.ids[:p], rows=[p - 1])
+        out[path] = [ctx.block(block_window(tiny.ids, p, w, "partly", tiny.mask)) for w in (32, 8)]
+    np.testing.assert_array_equal(out[tiny.gguf][0], out[changed][0])
+    assert np.abs(out[tiny.gguf][1] - out[changed][1]).max() > 1e-3
+
+
 def test_block_rows_subset(tiny: Bundle) -> None:
     """Logits only for chosen rows equal the same rows of a full-output pass."""
     ctx = tiny.context()
@@ -172,7 +249,7 @@ def test_block_rows_subset(tiny: Bundle) -> None:
 
 def test_near_tie_rule_still_fails_a_genuine_error(mid: Bundle, tmp_path: Path) -> None:
     """The routing near-tie rule (tests/routing_support.py) cannot excuse a real error. The window of the
-    AVX-512 failure (p = 1, B = 32, filled: 10 of its 32 rows are near-ties, row 18 by 9e-7 in layer 3)
+    AVX-512 failure (p = 1, B = 32, filled; several of its rows are near-ties, tests/test_routing_near_ties.py)
     runs on a copy of mid's f32 GGUF in which one expert's down projection in the last layer is scaled so
     that a decisive row's logits move by about 0.1 (25x the tolerance). Every near-tied flip is tried, and
     the check still fails, naming that row as decisive."""
@@ -184,7 +261,7 @@ def test_near_tie_rule_still_fails_a_genuine_error(mid: Bundle, tmp_path: Path) 
     ref_model = mid.ref
     run = lambda: ref_model.forward_block(window, mid.hist[p].clone())  # noqa: E731
     ref, margins, ties, probs = routing_margins(ref_model, run)
-    assert any(t.row == 18 and t.layer == 3 and t.margin < 1e-5 for t in ties[3]), [vars(t) for t in ties[3]]
+    assert sum(len(layer) for layer in ties) > 0, "the window must hold near-ties for this test to mean anything"
     last = len(ref_model.model.layers) - 1
     decisive = [r for r in range(b) if margins[:, r].min() >= 2 * NEAR_TIE]
     row = decisive[0]
@@ -230,7 +307,8 @@ def test_native_router_margins_equal_the_reference(mid: Bundle) -> None:
     got = np.array(router.margins["block"])
     record("block/mid/router_margin_max_abs_diff", float(np.abs(got - margins.min(0)).max()))
     np.testing.assert_allclose(got, margins.min(0), rtol=0, atol=1e-4)
-    assert got[18] < 1e-4
+    tight = margins.min(0) < NEAR_TIE  # the window's near-tied rows are near-ties natively too
+    assert tight.any() and (got[tight] < NEAR_TIE + 1e-4).all(), (got[tight], margins.min(0)[tight])
 
 
 # ------------------------------------------------------------------------------------------ stock qwen35moe
@@ -373,29 +451,42 @@ def test_tokenization_matches_hf(tiny: Bundle) -> None:
 
 
 # ------------------------------------------------------------------------------------------ broken files
-def _hist_shape_wrong(name: str, data: np.ndarray) -> np.ndarray:
-    return data.T.copy() if name == "blk.0.ssm_hist.weight" else data
+def _conv_right_shape_wrong(name: str, data: np.ndarray) -> np.ndarray:
+    return data.T.copy() if name == "blk.0.bd_conv_right.weight" else data
+
+
+def _conv_right_kernel_4(name: str, data: np.ndarray) -> np.ndarray:
+    return np.concatenate([data, data[:, :1]], axis=1) if name.endswith("bd_conv_right.weight") else data
 
 
 @pytest.mark.parametrize("case,expect", [
     ("block_size_0", "block_size"),
     ("mask_id_out_of_range", "mask_token_id"),
-    ("missing_tensor", "blk.1.ssm_blk_scale.weight' not found"),
-    ("wrong_shape", "wrong shape"),
-    ("conv_right_kernel_7", "conv_right_kernel"),
+    ("missing_tensor", "blk.1.bd_logit_scale"),
+    ("wrong_shape", "bd_conv_right"),
+    ("conv_right_kernel_4", "bd_conv_right"),
+    ("coreset_top_p_0", "coreset_top_p"),
+    ("shift_logits_false", "shift"),
+    ("arch_v1", "spec v1"),
 ])
 def test_broken_metadata_fails_cleanly(tiny: Bundle, tmp_path: Path, case: str, expect: str) -> None:
     out = tmp_path / f"{case}.gguf"
     if case == "block_size_0":
-        rewrite_gguf(tiny.gguf, out, kv={"clover.block_size": 0})
+        rewrite_gguf(tiny.gguf, out, kv={"clover_moe.block_size": 0})
     elif case == "mask_id_out_of_range":
         rewrite_gguf(tiny.gguf, out, kv={"tokenizer.ggml.mask_token_id": tiny.model.n_vocab})
     elif case == "missing_tensor":
-        rewrite_gguf(tiny.gguf, out, drop_tensors=["blk.1.ssm_blk_scale.weight"])
+        rewrite_gguf(tiny.gguf, out, drop_tensors=["blk.1.bd_logit_scale"])
     elif case == "wrong_shape":
-        rewrite_gguf(tiny.gguf, out, tensor_edit=_hist_shape_wrong)
+        rewrite_gguf(tiny.gguf, out, tensor_edit=_conv_right_shape_wrong)
+    elif case == "conv_right_kernel_4":
+        rewrite_gguf(tiny.gguf, out, tensor_edit=_conv_right_kernel_4)
+    elif case == "coreset_top_p_0":
+        rewrite_gguf(tiny.gguf, out, kv={"clover_moe.diffusion.coreset_top_p": 0.0})
+    elif case == "shift_logits_false":
+        rewrite_gguf(tiny.gguf, out, kv={"diffusion.shift_logits": False})
     else:
-        rewrite_gguf(tiny.gguf, out, kv={"clover.ssm.conv_right_kernel": 7})
+        rewrite_gguf(tiny.gguf, out, arch="clover")
     done = load_in_subprocess(out)
     text = done.stdout + done.stderr
     assert done.returncode == 3, f"expected a clean load error (rc 3), got rc {done.returncode}:\n{text[-2000:]}"
@@ -418,7 +509,7 @@ def test_q8_0_top1_agreement(bundle: Bundle, tmp_path: Path) -> None:
     q8 = quantize(bundle.gguf, tmp_path / f"{bundle.name}-q8_0.gguf", "Q8_0")
     reader = gguf.GGUFReader(str(q8))
     types = {t.name: t.tensor_type for t in reader.tensors}
-    clover = [n for n in types if any(s in n for s in ("ssm_conv1d_right", "ssm_hist", "ssm_blk_scale"))]
+    clover = [n for n in types if ".bd_" in n]
     assert clover and all(types[n] == gguf.GGMLQuantizationType.F32 for n in clover)
     assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.Q8_0
 

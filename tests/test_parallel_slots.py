@@ -4,13 +4,14 @@ the near-tie rule of the engine tests), and the passes must really have been bat
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine_support import Ledger, run_concurrently
-from native_support import clover_convert, require_engine
+from native_support import VENV_PYTHON, clover_convert, require_engine
 
 # (mode, options): every decoding mode, two slots in ar so that same-size passes meet in a round
 CASES = [("ar", {}), ("ar", {}), ("diffusion", {"block_size": 8, "threshold": 0.006}), ("spec", {"block_size": 8}),
@@ -92,3 +93,35 @@ def test_slots_that_do_not_fit_host_memory_are_refused_with_the_numbers(tiny_ggu
         Model(tiny_gguf, n_parallel=2, offload=Offload(fit_target_mib=2**30))
     with Model(tiny_gguf, n_parallel=1, offload=Offload(fit_target_mib=2**30)) as one:  # one slot: no host check
         assert one.n_parallel == 1
+
+
+def test_slots_with_the_block_coreset_equal_their_solo_runs(tiny_checkpoint: Path, tiny_model: Any,
+                                                            tmp_path: Path) -> None:
+    """spec 3.3 in a batched pass: one coreset per sequence's window. Two diffusion slots of a GGUF whose
+    coreset_top_p is 0.5 decode concurrently, their block passes batched, as each does alone."""
+    from clover_cpp.model import Model
+
+    gguf = tmp_path / "tiny-core05.gguf"
+    done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(tiny_checkpoint), "--outfile", str(gguf),
+                           "--outtype", "f32", "--coreset-top-p", "0.5"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+    def diffusion(model: Any, i: int) -> tuple[list[int], list[int]]:
+        model.reset()
+        ids = model.tokenize(PROMPTS[i])
+        return ids, list(model.run(ids, mode="diffusion", block_size=8, threshold=0.006, max_tokens=24,
+                                   stop_ids=[]).tokens)
+
+    with Model(gguf, n_ctx=1024) as solo:
+        assert abs(solo.info.coreset_top_p - 0.5) < 1e-7
+        want = [diffusion(solo, i) for i in range(2)]
+    with Model(gguf, n_ctx=2048, n_parallel=2) as model:
+        got = run_concurrently(lambda i: diffusion(model.slot(i), i), 2)
+        passes, rounds = model.pass_stats()
+    ledger = Ledger()
+    for i in range(2):
+        assert not isinstance(got[i], BaseException), f"slot {i}: {got[i]!r}"
+        context, want_tokens = want[i]
+        ledger.check(f"coreset-slot{i}", got[i][1], want_tokens, tiny_model, context)
+    ledger.assert_budget()
+    assert passes > rounds, f"no block pass was batched ({passes} passes in {rounds} rounds)"

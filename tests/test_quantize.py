@@ -29,7 +29,7 @@ QUANT_TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "
 
 # Tensors that stay F32 in every file (docs/quantize.md): the four clover tensors, norms, ssm_a, dt, conv, router and
 # the shared-expert gate.
-ALWAYS_F32 = re.compile(r"(ssm_conv1d_right|ssm_hist\.|ssm_blk_scale|_norm\.weight|ssm_a$|ssm_dt\.|"
+ALWAYS_F32 = re.compile(r"(bd_conv_right|bd_logit_scale|bd_history_bias|bd_history_c|_norm\.weight|ssm_a$|ssm_dt\.|"
                         r"ssm_conv1d\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight)")
 AT_LEAST_Q8 = re.compile(r"ssm_(alpha|beta)\.weight")
 AT_LEAST_Q8_TYPES = {T.Q8_0, T.F16, T.BF16, T.F32}
@@ -142,7 +142,7 @@ def test_mid_plan_uses_k_quants_and_the_rules(mid_f16: Path) -> None:
     types = {t.name: t.dst_type for t in plan.tensors}
     assert types["blk.0.ffn_gate_exps.weight"] == T.Q4_K
     assert types["blk.0.ssm_alpha.weight"] == T.Q8_0 and types["blk.0.ssm_beta.weight"] == T.Q8_0
-    assert types["blk.0.ssm_hist.weight"] == T.F32
+    assert types["blk.0.bd_conv_right.weight"] == T.F32
     assert T.Q6_K in set(types.values())  # the mix raises half of ffn_down / attn_v
     assert plan.dst_bytes < 0.4 * plan.src_bytes
 
@@ -264,8 +264,10 @@ def test_quality_mid(mid_f16: Path) -> None:
     Q4_0). The bounds leave a factor of about 3 over the values measured on this fixture (recorded in
     build/native-parity.json; causal KL: Q8_0 5.6e-4, Q6_K 2.8e-3, Q4_K_M 2.7e-2, IQ4_XS 2.7e-2, Q4_0
     4.0e-2). Random weights give nearly flat logits (max |logit| about 4.6 over 3072 tokens), so causal
-    top-1 is limited by near-ties (Q8_0 0.92, the 4-bit types about 0.6) and its bounds are loose; the
-    trained model below is where top-1 means something.
+    top-1 is limited by near-ties (Q8_0 0.92, the 4-bit types about 0.6) and its bounds are loose. The block
+    rows are flatter still under spec v2 (their history slot does not depend on q): the 4-bit types' block
+    top-1 is near-tie-limited (Q4_K_M 0.32 on 19 rows), so only Q8_0's is bounded. The trained model below is
+    where top-1 means something.
     """
     imatrix = write_imatrix(mid_f16.with_name("mid-imatrix.gguf"), mid_f16)
     r = _quality(mid_f16, "mid", QUALITY_TYPES, imatrix)
@@ -276,16 +278,17 @@ def test_quality_mid(mid_f16: Path) -> None:
         assert kl["Q8_0"] < 2e-3 and kl["Q6_K"] < 1e-2, (kind, kl)
         assert max(kl["Q4_K_M"], kl["IQ4_XS"], kl["Q4_0"]) < 0.12, (kind, kl)
         assert r["Q8_0"][f"top1_{kind}"] >= 0.8, (kind, r["Q8_0"])
-        for n in ("Q4_K_M", "Q4_0", "IQ4_XS"):
-            assert r[n][f"top1_{kind}"] >= (0.45 if kind == "causal" else 0.9), (kind, n, r[n])
+        if kind == "causal":
+            for n in ("Q4_K_M", "Q4_0", "IQ4_XS"):
+                assert r[n]["top1_causal"] >= 0.45, (kind, n, r[n])
 
 
 def test_quality_trained_demo(tmp_path: Path) -> None:
     """The same on the shipped trained model (models/clover-demo), whose peaked distributions make top-1
     meaningful. Its hidden size of 128 is below the K-quants' 256-wide blocks, so llama.cpp falls back to
-    Q5_0/Q5_1/Q8_0 (and IQ4_NL for IQ4_XS) for most tensors. Measured: causal / block KL Q8_0 9.9e-4 /
-    1.6e-3, Q4_K_M 1.1e-2 / 1.3e-2, Q4_0 6.0e-2 / 8.2e-2; top-1 (causal / block) 0.94 / 0.97, 0.90 / 0.91,
-    0.77 / 0.72. Bounds are about 2-3x the KL and a few points below the top-1."""
+    Q5_0/Q5_1/Q8_0 (and IQ4_NL for IQ4_XS) for most tensors. Measured on the spec v2 model: causal / block KL
+    Q8_0 1.3e-3 / 1.7e-3, Q4_K_M 1.7e-2 / 2.0e-2, Q4_0 6.6e-2 / 5.6e-2; top-1 (causal / block) 0.98 / 0.96,
+    0.91 / 0.91, 0.82 / 0.72. Bounds are about 2-3x the KL and a few points below the top-1."""
     f16 = clover_convert(REPO_ROOT / "models" / "clover-demo", tmp_path / "demo-f16.gguf", "f16")
     imatrix = write_imatrix(tmp_path / "demo-imatrix.gguf", f16)
     r = _quality(f16, "demo", ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS"], imatrix)

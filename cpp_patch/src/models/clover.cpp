@@ -1,16 +1,19 @@
-// Clover: block-diffusion MoE on the Qwen3.5-MoE (qwen35moe) trunk.
+// Clover (spec v2): block-diffusion MoE on the Qwen3.5-MoE (qwen35moe) trunk; architectures clover_moe, clover-moe
+// and clovermoe (one class; llama.cpp reads keys under each spelling's own name).
 //
 // Causal mode (cparams.causal_attn == true) is qwen35moe's graph, unchanged: this class derives from
-// llama_model_qwen35moe and only overrides the GDN layer, which forwards to qwen35moe in causal mode.
+// llama_model_qwen35moe and only overrides the GDN layer and the MoE FFN, which forward to qwen35moe in causal mode.
+// A trunk-only file (no bd_* tensors, what llama.cpp's own converter writes) is exactly qwen35moe.
 //
-// Block mode (cparams.causal_attn == false; spec section 3) runs a window of B positions on top of the
-// committed history. Attention layers are qwen35moe's, made non-causal by llama.cpp's mask. GDN layers:
+// Block mode (cparams.causal_attn == false; spec section 3) runs a window of W positions on top of the
+// committed history. Attention layers are qwen35moe's, made non-causal by llama.cpp's mask. GDN layers (3.2):
 //   u      = causal conv(history conv state ++ mixed) + right conv(mixed[1:] ++ zeros)   (before SiLU)
 //   q^, k^ = l2norm(q), l2norm(k); key heads tiled to value heads (GGUF value-head order)
-//   r_i    = S^T q^_i / sqrt(d_k)                       (committed ssm state, read only)
-//   l_ij   = blk_scale_h * q^_i . k^_j,  l_iH = q^_i . hist_h + hist_b_h
+//   r_i    = S^T (q^_i * history_readout_scale)              (committed ssm state, read only)
+//   l_ij   = bd_logit_scale_h * q^_i . k^_j,  l_iH = bd_history_bias_h + bd_history_c_h * ln(W / history_rows)
 //   o_i    = softmax over {j, H}: sum_j w_ij v_j + w_iH r_i, then gated RMSNorm(z) and ssm_out.
-// Block mode reads the recurrent state (conv and ssm) and never writes it.
+// MoE layers (3.3): with coreset_top_p < 1 and W > 1, every row of a window picks its top-k inside the window's
+// block coreset (build_coreset_bias). Block mode reads the recurrent state (conv and ssm) and never writes it.
 
 #include "models.h"
 #include "llama-memory-recurrent.h"
@@ -50,14 +53,38 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     if (hparams.n_layer_nextn != 0) {
         throw std::runtime_error("clover: MTP/nextn layers are not supported (nextn_predict_layers must be 0)");
     }
+    check_trunk_hparams(ml);
 
-    ml.get_key(LLM_KV_DFLASH_BLOCK_SIZE,            hparams.clover_block_size);        // clover.block_size
-    ml.get_key(LLM_KV_CLOVER_SSM_CONV_RIGHT_KERNEL, hparams.clover_conv_right_kernel); // clover.ssm.conv_right_kernel
-    ml.get_key(LLM_KV_CLOVER_DIFFUSION_THRESHOLD,   hparams.clover_threshold, false);
+    // llama.cpp's Clover converter writes expert_shared_count (num_shared_experts); only one shared expert has a
+    // known layout
+    uint32_t n_shared = 1;
+    if (ml.get_key(LLM_KV_EXPERT_SHARED_COUNT, n_shared, false) && n_shared != 1) {
+        clover_bad_key(ml, LLM_KV_EXPERT_SHARED_COUNT, "= " + std::to_string(n_shared) +
+                " is not supported (only one shared expert)");
+    }
 
+    // diffusion.shift_logits: only the shifted form (spec 3.4)
+    bool shift_logits = true;
+    if (ml.get_key(LLM_KV_CLOVER_SHIFT_LOGITS, shift_logits, false) && !shift_logits) {
+        throw std::runtime_error("clover: diffusion.shift_logits = false: unshifted block diffusion is not implemented");
+    }
+
+    // the block-diffusion keys are optional (absent from llama.cpp's converter's files): spec 2.2's defaults
+    hparams.clover_block_size            = 32;
+    hparams.clover_threshold             = 0.95f;
+    hparams.clover_coreset_top_p         = 1.0f;
+    hparams.clover_history_rows          = 32;
+    hparams.clover_history_readout_scale = 1.0f / sqrtf((float) hparams.ssm_d_state);
+    ml.get_key(LLM_KV_DFLASH_BLOCK_SIZE,            hparams.clover_block_size,            false); // ARCH.block_size
+    ml.get_key(LLM_KV_CLOVER_DIFFUSION_THRESHOLD,   hparams.clover_threshold,             false);
+    ml.get_key(LLM_KV_CLOVER_CORESET_TOP_P,         hparams.clover_coreset_top_p,         false);
+    ml.get_key(LLM_KV_CLOVER_HISTORY_ROWS,          hparams.clover_history_rows,          false);
+    ml.get_key(LLM_KV_CLOVER_HISTORY_READOUT_SCALE, hparams.clover_history_readout_scale, false);
+
+    // the mask token: tokenizer.ggml.mask_token_id, else found by name in the vocabulary (the engine does that,
+    // clover_read_model_info); -1 = none, and the block modes are unavailable
     uint32_t mask_id = 0;
-    ml.get_key(LLM_KV_TOKENIZER_MASK_ID, mask_id);
-    hparams.clover_mask_token_id = (int32_t) mask_id;
+    hparams.clover_mask_token_id = ml.get_key(LLM_KV_TOKENIZER_MASK_ID, mask_id, false) ? (int32_t) mask_id : -1;
 
     clover_calibrated_block_sizes.clear();
     clover_calibrated_thresholds.clear();
@@ -72,19 +99,26 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
         clover_bad_key(ml, LLM_KV_CLOVER_DIFFUSION_THRESHOLD, "= " + std::to_string(hparams.clover_threshold) +
                 " must be in [0, 1]");
     }
+    if (!(hparams.clover_coreset_top_p > 0.0f && hparams.clover_coreset_top_p <= 1.0f)) {
+        clover_bad_key(ml, LLM_KV_CLOVER_CORESET_TOP_P, "= " + std::to_string(hparams.clover_coreset_top_p) +
+                " must be in (0, 1]");
+    }
+    if (hparams.clover_history_rows < 1) {
+        clover_bad_key(ml, LLM_KV_CLOVER_HISTORY_ROWS, "= 0 must be >= 1");
+    }
+    if (!std::isfinite(hparams.clover_history_readout_scale)) {
+        clover_bad_key(ml, LLM_KV_CLOVER_HISTORY_READOUT_SCALE, "= " + std::to_string(hparams.clover_history_readout_scale) +
+                " must be a finite number");
+    }
     for (float t : clover_calibrated_thresholds) {
         if (!(t >= 0.0f && t <= 1.0f)) {
             clover_bad_key(ml, LLM_KV_CLOVER_CALIBRATED_THRESHOLDS, "holds " + std::to_string(t) +
                     "; thresholds must be in [0, 1]");
         }
     }
-    check_trunk_hparams(ml);
-    if (!clover_kernel_supported(hparams.clover_conv_right_kernel)) {
-        throw std::runtime_error("clover: clover.ssm.conv_right_kernel = " +
-                std::to_string(hparams.clover_conv_right_kernel) + " is not supported (supported: 3, 4, 5, 9, 15)");
-    }
     if (clover_calibrated_block_sizes.size() != clover_calibrated_thresholds.size()) {
-        throw std::runtime_error("clover: clover.diffusion.calibrated_block_sizes and calibrated_thresholds differ in length");
+        throw std::runtime_error("clover: " + clover_key(ml, LLM_KV_CLOVER_CALIBRATED_BLOCK_SIZES) + " and " +
+                clover_key(ml, LLM_KV_CLOVER_CALIBRATED_THRESHOLDS) + " differ in length");
     }
     for (uint32_t b : clover_calibrated_block_sizes) {
         if (b == 0 || b > CLOVER_MAX_BLOCK_SIZE) {
@@ -92,6 +126,7 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
                     "; block sizes must be in 1 .. " + std::to_string(CLOVER_MAX_BLOCK_SIZE));
         }
     }
+    clover_coreset_top_p_now.store(hparams.clover_coreset_top_p);
 }
 
 // The qwen35moe trunk's hyperparameters, checked where a bad value would otherwise reach a GGML_ASSERT in a
@@ -173,7 +208,7 @@ void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
 
     LLAMA_LOAD_LOCALS;
 
-    if (hparams.clover_mask_token_id < 0 || (int64_t) hparams.clover_mask_token_id >= n_vocab) {
+    if (hparams.clover_mask_token_id >= 0 && (int64_t) hparams.clover_mask_token_id >= n_vocab) {
         throw std::runtime_error("clover: tokenizer.ggml.mask_token_id = " + std::to_string(hparams.clover_mask_token_id) +
                 " is out of range (n_vocab = " + std::to_string(n_vocab) + ")");
     }
@@ -184,31 +219,69 @@ void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
     const int64_t key_dim    = head_k_dim * n_k_heads;
     const int64_t value_dim  = head_k_dim * n_v_heads;
     const int64_t conv_dim   = key_dim * 2 + value_dim;
-    const int64_t k_r        = hparams.clover_conv_right_kernel;
 
     clover_layers.assign(n_layer_all, clover_layer{});
+    hparams.clover_has_block_diffusion = false;
+    hparams.clover_conv_right_kernel   = 0;
 
-    auto check_f32 = [](const ggml_tensor * t) {
-        if (t != nullptr && t->type != GGML_TYPE_F32) {
-            throw std::runtime_error(std::string("clover: tensor '") + ggml_get_name(t) + "' must be F32, got " +
-                    ggml_type_name(t->type));
-        }
+    // The four block-diffusion tensors of each GDN layer are optional as a group: a file with none of them in any
+    // layer is a trunk-only file (llama.cpp's converter writes those) and runs causal mode only.
+    const llm_tensor bd_kinds[4] = {
+        LLM_TENSOR_CLOVER_BD_CONV_RIGHT, LLM_TENSOR_CLOVER_BD_LOGIT_SCALE,
+        LLM_TENSOR_CLOVER_BD_HISTORY_BIAS, LLM_TENSOR_CLOVER_BD_HISTORY_C,
     };
+    const auto bd_name = [&](int k, int il) {
+        return k == 0 ? tn(bd_kinds[k], "weight", il).str() : tn(bd_kinds[k], il).str();
+    };
+    bool any = false;
+    for (int il = 0; il < n_layer && !any; ++il) {
+        for (int k = 0; k < 4 && !any; ++k) {
+            any = hparams.is_recr(il) && ml.get_tensor_meta(bd_name(k, il).c_str()) != nullptr;
+        }
+    }
+    if (!any) {
+        LLAMA_LOG_INFO("%s: clover: no block-diffusion tensors (a trunk-only file): causal mode only\n", __func__);
+        return;
+    }
+
+    const int64_t k_r_expected = (int64_t) hparams.ssm_d_conv - 1;
+    for (int il = 0; il < n_layer; ++il) {
+        if (!hparams.is_recr(il)) {
+            continue;
+        }
+        for (int k = 0; k < 4; ++k) {
+            const std::string name = bd_name(k, il);
+            const ggml_tensor * meta = ml.get_tensor_meta(name.c_str());
+            if (meta == nullptr) {
+                throw std::runtime_error("clover: tensor '" + name + "' is missing: the block-diffusion tensors "
+                        "(bd_conv_right, bd_logit_scale, bd_history_bias, bd_history_c) must be in every GDN layer or in none");
+            }
+            if (meta->type != GGML_TYPE_F32) {
+                throw std::runtime_error("clover: tensor '" + name + "' must be F32, got " + ggml_type_name(meta->type));
+            }
+            if (k == 0 && meta->ne[0] != k_r_expected) {
+                throw std::runtime_error("clover: tensor '" + name + "' has K_r = " + std::to_string(meta->ne[0]) +
+                        " right-context taps, but ssm.conv_kernel - 1 = " + std::to_string(k_r_expected));
+            }
+        }
+    }
+    if (!clover_kernel_supported((uint32_t) k_r_expected)) {
+        throw std::runtime_error("clover: K_r = " + std::to_string(k_r_expected) +
+                " right-context taps are not supported (supported: 3, 4, 5, 9, 15)");
+    }
 
     for (int il = 0; il < n_layer; ++il) {
         if (!hparams.is_recr(il)) {
             continue;
         }
         auto & cl = clover_layers[il];
-        cl.ssm_conv1d_right = create_tensor(tn(LLM_TENSOR_SSM_CONV1D_RIGHT, "weight", il), { k_r, conv_dim }, 0);
-        cl.ssm_hist         = create_tensor(tn(LLM_TENSOR_SSM_HIST,         "weight", il), { head_k_dim, n_v_heads }, 0);
-        cl.ssm_hist_b       = create_tensor(tn(LLM_TENSOR_SSM_HIST,         "bias",   il), { n_v_heads }, 0);
-        cl.ssm_blk_scale    = create_tensor(tn(LLM_TENSOR_SSM_BLK_SCALE,    "weight", il), { n_v_heads }, 0);
-        check_f32(cl.ssm_conv1d_right);
-        check_f32(cl.ssm_hist);
-        check_f32(cl.ssm_hist_b);
-        check_f32(cl.ssm_blk_scale);
+        cl.bd_conv_right   = create_tensor(tn(LLM_TENSOR_CLOVER_BD_CONV_RIGHT,   "weight", il), { k_r_expected, conv_dim }, 0);
+        cl.bd_logit_scale  = create_tensor(tn(LLM_TENSOR_CLOVER_BD_LOGIT_SCALE,            il), { n_v_heads }, 0);
+        cl.bd_history_bias = create_tensor(tn(LLM_TENSOR_CLOVER_BD_HISTORY_BIAS,           il), { n_v_heads }, 0);
+        cl.bd_history_c    = create_tensor(tn(LLM_TENSOR_CLOVER_BD_HISTORY_C,              il), { n_v_heads }, 0);
     }
+    hparams.clover_has_block_diffusion = true;
+    hparams.clover_conv_right_kernel   = (uint32_t) k_r_expected;
 }
 
 std::unique_ptr<llm_graph_context> llama_model_clover::build_arch_graph(const llm_graph_params & params) const {
@@ -218,9 +291,99 @@ std::unique_ptr<llm_graph_context> llama_model_clover::build_arch_graph(const ll
     return std::make_unique<graph>(*this, params);
 }
 
+// The block coreset's top_p as a graph input (spec 3.3): a reused block graph reads the model's current setting
+// (llama_clover_set_coreset_top_p) at every pass. A graph is built with the coreset ops when the setting is below 1
+// and without them at 1 (every expert: no cut is computed), so a change across 1 rebuilds the graph.
+class llm_graph_input_clover_coreset : public llm_graph_input_i {
+public:
+    llm_graph_input_clover_coreset(const llama_model_clover & model, bool active) : model(model), active(active) {}
+
+    void set_input(const llama_ubatch * ubatch) override {
+        GGML_UNUSED(ubatch);
+        if (top_p != nullptr) {
+            const float v = model.clover_coreset_top_p_now.load();
+            ggml_backend_tensor_set(top_p, &v, 0, sizeof(v));
+        }
+    }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        GGML_UNUSED(params);
+        return (model.clover_coreset_top_p_now.load() < 1.0f) == active;
+    }
+
+    ggml_tensor * top_p = nullptr;  // F32 {1}; nullptr when inactive
+
+private:
+    const llama_model_clover & model;
+    const bool active;
+};
+
 llama_model_clover::graph::graph(const llama_model & model, const llm_graph_params & params) :
     llama_model_qwen35moe::graph(model, params, defer_build{}) {
+    const auto & cmodel = static_cast<const llama_model_clover &>(model);
+    // block passes of more than one row may route inside a coreset (a one-row window is per-row routing)
+    if (!cparams.causal_attn && ubatch.n_seq_tokens > 1 && n_expert_used < n_expert && n_expert > 0) {
+        const bool active = cmodel.clover_coreset_top_p_now.load() < 1.0f;
+        auto inp = std::make_unique<llm_graph_input_clover_coreset>(cmodel, active);
+        if (active) {
+            inp->top_p = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, 1);
+            ggml_set_input(inp->top_p);
+            ggml_set_name(inp->top_p, "clover_coreset_top_p");
+            coreset_top_p = inp->top_p;
+        }
+        res->add_input(std::move(inp));
+    }
     build();
+}
+
+// Spec 3.3 without sort or cumsum (every op here exists on CPU, CUDA and Metal): per window s, with m[e] the mean
+// over its rows of the router probabilities, G[e', e] = step(m[e'] - m[e]) (1 where e' ranks strictly before e),
+// excl[e] = sum_e' G[e', e] m[e'] (the mass ranked before e) and rank[e] = sum_e' G[e', e]. Expert e is in the
+// coreset when excl[e] < top_p (the shortest prefix reaching top_p) or rank[e] < k (the extension to k experts).
+// The bias is 0 for the coreset and -1e30 (finite: no 0 * inf, no NaN) for the rest.
+ggml_tensor * llama_model_clover::graph::build_coreset_bias(ggml_tensor * probs, int il) {
+    const int64_t n_e = n_expert;
+    const int64_t n_w = ubatch.n_seq_tokens;
+    const int64_t n_s = ubatch.n_seqs;
+
+    ggml_tensor * p = ggml_reshape_3d(ctx0, probs, n_e, n_w, n_s);                   // {E, W, S}
+    p = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 0, 2, 3));                          // {W, E, S}
+    ggml_tensor * m = ggml_mean(ctx0, p);                                            // {1, E, S}: m[e]
+    cb(m, "clover_coreset_mass", il);
+
+    ggml_tensor * m_before = ggml_repeat_4d(ctx0, ggml_reshape_3d(ctx0, m, n_e, 1, n_s), n_e, n_e, n_s, 1); // [e', e] = m[e']
+    ggml_tensor * g    = ggml_step(ctx0, ggml_sub(ctx0, m_before, m));              // {E, E, S}
+    ggml_tensor * excl = ggml_sum_rows(ctx0, ggml_mul(ctx0, g, m_before));          // {1, E, S}
+    ggml_tensor * rank = ggml_sum_rows(ctx0, g);                                     // {1, E, S}
+
+    ggml_tensor * in_p = ggml_step(ctx0, ggml_scale(ctx0, ggml_sub(ctx0, excl, coreset_top_p), -1.0f));  // excl < top_p
+    ggml_tensor * in_k = ggml_step(ctx0, ggml_scale_bias(ctx0, rank, -1.0f, (float) n_expert_used - 0.5f)); // rank < k
+    ggml_tensor * out  = ggml_step(ctx0, ggml_scale_bias(ctx0, ggml_add(ctx0, in_p, in_k), -1.0f, 0.5f));  // neither
+    ggml_tensor * bias = ggml_scale(ctx0, out, -1e30f);                              // {1, E, S}
+    cb(bias, "clover_coreset_bias", il);
+
+    bias = ggml_repeat_4d(ctx0, ggml_reshape_3d(ctx0, bias, n_e, 1, n_s), n_e, n_w, n_s, 1);             // {E, W, S}
+    return ggml_reshape_2d(ctx0, bias, n_e, n_w * n_s);
+}
+
+ggml_tensor * llama_model_clover::graph::build_layer_ffn(ggml_tensor * cur, int il) {
+    // causal passes never use a coreset; cur must hold every row of the windows (not only the output rows)
+    if (coreset_top_p == nullptr || cur->ne[1] != (int64_t) ubatch.n_tokens) {
+        return llama_model_qwen35moe::graph::build_layer_ffn(cur, il);
+    }
+    // the router logits and probabilities exactly as build_moe_ffn computes them
+    ggml_tensor * logits = build_lora_mm(model.layers[il].ffn_gate_inp, cur);      // {E, T}
+    cb(logits, "clover_coreset_logits", il);
+    ggml_tensor * bias = build_coreset_bias(ggml_soft_max(ctx0, logits), il);
+
+    // The bias goes on the router logits, not on build_moe_ffn's selection probabilities (exp_probs_b): the rows'
+    // top-k inside C is the same, and qwen35moe renormalises the chosen weights (norm_w = true), so
+    // softmax-over-C weights renormalised equal causal mode's p_e / sum_chosen p_e. A selection bias would also be
+    // per token here, while CUDA's fused top-k MoE kernel reads exp_probs_b as one {n_expert} vector; biased logits
+    // keep that kernel's ordinary (unbiased) path, which softmaxes each row on its own.
+    ggml_tensor * masked = ggml_add(ctx0, logits, bias);
+    cb(masked, "clover_coreset_logits_masked", il);
+    return build_layer_ffn_moe(cur, il, nullptr, masked);
 }
 
 ggml_tensor * llama_model_clover::graph::build_layer_attn_linear(
@@ -253,7 +416,10 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
     GGML_ASSERT(ubatch.equal_seqs());
     GGML_ASSERT(ubatch.n_tokens == n_seq_tokens * n_seqs);
     GGML_ASSERT(head_k_dim == head_v_dim);
-    GGML_ASSERT(cl.ssm_conv1d_right && cl.ssm_hist && cl.ssm_hist_b && cl.ssm_blk_scale);
+    if (!(cl.bd_conv_right && cl.bd_logit_scale && cl.bd_history_bias && cl.bd_history_c)) {
+        // clover_block_decode refuses this before decoding; a direct non-causal decode of a trunk-only file ends here
+        GGML_ABORT("clover: a block pass needs the block-diffusion tensors; this GGUF is trunk-only");
+    }
 
     // 1. projections
     auto qkvz = build_qkvz(cur, il);
@@ -278,11 +444,11 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
     cb(conv_left, "clover_conv_left", il);
 
     // ... plus the right-context branch: out_t = sum_k w[k] * mixed[t+1+k], zero past the window end
-    const int64_t k_r = cl.ssm_conv1d_right->ne[0];
+    const int64_t k_r = cl.bd_conv_right->ne[0];
     ggml_tensor * xr = ggml_pad(ctx0, ggml_cont(ctx0, qkv_t), (int) k_r, 0, 0, 0);  // {T+K_r, conv_dim, S}
     xr = ggml_view_3d(ctx0, xr, n_seq_tokens + k_r - 1, conv_channels, n_seqs, xr->nb[1], xr->nb[2], xr->nb[0]);
     xr = ggml_cont(ctx0, xr);                                                        // {T+K_r-1, conv_dim, S}
-    ggml_tensor * conv_right = ggml_ssm_conv(ctx0, xr, cl.ssm_conv1d_right);         // {conv_dim, T, S}
+    ggml_tensor * conv_right = ggml_ssm_conv(ctx0, xr, cl.bd_conv_right);            // {conv_dim, T, S}
     cb(conv_right, "clover_conv_right", il);
 
     ggml_tensor * conv_out = ggml_silu(ctx0, ggml_add(ctx0, conv_left, conv_right));
@@ -316,19 +482,23 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
     ggml_tensor * kp = ggml_cont(ctx0, ggml_permute(ctx0, k, 0, 2, 1, 3)); // {d, T, H_v, S}
     ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, v, 1, 2, 0, 3)); // {T, d, H_v, S}
 
-    // 4. history readout from the committed state: r_i = S^T q^_i / sqrt(d_k)
+    // 4. history readout from the committed state: r_i = S^T (q^_i * history_readout_scale)
     ggml_tensor * state = build_rs(inp, ssm_states_all, hparams.n_embd_s(), n_seqs);
     state = ggml_reshape_4d(ctx0, state, head_v_dim, head_v_dim, num_v_heads, n_seqs);
     ggml_tensor * r = ggml_mul_mat(ctx0, state, qp);                        // {d_v, T, H_v, S}
-    r = ggml_scale(ctx0, r, 1.0f / sqrtf((float) head_k_dim));
+    r = ggml_scale(ctx0, r, hparams.clover_history_readout_scale);
     cb(r, "clover_hist_readout", il);
 
-    // 5. scores over B+1 units
+    // 5. logits over W+1 units: the window rows, l_ij = bd_logit_scale_h * q^_i . k^_j ...
     ggml_tensor * kq = ggml_mul_mat(ctx0, kp, qp);                          // {T_k, T_q, H_v, S}
-    kq = ggml_mul(ctx0, kq, ggml_reshape_4d(ctx0, cl.ssm_blk_scale, 1, 1, num_v_heads, 1));
+    kq = ggml_mul(ctx0, kq, ggml_reshape_4d(ctx0, cl.bd_logit_scale, 1, 1, num_v_heads, 1));
 
-    ggml_tensor * lh = ggml_mul_mat(ctx0, ggml_reshape_4d(ctx0, cl.ssm_hist, head_k_dim, 1, num_v_heads, 1), qp); // {1, T, H_v, S}
-    lh = ggml_add(ctx0, lh, ggml_reshape_4d(ctx0, cl.ssm_hist_b, 1, 1, num_v_heads, 1));
+    // ... and the history slot, l_iH = bd_history_bias_h + bd_history_c_h * ln(W / history_rows): the same for every
+    // row (it does not depend on q); W is this graph's true window width (never padded), a constant of the graph
+    const float ln_w = logf((float) n_seq_tokens / (float) hparams.clover_history_rows);
+    ggml_tensor * lh = ggml_add(ctx0, cl.bd_history_bias, ggml_scale(ctx0, cl.bd_history_c, ln_w)); // {H_v}
+    lh = ggml_repeat_4d(ctx0, ggml_reshape_4d(ctx0, lh, 1, 1, num_v_heads, 1), 1, n_seq_tokens, num_v_heads, n_seqs);
+    cb(lh, "clover_hist_logit", il);
 
     ggml_tensor * scores = ggml_concat(ctx0, kq, lh, 0);                    // {T+1, T, H_v, S}
     ggml_tensor * w = ggml_soft_max(ctx0, scores);
@@ -354,4 +524,43 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
     cb(cur, "linear_attn_out", il);
 
     return ggml_reshape_2d(ctx0, cur, n_embd, n_seq_tokens * n_seqs);
+}
+
+//
+// the clover model's C functions (declared for the tools in tools/clover/clover-llama.h)
+//
+
+extern "C" {
+LLAMA_API bool  llama_clover_set_coreset_top_p(struct llama_model * model, float top_p);
+LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model);
+LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);
+LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * model);
+}
+
+static const llama_model_clover * clover_model_of(const struct llama_model * model) {
+    return model ? dynamic_cast<const llama_model_clover *>(model) : nullptr;
+}
+
+bool llama_clover_set_coreset_top_p(struct llama_model * model, float top_p) {
+    const llama_model_clover * m = clover_model_of(model);
+    if (m == nullptr || !(top_p > 0.0f && top_p <= 1.0f)) {  // NaN fails too
+        return false;
+    }
+    m->clover_coreset_top_p_now.store(top_p);
+    return true;
+}
+
+float llama_clover_get_coreset_top_p(const struct llama_model * model) {
+    const llama_model_clover * m = clover_model_of(model);
+    return m ? m->clover_coreset_top_p_now.load() : -1.0f;
+}
+
+float llama_clover_gguf_coreset_top_p(const struct llama_model * model) {
+    const llama_model_clover * m = clover_model_of(model);
+    return m ? m->hparams.clover_coreset_top_p : -1.0f;
+}
+
+bool llama_clover_has_block_diffusion(const struct llama_model * model) {
+    const llama_model_clover * m = clover_model_of(model);
+    return m != nullptr && m->hparams.clover_has_block_diffusion;
 }

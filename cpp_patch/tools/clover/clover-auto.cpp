@@ -234,7 +234,8 @@ bool clover_run_auto(clover_run & run) {
         int32_t width = clover_chain_width(c, st, w_max, remaining);
         const double chain_rate = clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(width, remaining)) /
                                   (clover_chain_ms(c, width) + (width == st.width ? 0.0 : c.rebuild_ms));
-        const int32_t block_w = clover_block_width_for(c, st, w_max, remaining, chain_rate);
+        // a file without block passes (trunk-only, or no mask token) drafts from n-grams only
+        const int32_t block_w = eng->can_block ? clover_block_width_for(c, st, w_max, remaining, chain_rate) : 0;
 
         std::vector<llama_token> drafts;
         clover_draft_kind kind = width > 1 ? CLOVER_DRAFT_NGRAM : CLOVER_DRAFT_NONE;
@@ -397,6 +398,10 @@ bool clover_measure_costs(clover_engine * eng, clover_pass_costs & out) {
         if (!clover_measure_chain(eng, tok, w_hi, 5, first, steady)) { return false; }
         cw = std::min(cw, steady);
         rebuild = std::min(rebuild, std::min(rb, first - steady));
+        if (!eng->can_block) {  // no block passes to measure: auto never drafts with them on this file
+            b2 = bw = 0.0;
+            continue;
+        }
         if (!clover_measure_block(eng, tok, 2, t)) { return false; }
         b2 = std::min(b2, t);
         if (!clover_measure_block(eng, tok, w_hi, t)) { return false; }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "clover.h"
+#include "clover-llama.h"
 #include "clover-log.h"
 #include "llama.h"
 
@@ -62,6 +63,11 @@ struct clover_engine {
     llama_memory_t      mem   = nullptr;
 
     clover_model_info info = {};
+    // block passes are possible: the file has the block-diffusion tensors and a mask token (else ar and auto with
+    // n-gram drafts only; block_unavailable says why)
+    bool        can_block = false;
+    std::string block_unavailable;
+    float       coreset_top_p = 1.0f;  // of this slot's current generation (clover_gen_params.coreset_top_p resolved)
 
     // this slot's sequences (slot i: 2i and 2i + 1)
     llama_seq_id seq_history = 0;
@@ -250,6 +256,10 @@ struct clover_offload {
 
 // false with a message naming the option (its engine-params field and llama.cpp's flag) when it cannot be satisfied
 bool    clover_offload_resolve(const clover_engine_params & p, int32_t n_layer, clover_offload & out, std::string & err);
+// general.architecture is one of spec v2's spellings (clover_moe, clover-moe, clovermoe); else false and a message
+// (the retired v1 'clover' gets one that names v2)
+bool clover_check_arch(const char * path, const std::string & arch, std::string & err);
+
 // <arch>.block_count of a GGUF, or -1 with a message
 int32_t clover_gguf_n_layer(const char * path, std::string & err);
 // false with a message naming -np when the host entry's context and compute buffers exceed its free memory less

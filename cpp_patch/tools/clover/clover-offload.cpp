@@ -191,10 +191,14 @@ int32_t clover_gguf_n_layer(const char * path, std::string & err) {
         err = clover_format("cannot read GGUF file '%s' (missing or not a GGUF file)", path);
         return -1;
     }
-    std::string arch = "clover";
+    std::string arch;
     int64_t id = gguf_find_key(gctx, "general.architecture");
     if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_STRING) {
         arch = gguf_get_val_str(gctx, id);
+    }
+    if (!clover_check_arch(path, arch, err)) {  // the keys are read under the file's own spelling
+        gguf_free(gctx);
+        return -1;
     }
     int32_t n = -1;
     id = gguf_find_key(gctx, (arch + ".block_count").c_str());

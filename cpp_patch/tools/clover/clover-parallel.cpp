@@ -52,6 +52,9 @@ bool clover_make_slots(clover_engine * eng, int32_t n_parallel, int32_t n_ubatch
         slot->vocab          = eng->vocab;
         slot->mem            = eng->mem;
         slot->info           = eng->info;
+        slot->can_block      = eng->can_block;
+        slot->block_unavailable = eng->block_unavailable;
+        slot->coreset_top_p  = eng->coreset_top_p;
         slot->seq_history    = 2 * i;
         slot->seq_scratch    = 2 * i + 1;
         slot->shared         = shared;
@@ -73,6 +76,9 @@ bool clover_make_slots(clover_engine * eng, int32_t n_parallel, int32_t n_ubatch
 
 int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * history,
                                  const llama_seq_id * scratch, int32_t n_slots) {
+    if (!llama_clover_has_block_diffusion(llama_get_model(ctx))) {
+        return -3;  // a trunk-only file: no block pass (its graph needs the bd_* tensors)
+    }
     llama_memory_t mem = llama_get_memory(ctx);
     for (int32_t i = 0; i < n_slots; ++i) {
         llama_memory_seq_rm(mem, scratch[i], -1, -1);
@@ -90,7 +96,9 @@ int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch,
 namespace {
 
 bool clover_same_kind(const clover_pass_req & a, const clover_pass_req & b) {
-    return a.block == b.block && a.eng->batch.n_tokens == b.eng->batch.n_tokens;
+    // block passes of one round share the model's coreset setting
+    return a.block == b.block && a.eng->batch.n_tokens == b.eng->batch.n_tokens &&
+           (!a.block || a.eng->coreset_top_p == b.eng->coreset_top_p);
 }
 
 // the oldest pending pass, and the later ones it can share a ubatch with (each slot's tokens whole in it)
@@ -164,6 +172,7 @@ void clover_run_round(clover_shared & sh, llama_context * ctx) {
             history.push_back(r->eng->seq_history);
             scratch.push_back(r->eng->seq_scratch);
         }
+        llama_clover_set_coreset_top_p(group[0]->eng->model, group[0]->eng->coreset_top_p);
         rc = clover_block_decode_seqs(ctx, *batch, history.data(), scratch.data(), (int32_t) group.size());
     } else {
         rc = llama_decode(ctx, *batch);

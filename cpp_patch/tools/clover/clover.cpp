@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdarg>
@@ -194,6 +195,48 @@ static bool clover_check_data_size(const char * path, const gguf_context * gctx,
     return true;
 }
 
+bool clover_check_arch(const char * path, const std::string & arch, std::string & err) {
+    if (arch == "clover_moe" || arch == "clover-moe" || arch == "clovermoe") {
+        return true;
+    }
+    if (arch == "clover") {
+        err = clover_format("'%s': clover: architecture 'clover' is spec v1, which is retired; convert the checkpoint "
+                "again with clover-convert (spec v2, arch clover_moe)", path);
+    } else {
+        err = clover_format("'%s': general.architecture is '%s', not 'clover_moe' (clover-convert and llama.cpp's "
+                "Clover converter make clover_moe GGUF files)", path, arch.empty() ? "(none)" : arch.c_str());
+    }
+    return false;
+}
+
+// The mask token of a file without tokenizer.ggml.mask_token_id (spec 5): the one token of type CONTROL (3) or
+// USER_DEFINED (4) whose text contains "mask", case-insensitive; -1 unless there is exactly one.
+static int32_t clover_find_mask_token(const gguf_context * gctx) {
+    const int64_t tokens_id = gguf_find_key(gctx, "tokenizer.ggml.tokens");
+    const int64_t types_id  = gguf_find_key(gctx, "tokenizer.ggml.token_type");
+    if (tokens_id < 0 || types_id < 0 || gguf_get_kv_type(gctx, tokens_id) != GGUF_TYPE_ARRAY ||
+        gguf_get_kv_type(gctx, types_id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(gctx, tokens_id) != GGUF_TYPE_STRING ||
+        gguf_get_arr_type(gctx, types_id) != GGUF_TYPE_INT32) {
+        return -1;
+    }
+    const size_t n = std::min(gguf_get_arr_n(gctx, tokens_id), gguf_get_arr_n(gctx, types_id));
+    const int32_t * types = (const int32_t *) gguf_get_arr_data(gctx, types_id);
+    int32_t found = -1;
+    int32_t n_found = 0;
+    for (size_t i = 0; i < n; ++i) {
+        if (types[i] != LLAMA_TOKEN_TYPE_CONTROL && types[i] != LLAMA_TOKEN_TYPE_USER_DEFINED) {
+            continue;
+        }
+        std::string text = gguf_get_arr_str(gctx, tokens_id, i);
+        std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return (char) std::tolower(c); });
+        if (text.find("mask") != std::string::npos) {
+            found = (int32_t) i;
+            n_found++;
+        }
+    }
+    return n_found == 1 ? found : -1;
+}
+
 static bool clover_read_info(const char * path, clover_model_info & info, std::string & err) {
     info = {};
     if (!path) {
@@ -211,7 +254,7 @@ static bool clover_read_info(const char * path, clover_model_info & info, std::s
         return false;
     }
 
-    std::string arch = "clover";
+    std::string arch;
     {
         const int64_t id = gguf_find_key(gctx, "general.architecture");
         if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_STRING) {
@@ -222,44 +265,92 @@ static bool clover_read_info(const char * path, clover_model_info & info, std::s
 
     bool ok = false;
     do {
-        if (arch != "clover") {
-            err = clover_format("'%s': general.architecture is '%s', not 'clover' (clover-convert makes clover GGUF files)",
-                    path, arch.c_str());
+        if (!clover_check_arch(path, arch, err)) {
             break;
         }
         int64_t v = 0;
-        if (!clover_gguf_int(gctx, key("block_size").c_str(), v)) {
-            err = clover_format("'%s': missing or non-integer %s", path, key("block_size").c_str());
-            break;
+        // the block-diffusion keys are optional (llama.cpp's converter writes none): spec 2.2's defaults
+        info.block_size          = 32;
+        info.threshold           = 0.95f;
+        info.coreset_top_p       = 1.0f;
+        info.history_rows        = 32;
+        info.mask_token_id       = -1;
+        if (gguf_find_key(gctx, key("block_size").c_str()) >= 0) {
+            if (!clover_gguf_int(gctx, key("block_size").c_str(), v)) {
+                err = clover_format("'%s': %s is not an integer", path, key("block_size").c_str());
+                break;
+            }
+            if (v < 1 || v > CLOVER_MAX_GGUF_BLOCK_SIZE) {
+                err = clover_format("'%s': %s = %lld must be in 1 .. %d", path, key("block_size").c_str(), (long long) v,
+                        CLOVER_MAX_GGUF_BLOCK_SIZE);
+                break;
+            }
+            info.block_size = (int32_t) v;
         }
-        if (v < 1 || v > CLOVER_MAX_GGUF_BLOCK_SIZE) {
-            err = clover_format("'%s': %s = %lld must be in 1 .. %d", path, key("block_size").c_str(), (long long) v,
-                    CLOVER_MAX_GGUF_BLOCK_SIZE);
-            break;
-        }
-        info.block_size = (int32_t) v;
 
-        if (!clover_gguf_float(gctx, key("diffusion.threshold").c_str(), info.threshold)) {
-            err = clover_format("'%s': missing or non-float %s", path, key("diffusion.threshold").c_str());
+        if (gguf_find_key(gctx, key("diffusion.threshold").c_str()) >= 0 &&
+            !clover_gguf_float(gctx, key("diffusion.threshold").c_str(), info.threshold)) {
+            err = clover_format("'%s': %s is not a float", path, key("diffusion.threshold").c_str());
             break;
         }
         if (!(info.threshold >= 0.0f && info.threshold <= 1.0f)) {  // NaN fails too
             err = clover_format("'%s': %s = %g must be in [0, 1]", path, key("diffusion.threshold").c_str(), (double) info.threshold);
             break;
         }
-
-        if (!clover_gguf_int(gctx, "tokenizer.ggml.mask_token_id", v) || v < 0 || v > INT32_MAX) {
-            err = clover_format("'%s': missing or invalid tokenizer.ggml.mask_token_id", path);
+        if (gguf_find_key(gctx, key("diffusion.coreset_top_p").c_str()) >= 0 &&
+            !clover_gguf_float(gctx, key("diffusion.coreset_top_p").c_str(), info.coreset_top_p)) {
+            err = clover_format("'%s': %s is not a float", path, key("diffusion.coreset_top_p").c_str());
             break;
         }
-        info.mask_token_id = (int32_t) v;
-
-        info.conv_right_kernel = clover_gguf_int(gctx, key("ssm.conv_right_kernel").c_str(), v) ? (int32_t) v : 0;
-        info.n_ctx_train       = clover_gguf_int(gctx, key("context_length").c_str(), v) ? (int32_t) v : 0;
+        if (!(info.coreset_top_p > 0.0f && info.coreset_top_p <= 1.0f)) {
+            err = clover_format("'%s': %s = %g must be in (0, 1]", path, key("diffusion.coreset_top_p").c_str(),
+                    (double) info.coreset_top_p);
+            break;
+        }
+        if (gguf_find_key(gctx, key("diffusion.history_rows").c_str()) >= 0) {
+            if (!clover_gguf_int(gctx, key("diffusion.history_rows").c_str(), v) || v < 1 || v > INT32_MAX) {
+                err = clover_format("'%s': %s must be an integer >= 1", path, key("diffusion.history_rows").c_str());
+                break;
+            }
+            info.history_rows = (int32_t) v;
+        }
+        {
+            const int64_t id = gguf_find_key(gctx, "diffusion.shift_logits");
+            if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_BOOL && !gguf_get_val_bool(gctx, id)) {
+                err = clover_format("'%s': diffusion.shift_logits = false: unshifted block diffusion is not implemented", path);
+                break;
+            }
+        }
 
         {
             const int64_t id = gguf_find_key(gctx, "tokenizer.ggml.tokens");
             info.n_vocab = id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_ARRAY ? (int32_t) gguf_get_arr_n(gctx, id) : 0;
+        }
+        if (gguf_find_key(gctx, "tokenizer.ggml.mask_token_id") >= 0) {
+            if (!clover_gguf_int(gctx, "tokenizer.ggml.mask_token_id", v) || v < 0 || v > INT32_MAX) {
+                err = clover_format("'%s': invalid tokenizer.ggml.mask_token_id", path);
+                break;
+            }
+            info.mask_token_id = (int32_t) v;
+        } else {
+            info.mask_token_id = clover_find_mask_token(gctx);
+        }
+
+        info.n_ctx_train = clover_gguf_int(gctx, key("context_length").c_str(), v) ? (int32_t) v : 0;
+
+        // the block-diffusion tensors (the loader refuses a file with only some of them); K_r from the first one
+        info.has_block_diffusion = 0;
+        info.conv_right_kernel   = 0;
+        for (int64_t i = 0; i < gguf_get_n_tensors(gctx); ++i) {
+            const char * name = gguf_get_tensor_name(gctx, i);
+            const char * tail = std::strstr(name, ".bd_conv_right.weight");
+            if (std::strncmp(name, "blk.", 4) == 0 && tail != nullptr && std::strcmp(tail, ".bd_conv_right.weight") == 0) {
+                info.has_block_diffusion = 1;
+                if (clover_gguf_int(gctx, key("ssm.conv_kernel").c_str(), v) && v > 1) {
+                    info.conv_right_kernel = (int32_t) (v - 1);  // the loader checks K_r = ssm.conv_kernel - 1
+                }
+                break;
+            }
         }
 
         std::vector<double> sizes;
@@ -371,7 +462,14 @@ bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, 
         eng->last_error = clover_format("internal error: a block window of %d exceeds max_block_size %d", n, eng->max_block_size);
         return false;
     }
+    if (!eng->can_block) {
+        eng->last_error = eng->block_unavailable;
+        return false;
+    }
     clover_batch_fill(eng->batch, window.data(), n, eng->n_past, eng->seq_scratch, rows);
+    if (!eng->shared) {
+        llama_clover_set_coreset_top_p(eng->model, eng->coreset_top_p);
+    }
     const int32_t rc = eng->shared ? clover_parallel_pass(eng, true)
                                    : clover_block_decode_seqs(eng->ctx, eng->batch, &eng->seq_history, &eng->seq_scratch, 1);
     if (rc != 0) {
@@ -945,6 +1043,23 @@ static bool clover_check_params(const clover_engine * eng, const clover_gen_para
     return err.empty();
 }
 
+// what needs block passes (spec 5, "Files"): diffusion and spec need the block-diffusion tensors and a mask token
+// (auto then drafts from n-grams only); the coreset top_p of the call's block passes
+static bool clover_check_block_params(const clover_engine * eng, const clover_gen_params * params, float & coreset_top_p,
+                                      std::string & err) {
+    if (std::isnan(params->coreset_top_p) || params->coreset_top_p > 1.0f) {
+        err = clover_format("coreset_top_p must be in (0, 1] (or <= 0 for the GGUF's value), got %g",
+                (double) params->coreset_top_p);
+        return false;
+    }
+    coreset_top_p = params->coreset_top_p > 0.0f ? params->coreset_top_p : eng->info.coreset_top_p;
+    if ((params->mode == CLOVER_MODE_DIFFUSION || params->mode == CLOVER_MODE_SPEC) && !eng->can_block) {
+        err = eng->block_unavailable;
+        return false;
+    }
+    return true;
+}
+
 // flags[t] = 1 for each of the n ids; an id outside the vocabulary is an error naming `what`
 static bool clover_mark_ids(const clover_engine * eng, const llama_token * ids, int32_t n, const char * what,
                             std::vector<uint8_t> & flags, std::string & err) {
@@ -962,7 +1077,9 @@ static bool clover_mark_ids(const clover_engine * eng, const llama_token * ids, 
 static bool clover_init_sampler(const clover_engine * eng, const clover_gen_params * params, clover_sampler & smp,
                                 std::string & err) {
     smp.excluded.assign(eng->n_vocab, 0);
-    smp.excluded[eng->info.mask_token_id] = 1;
+    if (eng->info.mask_token_id >= 0) {
+        smp.excluded[eng->info.mask_token_id] = 1;
+    }
     if (!clover_mark_ids(eng, params->banned_ids, params->n_banned_ids, "banned", smp.excluded, err)) {
         return false;
     }
@@ -1202,6 +1319,7 @@ struct clover_gen_params clover_gen_default_params(void) {
     p.n_stop_ids   = -1;
     p.banned_ids   = nullptr;
     p.n_banned_ids = 0;
+    p.coreset_top_p = 0.0f;
     return p;
 }
 
@@ -1251,7 +1369,7 @@ static clover_engine_ptr clover_engine_make(const char * path, clover_load_plan 
     }
     const llama_vocab * vocab = llama_model_get_vocab(model.get());
     const int32_t n_vocab = llama_vocab_n_tokens(vocab);
-    if (plan.info.mask_token_id >= n_vocab) {
+    if (plan.info.mask_token_id >= 0 && plan.info.mask_token_id >= n_vocab) {
         msg = clover_format("mask token id %d is outside the vocabulary (%d)", plan.info.mask_token_id, n_vocab);
         return nullptr;
     }
@@ -1273,6 +1391,16 @@ static clover_engine_ptr clover_engine_make(const char * path, clover_load_plan 
     eng->info             = plan.info;
     eng->info.n_vocab     = n_vocab;
     eng->info.n_ctx_train = llama_model_n_ctx_train(model.get());
+    eng->info.has_block_diffusion = llama_clover_has_block_diffusion(model.get()) ? 1 : 0;
+    eng->coreset_top_p    = eng->info.coreset_top_p;
+    if (!eng->info.has_block_diffusion) {
+        eng->block_unavailable = "clover: this GGUF has no block-diffusion tensors (a trunk-only file, e.g. from llama.cpp's "
+                                 "converter); diffusion and spec need them: add them with clover-convert --bd-only";
+    } else if (eng->info.mask_token_id < 0) {
+        eng->block_unavailable = "clover: this GGUF has no mask token (no tokenizer.ggml.mask_token_id, and not exactly one "
+                                 "control token named like 'mask'); diffusion and spec need one: set it with clover-convert --mask-token";
+    }
+    eng->can_block = eng->block_unavailable.empty();
     eng->vocab            = vocab;
     eng->mem              = llama_get_memory(ctx.get());
     eng->model            = model.release();  // freed by clover_engine_free from here on
@@ -1479,11 +1607,14 @@ int32_t clover_generate(struct clover_engine * engine, const llama_token * promp
 
     clover_run run;
     std::string err;
+    float coreset_top_p = eng->info.coreset_top_p;
     if (!clover_resolve_params(eng, params, run.block_size, run.threshold, err) ||
-        !clover_check_params(eng, params, prompt, n_prompt, err) || !clover_init_sampler(eng, params, run.smp, err)) {
+        !clover_check_params(eng, params, prompt, n_prompt, err) ||
+        !clover_check_block_params(eng, params, coreset_top_p, err) || !clover_init_sampler(eng, params, run.smp, err)) {
         eng->last_error = err;  // nothing was touched
         return -1;
     }
+    eng->coreset_top_p = coreset_top_p;
     run.eng       = eng;
     run.params    = params;
     run.budget    = params->max_tokens;

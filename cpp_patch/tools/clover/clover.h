@@ -56,17 +56,23 @@ enum clover_stop_reason {
     CLOVER_STOP_CANCELLED = 4,  // a callback returned false
 };
 
-// The clover GGUF settings, read as typed values from the file (spec section 5).
+// The clover GGUF settings, read as typed values from the file (spec v2 section 5; ARCH is the file's
+// architecture: clover_moe, clover-moe or clovermoe). Every block-diffusion key is optional (llama.cpp's own
+// converter writes none): an absent key gives spec 2.2's default.
 struct clover_model_info {
-    int32_t block_size;               // clover.block_size
-    float   threshold;                // clover.diffusion.threshold
-    int32_t mask_token_id;            // tokenizer.ggml.mask_token_id
-    int32_t conv_right_kernel;        // clover.ssm.conv_right_kernel
+    int32_t block_size;               // ARCH.block_size (default 32)
+    float   threshold;                // ARCH.diffusion.threshold (default 0.95)
+    int32_t mask_token_id;            // tokenizer.ggml.mask_token_id, else the one CONTROL / USER_DEFINED token whose
+                                      // text contains "mask" (case-insensitive); -1 = none (block modes unavailable)
+    int32_t conv_right_kernel;        // K_r = ssm.conv_kernel - 1 when the file has the block-diffusion tensors, else 0
     int32_t n_calibrated;
     int32_t calibrated_block_sizes[CLOVER_MAX_CALIBRATED];
     float   calibrated_thresholds [CLOVER_MAX_CALIBRATED];
     int32_t n_vocab;
     int32_t n_ctx_train;
+    float   coreset_top_p;            // ARCH.diffusion.coreset_top_p (default 1: no coreset)
+    int32_t history_rows;             // ARCH.diffusion.history_rows (default 32)
+    int32_t has_block_diffusion;      // 1: the bd_* tensors are present; 0: a trunk-only file (ar and auto only)
 };
 
 struct clover_engine_params {
@@ -103,7 +109,7 @@ struct clover_device_memory {
 
 struct clover_gen_params {
     int32_t             mode;          // enum clover_mode
-    int32_t             block_size;    // 0 = clover.block_size
+    int32_t             block_size;    // 0 = ARCH.block_size
     float               threshold;     // < 0 = the calibrated threshold for block_size (spec 4.3)
     int32_t             draft_steps;   // spec mode: LowConfidence steps before the argmax draft (greedy only)
                                        // (auto mode: block_size bounds the draft length)
@@ -116,6 +122,7 @@ struct clover_gen_params {
     int32_t             n_stop_ids;
     const llama_token * banned_ids;    // never produced (the mask token is always banned)
     int32_t             n_banned_ids;
+    float               coreset_top_p; // block passes' coreset top_p (spec 3.3) in (0, 1]; <= 0 = the GGUF's value
 };
 
 struct clover_stats {
@@ -146,7 +153,9 @@ struct clover_engine;
 // The block-pass protocol (spec section 3; docs/native.md, "History protection"): on a context with
 // n_seq_max >= 2 and a unified KV cache, copy the history (sequence 0) to the scratch sequence 1, decode batch
 // (the window, on sequence 1, at the positions after the history) with causal attention off, then remove
-// sequence 1 and turn causal attention back on. The history is never written. Returns llama_decode's code.
+// sequence 1 and turn causal attention back on. The history is never written. Returns llama_decode's code, or -3
+// (nothing done) when the model has no block-diffusion tensors (a trunk-only file). The coreset top_p is the
+// model's current setting (llama_clover_set_coreset_top_p in clover-llama.h; the GGUF's value by default).
 int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch * batch);
 
 // Physical cores this process may run on: its CPU affinity mask with SMT siblings counted once, capped by

@@ -27,8 +27,9 @@ static void clover_cli_usage(const char * argv0) {
     fprintf(stderr,
         "usage: %s -m MODEL.gguf -p PROMPT [options]\n"
         "  --mode ar|diffusion|spec|auto  decoding mode (default diffusion)\n"
-        "  --block-size B             block size (default: clover.block_size)\n"
+        "  --block-size B             block size (default: the GGUF's ARCH.block_size, else 32)\n"
         "  --threshold T              fill threshold in [0, 1] (default: the calibrated one for B)\n"
+        "  --coreset-top-p P          block passes' expert coreset top_p in (0, 1] (default: the GGUF's, 1 = off)\n"
         "  -n, --n-predict, --max-tokens N   tokens to generate (default 64)\n"
         "  --draft-steps S            spec mode: LowConfidence steps before the argmax draft (greedy only)\n"
         "  --temp T, --top-k K, --top-p P, -s/--seed S   sampling (temperature 0 = greedy)\n"
@@ -265,6 +266,8 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
             a.gparams.block_size = (int32_t) clover_cli_int("--block-size", next("--block-size"), 1, INT_MAX);
         } else if (arg == "--threshold") {
             a.gparams.threshold = clover_cli_float("--threshold", next("--threshold"), 0.0, 1.0);
+        } else if (arg == "--coreset-top-p") {
+            a.gparams.coreset_top_p = clover_cli_float("--coreset-top-p", next("--coreset-top-p"), 0.0, 1.0, true);
         } else if (arg == "-n" || arg == "--n-predict" || arg == "--max-tokens") {
             a.gparams.max_tokens = (int32_t) clover_cli_int("-n/--n-predict", next("-n"), 0, INT_MAX);
         } else if (arg == "--draft-steps") {

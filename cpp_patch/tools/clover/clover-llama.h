@@ -1,0 +1,27 @@
+// C functions of the clover model in libllama (src/models/clover.cpp), for the clover tools: not part of llama.h.
+#pragma once
+
+#include "llama.h"
+
+#include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The block coreset's top_p (spec 3.3) of the model's next block passes, in (0, 1]; 1 = no coreset (per-row
+// routing). It starts at the GGUF's ARCH.diffusion.coreset_top_p (default 1). A block graph reads it when its
+// inputs are set, so it may change between passes (a change across 1 rebuilds the graph). The setting belongs to
+// the model: contexts that share a model share it. Returns false (nothing set) for a value outside (0, 1] or a
+// model that is not clover_moe.
+LLAMA_API bool  llama_clover_set_coreset_top_p(struct llama_model * model, float top_p);
+// the current setting; -1 for a model that is not clover_moe
+LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model);
+// the GGUF's value (or its default, 1); -1 for a model that is not clover_moe
+LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);
+// whether the file holds the block-diffusion tensors (false: a trunk-only file, causal mode only)
+LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * model);
+
+#ifdef __cplusplus
+}
+#endif
