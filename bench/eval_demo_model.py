@@ -5,7 +5,9 @@
 Causal perplexity comes from the PyTorch reference; decoding figures from the native engine on an f32
 GGUF converted from MODEL_DIR: for diffusion at tau 0.9 and 0.95 with B = 8, 16, 32, TPF (tokens per
 decode-time pass, block and causal) and tokens per block pass, and how often the diffusion output equals
-greedy ar output; for spec mode, the mean accepted length per round.
+greedy ar output; for spec mode, the mean accepted length per round; and, at the default tau and B, how
+diffusion's tokens at the trained block coreset (the GGUF's coreset_top_p) agree with coreset_top_p = 1
+(per-row routing), position by position, with both runs' TPF.
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ def decode_figures(gguf: Path, prompts: list[list[int]], tokens: int) -> dict:
                     "tpf_median_prompt": float(np.median([g / p for g, p in per_prompt])),
                     "tokens_per_block_pass": generated / block_passes,
                     "equals_ar": equal / len(prompts)}
+        trained = model.info.coreset_top_p
+        agree = total = 0
+        counts = {trained: [0, 0], 1.0: [0, 0]}
+        for prompt in prompts:
+            outs = {}
+            for top_p in counts:
+                r = run(mode="diffusion", coreset_top_p=top_p)
+                outs[top_p] = r.tokens
+                counts[top_p][0] += r.stats.generated_tokens
+                counts[top_p][1] += r.stats.passes
+            agree += sum(a == b for a, b in zip(outs[trained], outs[1.0]))
+            total += max(len(outs[trained]), len(outs[1.0]))
+        out["coreset"] = {"trained_top_p": trained, "block_size": model.info.block_size,
+                          "tpf_trained": counts[trained][0] / counts[trained][1],
+                          "tpf_top_p_1": counts[1.0][0] / counts[1.0][1],
+                          "token_agreement_with_top_p_1": agree / total}
         for b in (8, 16, 32):
             accepted = rounds = equal = 0
             for prompt, ar in zip(prompts, ar_outputs):
