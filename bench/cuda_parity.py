@@ -41,7 +41,7 @@ def cases(path: Path, n_gpu_layers: int, flash_attn: bool | None = None) -> dict
     try:
         vocab = model.n_vocab
         ids = np.random.default_rng(1234).integers(0, min(vocab, 3000), size=340).tolist()
-        is_clover = model.meta("general.architecture") == "clover"
+        is_clover = model.meta("general.architecture") in ("clover_moe", "clover-moe", "clovermoe")
         # The CPU side must stay on the CPU: with op offload on (llama.cpp's default), a CUDA build runs every
         # ubatch of 32 tokens or more of host weights on the GPU, which made the first device run compare the
         # GPU with itself for the 64- and 300-token cases.
@@ -56,7 +56,7 @@ def cases(path: Path, n_gpu_layers: int, flash_attn: bool | None = None) -> dict
             out["token_by_token"] = np.concatenate(rows)
             if is_clover:
                 mask = model.mask_token()
-                b_max = int(model.meta("clover.block_size"))
+                b_max = int(model.meta(model.meta("general.architecture") + ".block_size"))
                 for p in BLOCK_POSITIONS:
                     ctx.clear()
                     if p:

@@ -136,7 +136,7 @@ def offload_rows(skeleton: Path, plan: dict[str, dict], memory: dict[int, dict[s
     from clover_cpp.offload import Offload, device_bytes
 
     reader = GGUFReader(skeleton, "r")
-    meta = {k: int(reader.get_field(f"clover.{k}").contents())  # type: ignore[union-attr]
+    meta = {k: int(reader.get_field(f"clover_moe.{k}").contents())  # type: ignore[union-attr]
             for k in ("block_count", "embedding_length", "expert_used_count", "expert_count")}
     n_layer, n_embd, top_k = meta["block_count"], meta["embedding_length"], meta["expert_used_count"]
     tensors = [(name, b) for name, b in plan["Q4_K_M"]["tensor_bytes"].items()]
