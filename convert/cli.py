@@ -21,7 +21,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 from clover_ref import cli_runner, safe_output
 from clover_ref.block_settings import Overrides
@@ -53,34 +53,34 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
-def unit_float(text: str) -> float:
+def _float_option(text: str, ok: Callable[[float], bool], expected: str) -> float:
+    """An option's number; argparse's one-line error naming ``expected`` when it is not one or ``ok`` refuses it."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+        value = float("nan")
+    if not ok(value):  # NaN fails every range check
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def arch_name(text: str) -> str:
+    """--arch-name: a GGUF key prefix (letters, digits, '_' and '-')."""
+    if not text or not all(c.isalnum() or c in "_-" for c in text):
+        raise argparse.ArgumentTypeError(f"expected an architecture name of letters, digits, '_' or '-', got {text!r}")
+    return text
+
+
+def unit_float(text: str) -> float:
+    return _float_option(text, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
 def coreset_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
+    return _float_option(text, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
 def finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
+    return _float_option(text, math.isfinite, "a finite number")
 
 
 QUANT_TYPES = [t.name for t in FILE_TYPES if t.name not in UNQUANTIZED_FILE_TYPES]
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_argument("--conv-right-order", choices=CONV_RIGHT_ORDERS, default="cd",
                           help="the layout of a flat conv_right_weight [conv_dim*K_r]: cd = [channel][tap] "
                                "(default, cortiq's), dc = [tap][channel]")
-    parser.add_argument("--arch-name", default=GGUF_ARCH, metavar="NAME",
+    parser.add_argument("--arch-name", type=arch_name, default=GGUF_ARCH, metavar="NAME",
                         help=f"the GGUF architecture string (default {GGUF_ARCH}; the loader also takes "
                              f"{', '.join(a for a in ARCH_SPELLINGS if a != GGUF_ARCH)})")
     parser.add_argument("--allow-nonfinite", action="store_true",

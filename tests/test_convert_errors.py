@@ -194,6 +194,7 @@ def test_no_mask_token_and_no_candidate(model: Path, out_dir: Path, capsys) -> N
     (("--coreset-top-p", "1.01"), "expected a number in (0, 1]"),
     (("--history-rows", "0"), "expected a positive integer"),
     (("--history-readout-scale", "nan"), "expected a finite number"),
+    (("--arch-name", "clover moe"), "expected an architecture name"),
 ])
 def test_bad_block_setting_options(model: Path, out_dir: Path, capsys, option: tuple[str, str],
                                    fragment: str) -> None:
