@@ -1,7 +1,8 @@
-"""The block expert coreset (spec v2 3.3) on the PyTorch reference: what each coreset_top_p does to the
-coreset's size, diffusion's TPF and its tokens, and what router shapes do to the size at 35B scale.
+"""The block expert coreset (spec v2 3.3): what each coreset_top_p does to the coreset's size, diffusion's TPF
+and its tokens, the native block pass's time, and what router shapes do to the size at 35B scale.
 
     .venv/bin/python bench/bench_coreset.py [--model models/clover-demo] [--prompts 12] [--tokens 48]
+        [--workdir build/bench-35b] [--no-slice]
 
 1. On a trained model (the demo), greedy diffusion over held-out code at B = 8 and 32 for each top_p:
    the mean coreset size per MoE layer in its block passes, TPF (tokens per block or causal pass), and
@@ -12,8 +13,13 @@ coreset's size, diffusion's TPF and its tokens, and what router shapes do to the
    1/sqrt(hidden)) and *peaked* (logits = 3 g + N(0, 1), g one N(0, 1) vector per window: rows of one
    window prefer the same experts, as a trained router on one passage does). No weights are needed.
 
-Not here yet: block-pass milliseconds at W = 8 and 32 and the 35b-shape slice at Q4_K_M need the coreset
-in the native graph, which is not built yet. Results: bench/results/bench_coreset.{md,json}.
+3. Native, side by side in one run: the demo model and a random `35b-shape --layers 4` slice (3 GDN layers, 1
+   attention layer, 256 experts; bench/predict_35b.py's, cached in --workdir), both Q4_K_M. For each top_p: the
+   block pass's milliseconds at W = 8 and 32 over a 64-token history (the minimum of 7 passes after one warm-up:
+   noise on a shared machine only adds time), and on the demo, greedy native diffusion's TPF and its token
+   agreement with top_p = 1 (B = 32, the engine's own pass counts). The slice's router is random, so its
+   coreset sizes are those of the random router model of part 2.
+Results: bench/results/bench_coreset.{md,json}.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from clover_ref.train import corpus_files, encode_files
 TOP_PS = (1.0, 0.95, 0.9, 0.8)
 BLOCKS = (8, 32)
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+NATIVE_WIDTHS = (8, 32)
 
 
 class CoresetSizes:
@@ -106,9 +114,90 @@ def router_model_figures(n_expert: int = 256, top_k: int = 8, windows: int = 200
     return out
 
 
+def block_pass_ms(path: Path, top_ps: tuple[float, ...], reps: int = 7) -> dict:
+    """{top_p: {W: ms}}: the native block pass over a 64-token history, the minimum of ``reps`` after a warm-up."""
+    import time
+
+    from clover_cpp import native
+
+    model = native.LlamaModel(path)
+    ids = np.random.default_rng(0).integers(0, 3000, size=64 + max(NATIVE_WIDTHS)).tolist()
+    out: dict = {}
+    for top_p in top_ps:
+        model.set_coreset_top_p(top_p)
+        ctx = native.Context(model, n_ctx=256, n_ubatch=64)
+        ctx.causal(ids[:64], rows=[63])
+        out[str(top_p)] = {}
+        for w in NATIVE_WIDTHS:
+            window = ids[64: 64 + w]
+            ctx.block(window)
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                ctx.block(window)
+                times.append((time.perf_counter() - start) * 1e3)
+            out[str(top_p)][str(w)] = min(times)
+        print(f"{path.name} top_p={top_p}: block ms {out[str(top_p)]}", flush=True)
+    return out
+
+
+def native_diffusion(path: Path, prompts: list[list[int]], n_tokens: int) -> dict:
+    """{top_p: {tpf, agreement_with_top_p_1}}: greedy native diffusion at B = 32 for each top_p."""
+    from clover_cpp.model import Model
+
+    out: dict = {}
+    baseline: list[list[int]] = []
+    with Model(path, n_ctx=512, n_threads=2) as model:
+        for top_p in TOP_PS:
+            tokens = passes = same = compared = 0
+            outputs = []
+            for i, prompt in enumerate(prompts):
+                model.reset()
+                r = model.run(prompt, mode="diffusion", block_size=32, max_tokens=n_tokens, coreset_top_p=top_p)
+                outputs.append(r.tokens)
+                tokens += r.stats.generated_tokens
+                passes += r.stats.passes
+                if baseline:
+                    same += sum(x == y for x, y in zip(r.tokens, baseline[i]))
+                    compared += max(len(r.tokens), len(baseline[i]))
+            baseline = baseline or outputs
+            out[str(top_p)] = {"tpf": tokens / max(passes, 1),
+                               "agreement_with_top_p_1": same / compared if compared else 1.0}
+            print(f"native demo top_p={top_p}: {out[str(top_p)]}", flush=True)
+    return out
+
+
+def native_figures(model_dir: Path, prompts: list[list[int]], n_tokens: int, workdir: Path,
+                   with_slice: bool) -> dict:
+    import subprocess
+    import sys
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    demo = workdir / "demo-Q4_K_M.gguf"
+    done = subprocess.run([sys.executable, "-m", "clover_convert", str(model_dir), str(demo), "--outtype", "Q4_K_M"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr)
+    files = {"demo Q4_K_M": demo}
+    if with_slice:
+        sys.path.insert(0, str(REPO / "tests"))
+        from predict_35b import slice_gguf
+
+        files["35b-shape 4-layer slice Q4_K_M"] = slice_gguf(workdir, 4)
+    return {"block_ms": {name: block_pass_ms(path, TOP_PS) for name, path in files.items()},
+            "demo_diffusion": native_diffusion(demo, prompts, n_tokens)}
+
+
+def held_out_prompts(n_prompts: int) -> list[list[int]]:
+    _, held = corpus_files()
+    stream = encode_files(held, max_bytes=1 << 19)
+    starts = np.linspace(0, len(stream) - 64, n_prompts).astype(int)
+    return [stream[s: s + 32].tolist() for s in starts]
+
+
 def write_markdown(figures: dict, path: Path) -> None:
     demo = figures["demo"]
-    lines = ["# The block expert coreset on the reference (`bench/bench_coreset.py`)", "",
+    lines = ["# The block expert coreset (`bench/bench_coreset.py`)", "", "## Reference", "",
              f"Demo model: {demo['experts']} experts, top-{demo['top_k']}; greedy diffusion, "
              f"{figures['prompts']} held-out prompts, {figures['tokens']} new tokens each.", "",
              "| B | top_p | mean coreset size (per layer) | TPF | tokens equal to top_p = 1 |",
@@ -125,6 +214,20 @@ def write_markdown(figures: dict, path: Path) -> None:
         for w in BLOCKS:
             lines.append(f"| {name} | {w} | " + " | ".join(f"{model[f'{name}/W{w}/{p}']:.1f}" for p in TOP_PS[1:])
                          + " |")
+    native = figures.get("native")
+    if native:
+        names = list(native["block_ms"])
+        lines += ["", "## Native (Q4_K_M, 2 threads; one run, side by side)", "",
+                  "Block-pass milliseconds over a 64-token history (the minimum of 7):", "",
+                  "| top_p | " + " | ".join(f"{n} W={w}" for n in names for w in NATIVE_WIDTHS) + " |",
+                  "|---|" + "---:|" * (len(names) * len(NATIVE_WIDTHS))]
+        for top_p in TOP_PS:
+            lines.append(f"| {top_p} | " + " | ".join(f"{native['block_ms'][n][str(top_p)][str(w)]:.1f}"
+                                                      for n in names for w in NATIVE_WIDTHS) + " |")
+        lines += ["", f"Native greedy diffusion on the demo (B = 32, {figures['prompts']} prompts, "
+                  f"{figures['tokens']} tokens):", "", "| top_p | TPF | tokens equal to top_p = 1 |", "|---|---:|---:|"]
+        for top_p, r in native["demo_diffusion"].items():
+            lines.append(f"| {top_p} | {r['tpf']:.2f} | {r['agreement_with_top_p_1']:.1%} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -133,10 +236,14 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=Path("models/clover-demo"))
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-35b")
+    parser.add_argument("--no-slice", action="store_true", help="leave out the 35b-shape slice")
     args = parser.parse_args()
     torch.set_num_threads(2)
     figures = {"prompts": args.prompts, "tokens": args.tokens,
-               "demo": demo_figures(args.model, args.prompts, args.tokens), "router_models": router_model_figures()}
+               "demo": demo_figures(args.model, args.prompts, args.tokens), "router_models": router_model_figures(),
+               "native": native_figures(args.model, held_out_prompts(args.prompts), args.tokens, args.workdir,
+                                        not args.no_slice)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bench_coreset.json").write_text(json.dumps(figures, indent=2) + "\n")
     write_markdown(figures, RESULTS / "bench_coreset.md")
