@@ -49,21 +49,27 @@ class Coreset:
         return mask
 
 
+def _cuts(probs: torch.Tensor, top_p: float, top_k: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 2-3 for a batch of windows [N, W, n_expert] at once: per window, the experts by decreasing block mass
+    (stable, so ties keep the lower id first), their masses, the float32 cumulative mass, the prefix length top_p
+    chooses (n_expert at top_p = 1: no cut is computed) and the coreset's size (the cut extended to top_k)."""
+    n_expert = probs.shape[-1]
+    mass = probs.float().mean(-2)
+    order = torch.sort(mass, dim=-1, descending=True, stable=True).indices
+    sorted_mass = torch.gather(mass, -1, order)
+    cumulative = torch.cumsum(sorted_mass, -1, dtype=torch.float32)
+    reached = cumulative >= top_p
+    if top_p >= 1.0:
+        reached = torch.zeros_like(reached)
+    cut = torch.where(reached.any(-1), reached.float().argmax(-1) + 1, torch.full_like(order[:, 0], n_expert))
+    return order, sorted_mass, cumulative, cut, cut.clamp(min=top_k, max=n_expert)
+
+
 def block_coreset(probs: torch.Tensor, top_p: float, top_k: int) -> Coreset:
     """The coreset of a window whose rows have router probabilities ``probs`` [W, n_expert]."""
-    top_p = check_top_p(top_p)
-    n_expert = probs.shape[-1]
-    mass = probs.float().mean(0)
-    order = torch.sort(mass, descending=True, stable=True).indices  # stable: ties keep the lower id first
-    sorted_mass = mass[order]
-    cumulative = torch.cumsum(sorted_mass, 0, dtype=torch.float32)
-    if top_p >= 1.0:
-        cut = n_expert
-    else:
-        reached = torch.nonzero(cumulative >= top_p)
-        cut = int(reached[0]) + 1 if reached.numel() else n_expert
-    size = min(n_expert, max(cut, top_k))
-    return Coreset(order[:size], order, sorted_mass, cumulative, cut)
+    order, sorted_mass, cumulative, cut, size = (t[0] for t in _cuts(probs[None], check_top_p(top_p), top_k))
+    return Coreset(order[:int(size)], order, sorted_mass, cumulative, int(cut))
 
 
 def route_in_coreset(probs: torch.Tensor, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,26 +80,12 @@ def route_in_coreset(probs: torch.Tensor, top_p: float, top_k: int) -> tuple[tor
     one-row windows give per-row top-k. Differentiable in ``probs`` (only the choice of experts is not)."""
     if check_top_p(top_p) >= 1.0 or probs.shape[-2] == 1:
         return probs.topk(top_k, dim=-1)
-    if probs.dim() == 2:
-        allowed = block_coreset(probs.detach(), top_p, top_k).allowed(probs.shape[-1])
-    else:
-        allowed = _coreset_masks(probs.detach(), top_p, top_k)[:, None, :]
-    _, experts = probs.masked_fill(~allowed, -1.0).topk(top_k, dim=-1)
+    windows = probs.detach().reshape(-1, *probs.shape[-2:])
+    order, _, _, _, size = _cuts(windows, top_p, top_k)
+    in_sorted = torch.arange(probs.shape[-1], device=probs.device)[None, :] < size[:, None]
+    allowed = torch.zeros_like(in_sorted).scatter(-1, order, in_sorted)  # [N, n_expert], in expert order
+    _, experts = probs.masked_fill(~allowed.reshape(*probs.shape[:-2], 1, -1), -1.0).topk(top_k, dim=-1)
     return probs.gather(-1, experts), experts
-
-
-def _coreset_masks(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """block_coreset for a batch of windows [N, W, n_expert] at once: [N, n_expert] bool masks."""
-    n_expert = probs.shape[-1]
-    mass = probs.float().mean(-2)
-    order = torch.sort(mass, dim=-1, descending=True, stable=True).indices
-    cumulative = torch.cumsum(torch.gather(mass, -1, order), -1, dtype=torch.float32)
-    reached = cumulative >= top_p
-    cut = torch.where(reached.any(-1), reached.float().argmax(-1) + 1, torch.full_like(reached[:, 0], n_expert,
-                                                                                      dtype=torch.long))
-    size = cut.clamp(min=top_k, max=n_expert)
-    in_sorted = torch.arange(n_expert, device=probs.device)[None, :] < size[:, None]
-    return torch.zeros_like(in_sorted).scatter(-1, order, in_sorted)
 
 
 CUT_NEAR_TIE = 1e-5

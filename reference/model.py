@@ -274,11 +274,8 @@ class SparseMoe(nn.Module):
         ``coreset_top_p`` < 1 (block passes only) the rows of ``x`` choose inside their block coreset: one
         coreset for all rows, or one per run of ``window`` consecutive rows (a batch of windows)."""
         probs = self.router_probs(x)
-        if window is not None and coreset_top_p < 1.0:
-            weights, experts = route_in_coreset(probs.view(-1, window, probs.shape[-1]), coreset_top_p, self.top_k)
-            weights, experts = weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k)
-        else:
-            weights, experts = route_in_coreset(probs, coreset_top_p, self.top_k)
+        windows = probs.view(-1, window or probs.shape[0], probs.shape[-1])
+        weights, experts = (t.reshape(-1, self.top_k) for t in route_in_coreset(windows, coreset_top_p, self.top_k))
         return weights / weights.sum(-1, keepdim=True), experts
 
     def forward(self, x: torch.Tensor, coreset_top_p: float = 1.0, window: int | None = None) -> torch.Tensor:
