@@ -15,7 +15,7 @@ logits move by far more than the parity tolerance (0.1 against 0.0044, seen on A
   weight, a wrong tap) matches no variant and fails (tests/test_native_clover.py injects one).
 
 The reference's routing is ``SparseMoe.route`` (reference/model.py). With the block coreset of spec 3.3
-(top_p < 1) there are two more places where backends may round apart, and ``coreset_near_ties`` finds them:
+(top_p < 1) there are two more places where backends may round apart, and ``routing_near_ties`` finds them:
 a cut that is a near-tie (``clover_ref.coreset.cut_is_near_tie``: a cumulative mass within 1e-5 of top_p, or
 tied block masses at the cut), and a row whose k-th and (k+1)-th experts inside the coreset are within
 NEAR_TIE. Flips of those are not modelled: a coreset pass with any such tie is left out of the strict
@@ -64,31 +64,18 @@ class RoutedPass(NamedTuple):
 
 def routing_margins(model: Any, run: Callable[[], Any]) -> RoutedPass:
     """Run ``run()`` (one reference pass: each MoE layer called once) with its routing recorded."""
-    calls: dict[int, torch.Tensor] = {}
-
-    def recorder(index: int) -> Callable[..., None]:
-        def hook(module: Any, inputs: tuple[torch.Tensor, ...], _output: Any) -> None:
-            assert index not in calls, "routing_margins expects one MoE call per layer (a block pass)"
-            calls[index] = module.router_probs(inputs[0]).float()
-        return hook
-
-    handles = [moe.register_forward_hook(recorder(i)) for i, moe in enumerate(_moe_layers(model))]
-    try:
-        with torch.no_grad():
-            result = run()
-    finally:
-        for h in handles:
-            h.remove()
+    with recording_router_probs(model) as calls, torch.no_grad():
+        result = run()
+    assert len(calls) == len(_moe_layers(model)), "routing_margins expects one MoE call per layer (a block pass)"
     margins, ties = [], []
-    for index in sorted(calls):
-        probs = calls[index]
+    for index, probs in enumerate(calls):
         k = _moe_layers(model)[index].top_k
         values, order = probs.sort(dim=-1, descending=True, stable=True)
         margin = (values[:, k - 1] - values[:, k]).numpy()
         margins.append(margin)
         ties.append([NearTie(index, int(r), float(margin[r]), int(order[r, k - 1]), int(order[r, k]))
                      for r in np.flatnonzero(margin < NEAR_TIE)])
-    return RoutedPass(result, np.stack(margins), ties, [calls[i] for i in sorted(calls)])
+    return RoutedPass(result, np.stack(margins), ties, calls)
 
 
 @contextlib.contextmanager
@@ -245,16 +232,6 @@ class NativeRouterMargins:
             assert len(m) == len(out), f"a router saw {len(m)} rows of a {n_rows}-row pass with {len(out)} outputs"
             worst = np.minimum(worst, m)
         self.margins.setdefault(kind, []).extend(worst.tolist())
-
-
-def coreset_near_ties(model: Any, run: Callable[[], Any], top_p: float) -> list[str]:
-    """The near-ties of a block pass routed inside its coreset at ``top_p`` (spec 3.3), described: a cut that
-    is a near-tie, or a row whose k-th and (k+1)-th experts within the coreset are closer than NEAR_TIE.
-    Empty when the pass is decisive (or when top_p = 1 or the window has one row: per-row routing)."""
-    if top_p >= 1.0:
-        return []
-    probs = routing_margins(model, run).probs
-    return routing_near_ties(probs, [moe.top_k for moe in _moe_layers(model)], top_p)
 
 
 def routing_near_ties(probs: list[torch.Tensor], top_ks: list[int], top_p: float) -> list[str]:

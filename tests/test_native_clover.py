@@ -19,8 +19,8 @@ from native_support import (
     assert_parity, block_window, clover_convert, dump_results, load_in_subprocess, quantize, record, require_native,
     rewrite_gguf,
 )
-from routing_support import (NEAR_TIE, NativeRouterMargins, assert_parity_routed, coreset_near_ties,
-                             routing_margins)
+from routing_support import (NEAR_TIE, NativeRouterMargins, assert_parity_routed, routing_margins,
+                             routing_near_ties)
 
 REF_TOL = 1e-3     # vs the PyTorch reference
 STOCK_TOL = 1e-5   # vs stock qwen35moe in the same build
@@ -169,11 +169,12 @@ CORESET_POSITIONS = (1, 37)
 def test_block_pass_parity_with_the_coreset(request: pytest.FixtureRequest, model: str) -> None:
     """spec 3.3: block passes routed inside the window's expert coreset == the reference, at top_p 0.9 and 0.5
     (top_p 1 is test_block_pass_parity), for B in {1, 4, 8, 32} and every canvas. A pass with a coreset near-tie
-    (routing_support.coreset_near_ties) is left out of the strict check; at least half must have none (mid's
+    (routing_support.routing_near_ties) is left out of the strict check; at least half must have none (mid's
     random 16-expert router, nearly uniform, ties about a third of its passes)."""
     bundle: Bundle = request.getfixturevalue(model)
     strict = skipped = 0
     worst = 0.0
+    top_ks = [layer.mlp.top_k for layer in bundle.ref.model.layers]
     try:
         for top_p in CORESET_TOP_PS:
             bundle.model.set_coreset_top_p(top_p)
@@ -185,14 +186,14 @@ def test_block_pass_parity_with_the_coreset(request: pytest.FixtureRequest, mode
                         window = block_window(bundle.ids, p, b, canvas, bundle.mask)
                         run = lambda: bundle.ref.forward_block(window, bundle.hist[p].clone(),  # noqa: E731
                                                                coreset_top_p=top_p)
-                        ties = coreset_near_ties(bundle.ref, run, top_p)
+                        routed = routing_margins(bundle.ref, run)
+                        ties = routing_near_ties(routed.probs, top_ks, top_p)
                         got = ctx.block(window)
                         if ties:
                             skipped += 1
                             record(f"block-coreset/{model}/top_p{top_p}/p{p}/B{b}/{canvas}/near-tie", ties[:4])
                             continue
-                        with torch.no_grad():
-                            ref = run().float().numpy()
+                        ref = routed.result.float().numpy()
                         m = assert_parity(f"block-coreset/{model}/top_p{top_p}/p{p}/B{b}/{canvas}", got, ref,
                                           REF_TOL)
                         worst = max(worst, m["rel"])
