@@ -233,32 +233,14 @@ def vendored_convert(model_dir: Path, out: Path, outtype: str) -> Path:
 
 def llama_cpp_clover_file(qwen35moe: Path, dst: Path, arch: str = "clover_moe") -> Path:
     """The file llama.cpp's own Clover converter would write (spec 5; docs/gguf-format.md says what this assumes):
-    the vendored ``qwen35moe`` converter's output for the same trunk, with the architecture and its keys renamed
-    to ``arch`` and ``expert_shared_count`` added after ``expert_shared_feed_forward_length``, as upstream's
-    ``CloverMoeModel`` does (``add_expert_shared_count(num_shared_experts)``). Tensors are copied byte for byte.
-    The arch string itself is a guess (spec 0): upstream's llama-arch.cpp could not be read."""
-    reader = gguf.GGUFReader(str(qwen35moe))
-    old = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(dst), arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        key = arch + name[len(old):] if name.startswith(old + ".") else name
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(key, field.contents(), vtype)
-        if key == f"{arch}.expert_shared_feed_forward_length":
-            writer.add_uint32(f"{arch}.expert_shared_count", 1)
-    for t in reader.tensors:
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        writer.add_tensor(t.name, np.asarray(t.data), raw_shape=shape, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+    the vendored ``qwen35moe`` converter's output for the same trunk (an F32 file), with the architecture and its
+    keys renamed to ``arch`` and ``expert_shared_count`` added, as upstream's ``CloverMoeModel`` does
+    (``add_expert_shared_count(num_shared_experts)``). The arch string itself is a guess (spec 0): upstream's
+    llama-arch.cpp could not be read."""
+    from native_support import rewrite_gguf
+
+    return rewrite_gguf(qwen35moe, dst, arch=arch,
+                        add_kv={f"{arch}.expert_shared_count": (1, gguf.GGUFValueType.UINT32)})
 
 
 def n_elements(shape: tuple[int, ...]) -> int:

@@ -96,10 +96,10 @@ def dump_results() -> None:
     RESULTS_FILE.write_text(json.dumps(old, indent=1, sort_keys=True))
 
 
-def clover_convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """clover-convert (our converter) in a subprocess."""
+def clover_convert(model_dir: Path, out: Path, outtype: str = "f32", *options: str) -> Path:
+    """clover-convert (our converter) in a subprocess; ``options`` are more of its flags."""
     done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(model_dir), "--outfile", str(out),
-                           "--outtype", outtype], capture_output=True, text=True)
+                           "--outtype", outtype, *options], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -141,9 +141,10 @@ def assert_parity(name: str, native_logits: np.ndarray, ref_logits: np.ndarray, 
 # ------------------------------------------------------------------------------------------ GGUF rewrite
 def rewrite_gguf(src: Path, dst: Path, *, kv: dict[str, Any] | None = None,
                  drop_tensors: Iterable[str] = (),
-                 tensor_edit: Callable[[str, np.ndarray], np.ndarray] | None = None, arch: str | None = None) -> Path:
+                 tensor_edit: Callable[[str, np.ndarray], np.ndarray] | None = None, arch: str | None = None,
+                 add_kv: dict[str, tuple[Any, Any]] | None = None) -> Path:
     """Copy a GGUF with some keys changed (kv: name -> new value, same type) or tensors dropped/edited; ``arch``
-    renames the architecture and its key prefix."""
+    renames the architecture and its key prefix; ``add_kv`` (name -> (value, GGUFValueType)) adds keys."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
@@ -166,6 +167,8 @@ def rewrite_gguf(src: Path, dst: Path, *, kv: dict[str, Any] | None = None,
         else:
             writer.add_key_value(name, value, vtype)
     assert not kv, f"keys not in {src}: {sorted(kv)}"
+    for name, (value, vtype) in (add_kv or {}).items():
+        writer.add_key_value(name, value, vtype)
     for t in reader.tensors:
         if t.name in drop:
             continue

@@ -4,14 +4,13 @@ the near-tie rule of the engine tests), and the passes must really have been bat
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine_support import Ledger, run_concurrently
-from native_support import VENV_PYTHON, clover_convert, require_engine
+from native_support import clover_convert, require_engine
 
 # (mode, options): every decoding mode, two slots in ar so that same-size passes meet in a round
 CASES = [("ar", {}), ("ar", {}), ("diffusion", {"block_size": 8, "threshold": 0.006}), ("spec", {"block_size": 8}),
@@ -101,10 +100,7 @@ def test_slots_with_the_block_coreset_equal_their_solo_runs(tiny_checkpoint: Pat
     coreset_top_p is 0.5 decode concurrently, their block passes batched, as each does alone."""
     from clover_cpp.model import Model
 
-    gguf = tmp_path / "tiny-core05.gguf"
-    done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(tiny_checkpoint), "--outfile", str(gguf),
-                           "--outtype", "f32", "--coreset-top-p", "0.5"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    gguf = clover_convert(tiny_checkpoint, tmp_path / "tiny-core05.gguf", "f32", "--coreset-top-p", "0.5")
 
     def diffusion(model: Any, i: int) -> tuple[list[int], list[int]]:
         model.reset()
