@@ -31,10 +31,9 @@ from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY
 from .offload import add_offload_args, offload_from_args
 
 PROG = "clover-cpp"
-
-
 CORESET_HELP = ("the block expert coreset's top_p in (0, 1] for block passes (spec 3.3; default: the GGUF's; "
                 "1 = per-row routing)")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, description="Clover native decoding engine (llama.cpp + libclover).")

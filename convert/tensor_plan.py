@@ -215,8 +215,8 @@ class _PlanBuilder:
         nv, hv, kr = c.linear_num_value_heads, c.linear_value_head_dim, c.conv_right_kernel
         conv_right = a + "conv_right_weight"
         shape = self._source_shape(conv_right, shapes["linear_attn.conv_right_weight"])
-        self.expect(conv_right, shape)
         if self.conv_right_order == "dc" and len(shape) == 1:  # flat [d-1][c]: channel c's taps are strided
+            self.expect(conv_right, shape)
             channels = list(range(2 * c.key_dim)) + [2 * c.key_dim + h * hv + i for h in self.value_heads
                                                      for i in range(hv)]
             spans = [SourceSpan(conv_right, d * c.conv_dim + ch, 1) for ch in channels for d in range(kr)]
