@@ -1,8 +1,9 @@
-"""``clover-convert``: convert a Clover Hugging Face checkpoint to GGUF (architecture ``clover``).
+"""``clover-convert``: convert a Clover Hugging Face checkpoint to GGUF (architecture ``clover_moe``).
 
     clover-convert MODEL_DIR [OUT.gguf | --outfile OUT.gguf] [--outtype f32|f16|bf16|q8_0|auto|TYPE]
         [--imatrix FILE] [--split-max-size N(K|M|G)] [--split-max-tensors N] [--dry-run] [--metadata FILE]
-        [--threads N] [--mask-token ID|TEXT] [--block-size N] [--threshold X]
+        [--threads N] [--mask-token ID|TEXT] [--block-size N] [--threshold X] [--bd-sidecar]
+    clover-convert MODEL_DIR --bd-only OUT.bd.gguf [block-diffusion settings]
 
 TYPE is one of clover-quantize's types (Q4_K_M, Q8_0, IQ4_XS, ...): the checkpoint is converted and
 quantized in one pass (clover_convert.onepass), with the file clover-quantize would write.
@@ -144,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_argument("--conv-right-order", choices=CONV_RIGHT_ORDERS, default="cd",
                           help="the layout of a flat conv_right_weight [conv_dim*K_r]: cd = [channel][tap] "
                                "(default, cortiq's), dc = [tap][channel]")
+    forms = parser.add_argument_group("where the block-diffusion tensors go (spec 5, docs/gguf-format.md)")
+    form = forms.add_mutually_exclusive_group()
+    form.add_argument("--bd-sidecar", action="store_true",
+                      help="write a trunk-only OUT.gguf (what llama.cpp's converter writes) and the block-diffusion "
+                           "keys and tensors in OUT.bd.gguf beside it; load both with --bd OUT.bd.gguf")
+    form.add_argument("--bd-only", type=Path, metavar="OUT.bd.gguf",
+                      help="write only the sidecar, for a trunk made elsewhere (llama.cpp's Clover GGUFs): reads "
+                           "only the block-diffusion tensors of the checkpoint")
     parser.add_argument("--arch-name", type=arch_name, default=GGUF_ARCH, metavar="NAME",
                         help=f"the GGUF architecture string (default {GGUF_ARCH}; the loader also takes "
                              f"{', '.join(a for a in ARCH_SPELLINGS if a != GGUF_ARCH)})")
@@ -173,6 +182,8 @@ def _run(args: argparse.Namespace) -> int:
         raise BadInput("give the output file either as OUT.gguf or as --outfile, not both")
     if args.skeleton and not args.dry_run:
         raise BadInput("--skeleton goes with --dry-run")
+    if args.bd_only is not None and (args.outfile_arg is not None or args.outfile is not None):
+        raise BadInput("--bd-only OUT.bd.gguf names the only output: leave out OUT.gguf and --outfile")
     _log_warnings_to_stderr()
     quant = quantization_type(args.outtype)
     threads = args.threads or ((os.cpu_count() or 1) if quant is not None else min(2, os.cpu_count() or 1))
@@ -184,7 +195,10 @@ def _run(args: argparse.Namespace) -> int:
         block_settings=Overrides(args.mask_token, args.block_size, args.threshold, args.coreset_top_p,
                                  args.history_rows, args.history_readout_scale),
         conv_right_order=args.conv_right_order, arch=args.arch_name,
+        bd_form="only" if args.bd_only is not None else "sidecar" if args.bd_sidecar else "single",
     )
+    if args.bd_only is not None:
+        options.outfile = args.bd_only
     with safe_output.signals_cleanup():  # SIGTERM/SIGHUP unwind and remove the temporary directory
         result = convert(options)
     if args.dry_run:

@@ -20,10 +20,11 @@ from clover_ref.errors import BadInput, CloverInputError, missing_path_reason, r
 from clover_quantize.importance import load_imatrix
 from clover_quantize.file_types import FileType, UnknownTypeError, file_type
 
-from .model_keys import ARCH, add_model_keys
+from .model_keys import ARCH, add_clover_keys, add_model_keys
 from .onepass import OnePassResult, write_header_and_hole, write_quantized
 from .output import AtomicOutput, OutputError, check_free_space, check_outputs, resolve_output_path, output_shard_paths
 from .safetensors_index import CheckpointIndex, index_checkpoint
+from .sidecar import FINGERPRINT_KEY, SIDECAR_TYPE, config_fingerprint, is_bd_tensor, sidecar_path
 from .streaming import ChunkPipeline, StreamedTensor
 from .tensor_plan import ConversionPlan, OutType, build_plan
 from .tokenizer_keys import TOKENIZER_FILE, add_tokenizer_keys, read_tokenizer_keys
@@ -51,6 +52,12 @@ class ConvertOptions:
     block_settings: Overrides = Overrides()  # --mask-token, --block-size, --threshold, ... (spec 2.2)
     conv_right_order: str = "cd"  # --conv-right-order (spec 2.3)
     arch: str = ARCH  # --arch-name (spec 5)
+    bd_form: str = "single"  # one of BD_FORMS: the block-diffusion tensors in the file (spec 5, "Files")
+
+
+# where the block-diffusion keys and tensors go (spec 5): in the one file (default); in a sidecar NAME.bd.gguf
+# beside a trunk-only NAME.gguf (--bd-sidecar); or only a sidecar, at the output path (--bd-only)
+BD_FORMS = ("single", "sidecar", "only")
 
 
 @dataclass
@@ -166,6 +173,11 @@ def convert(options: ConvertOptions) -> ConvertResult:
         raise CloverInputError(options.model_dir, missing_path_reason(options.model_dir)
                                or "is not a directory (expected a Hugging Face checkpoint)")
     config = CloverConfig.load(model_dir, options.block_settings)
+    if options.bd_form == "only":
+        return _convert_bd_only(options, model_dir, config)
+    sidecar = options.bd_form == "sidecar"
+    if sidecar and options.skeleton:
+        raise OptionError("--skeleton writes one planning file: leave out --bd-sidecar")
     raw_config = read_json(model_dir / CONFIG_FILE)
     metadata_override = _load_metadata_override(options.metadata)
     quant = quantization_type(options.outtype)
@@ -175,6 +187,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     out_type = source_out_type(index) if quant is not None and index is not None else \
         resolve_out_type(options.outtype, index, raw_config)
     plan = build_plan(config, out_type, index, options.conv_right_order)
+    trunk_plan = plan.subset(lambda name: not is_bd_tensor(name)) if sidecar else plan
     if options.dry_run and not (model_dir / TOKENIZER_FILE).exists():
         log.warning("%s has no %s: the plan leaves out the tokenizer keys", model_dir, TOKENIZER_FILE)
         tokenizer = None
@@ -184,18 +197,15 @@ def convert(options: ConvertOptions) -> ConvertResult:
     writer = GGUFWriter(None, options.arch, split_max_tensors=options.split_max_tensors,
                         split_max_size=options.split_max_size)
     pipeline = None if options.dry_run or quant is not None else \
-        ChunkPipeline(plan, options.threads, options.allow_nonfinite)
+        ChunkPipeline(trunk_plan, options.threads, options.allow_nonfinite)
+    bd_writer = None
     try:
-        for tensor in plan.tensors:
-            if pipeline is None:
-                writer.add_tensor_info(tensor.name, tensor.shape, _LOGICAL, tensor.nbytes, raw_dtype=tensor.ggml_type)
-            else:
-                writer.add_tensor(tensor.name, StreamedTensor(tensor, pipeline), raw_shape=tensor.shape,  # type: ignore[arg-type]
-                                  raw_dtype=tensor.ggml_type)
+        _add_tensors(writer, trunk_plan, pipeline)
         metadata = _describe_model(writer, model_dir, options.metadata, metadata_override, config.num_experts_per_tok)
         writer.add_type("model")
         metadata.set_gguf_meta_model(writer)
-        add_model_keys(writer, config, raw_config, model_dir / CONFIG_FILE, out_type.file_type)
+        add_model_keys(writer, config, raw_config, model_dir / CONFIG_FILE, out_type.file_type,
+                       block_diffusion=not sidecar)
         writer.add_quantization_version(GGML_QUANT_VERSION)
         if tokenizer is not None:
             add_tokenizer_keys(writer, tokenizer)
@@ -206,6 +216,10 @@ def convert(options: ConvertOptions) -> ConvertResult:
         final_path = resolve_output_path(model_dir, options.outfile, default_stem, type_name)
         shard_sizes = [(len(shard), sum(ti.nbytes for ti in shard.values())) for shard in writer.tensors]
         paths = output_shard_paths(final_path, len(writer.tensors))
+        bd = _Sidecar(plan.subset(is_bd_tensor), sidecar_path(final_path)) if sidecar else None
+        if bd is not None:
+            paths.append(bd.path)
+            shard_sizes.append((len(bd.plan.tensors), bd.plan.nbytes))
         result = ConvertResult(plan, out_type, paths, shard_sizes, metadata)
         if options.dry_run and not options.skeleton:
             return result
@@ -214,17 +228,99 @@ def convert(options: ConvertOptions) -> ConvertResult:
         if options.dry_run:
             result.paths = _write_skeleton(writer, plan, final_path, inputs)
             return result
-        if quant is not None:
-            result.quantized = write_quantized(writer, plan, final_path, inputs, quant, imatrix,
-                                               options.threads, options.progress, options.allow_nonfinite)
-            return result
-        assert pipeline is not None
-        _write(writer, pipeline, plan, final_path, options.progress, inputs)
+        with AtomicOutput(final_path, inputs) as output:
+            if bd is not None:
+                assert tokenizer is not None
+                bd_writer = _sidecar_writer(config, options.arch, tokenizer.tokens, metadata.name)
+                _write_sidecar(bd_writer, bd.plan, output, bd.path, options)
+            if quant is not None:
+                result.quantized = write_quantized(writer, trunk_plan, output, quant, imatrix,
+                                                   options.threads, options.progress, options.allow_nonfinite)
+            else:
+                assert pipeline is not None
+                _write(writer, pipeline, trunk_plan, output.temp_path, final_path, options.progress)
+            output.publish(len(writer.tensors))
         return result
     finally:
         if pipeline is not None:
             pipeline.close()
         writer.close()
+        if bd_writer is not None:
+            bd_writer.close()
+
+
+@dataclass
+class _Sidecar:
+    plan: ConversionPlan  # the block-diffusion tensors
+    path: Path
+
+
+def _add_tensors(writer: GGUFWriter, plan: ConversionPlan, pipeline: ChunkPipeline | None) -> None:
+    """The plan's tensors, streamed from ``pipeline``, or as tensor infos alone (a plan, or one-pass quantization,
+    which writes the data itself)."""
+    for tensor in plan.tensors:
+        if pipeline is None:
+            writer.add_tensor_info(tensor.name, tensor.shape, _LOGICAL, tensor.nbytes, raw_dtype=tensor.ggml_type)
+        else:
+            writer.add_tensor(tensor.name, StreamedTensor(tensor, pipeline), raw_shape=tensor.shape,  # type: ignore[arg-type]
+                              raw_dtype=tensor.ggml_type)
+
+
+def _sidecar_writer(config: CloverConfig, arch: str, tokens: list[str], name: str | None) -> GGUFWriter:
+    """A sidecar's header (spec 5): the block-diffusion keys, the mask token and the trunk's fingerprint."""
+    writer = GGUFWriter(None, arch)
+    writer.add_type(SIDECAR_TYPE)
+    if name:
+        writer.add_name(name)
+    writer.add_string(f"{arch}.{FINGERPRINT_KEY}", config_fingerprint(config, tokens))
+    add_clover_keys(writer, config)
+    writer.add_mask_token_id(config.mask_token_id)
+    return writer
+
+
+def _write_sidecar(writer: GGUFWriter, plan: ConversionPlan, output: AtomicOutput, final: Path,
+                   options: ConvertOptions) -> None:
+    pipeline = ChunkPipeline(plan, options.threads, options.allow_nonfinite)
+    try:
+        _add_tensors(writer, plan, pipeline)
+        _write(writer, pipeline, plan, output.companion(final), final, progress=False)
+    finally:
+        pipeline.close()
+
+
+def _convert_bd_only(options: ConvertOptions, model_dir: Path, config: CloverConfig) -> ConvertResult:
+    """--bd-only OUT.bd.gguf: the sidecar alone. Only the block-diffusion tensors are read, by name; the trunk's
+    tensors are never streamed (only the safetensors headers are read)."""
+    if options.outfile is None:
+        raise OptionError("--bd-only needs the sidecar's path (--bd-only OUT.bd.gguf)")
+    for given, why in ((options.outtype != "auto", f"--outtype {options.outtype}"),
+                       (options.imatrix is not None, "--imatrix"), (options.skeleton, "--skeleton"),
+                       (bool(options.split_max_size or options.split_max_tensors), "--split-max-*")):
+        if given:
+            raise OptionError(f"--bd-only writes only the F32 block-diffusion tensors: {why} does not apply")
+    index = _index_weights(model_dir, options.dry_run)
+    plan = build_plan(config, OutType.F32, index, options.conv_right_order, only=is_bd_tensor)
+    tokenizer = read_tokenizer_keys(model_dir, config.vocab_size, config.mask_token_id)
+    name = Metadata.load(options.metadata, model_dir, None, 0).name or model_dir.name
+    final_path = options.outfile
+    result = ConvertResult(plan, OutType.F32, [final_path], [(len(plan.tensors), plan.nbytes)])
+    if options.dry_run:
+        return result
+    inputs = _inputs(model_dir, index, options.metadata)
+    check_outputs([final_path], inputs)
+    writer = _sidecar_writer(config, options.arch, tokenizer.tokens, name)
+    try:
+        with AtomicOutput(final_path, inputs) as output:
+            pipeline = ChunkPipeline(plan, options.threads, options.allow_nonfinite)
+            try:
+                _add_tensors(writer, plan, pipeline)
+                _write(writer, pipeline, plan, output.temp_path, final_path, options.progress)
+            finally:
+                pipeline.close()
+            output.publish(1)
+    finally:
+        writer.close()
+    return result
 
 
 class OptionError(BadInput):
@@ -268,20 +364,19 @@ def _write_skeleton(writer: GGUFWriter, plan: ConversionPlan, final_path: Path, 
             raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
 
 
-def _write(writer: GGUFWriter, pipeline: ChunkPipeline, plan: ConversionPlan, final_path: Path,
-           progress: bool | None, inputs: list[Path]) -> None:
-    with AtomicOutput(final_path, inputs) as output:
-        check_free_space(final_path.parent, plan.nbytes)
-        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="clover-convert",
-                   file=sys.stderr, disable=None if progress is None else not progress, dynamic_ncols=True)
-        pipeline.on_bytes = bar.update
-        try:
-            writer.write_header_to_file(path=output.temp_path)
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file(progress=False)
-            writer.close()
-            output.publish(len(writer.tensors))
-        except OSError as exc:  # source reads raise CloverInputError, so this is the output
-            raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
-        finally:
-            bar.close()
+def _write(writer: GGUFWriter, pipeline: ChunkPipeline, plan: ConversionPlan, temp_path: Path, final_path: Path,
+           progress: bool | None) -> None:
+    """Stream ``writer``'s file (its shards) to ``temp_path``; errors name ``final_path``."""
+    check_free_space(final_path.parent, plan.nbytes)
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="clover-convert",
+               file=sys.stderr, disable=None if progress is None else not progress, dynamic_ncols=True)
+    pipeline.on_bytes = bar.update
+    try:
+        writer.write_header_to_file(path=temp_path)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+    except OSError as exc:  # source reads raise CloverInputError, so this is the output
+        raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
+    finally:
+        bar.close()

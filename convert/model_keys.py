@@ -40,8 +40,10 @@ def _first(hparams: dict[str, Any], names: tuple[str, ...]) -> Any:
 
 
 def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[str, Any], config_path: Path,
-                   file_type: LlamaFileType) -> None:
-    """All ``clover.*`` hyper-parameter keys and ``general.file_type``, in llama.cpp's order."""
+                   file_type: LlamaFileType, block_diffusion: bool = True) -> None:
+    """All ``ARCH.*`` hyper-parameter keys and ``general.file_type``, in llama.cpp's order, then (unless
+    ``block_diffusion`` is false: a trunk-only file, whose keys are those of llama.cpp's converter) the
+    block-diffusion keys."""
     c = config
     hparams = merged_hparams(raw_config)
     rope = c.rope_parameters
@@ -92,7 +94,8 @@ def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[st
                          GGUFValueType.ARRAY, sub_type=GGUFValueType.BOOL)
     writer.add_full_attention_interval(c.full_attention_interval)
     writer.add_rope_dimension_count(c.rotary_dim)
-    add_clover_keys(writer, c)
+    if block_diffusion:
+        add_clover_keys(writer, c)
 
 
 def add_clover_keys(writer: GGUFWriter, config: CloverConfig) -> None:

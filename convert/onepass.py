@@ -117,44 +117,44 @@ def write_header_and_hole(writer: GGUFWriter, path: Path) -> None:
     writer.close()
 
 
-def write_quantized(writer: GGUFWriter, plan: ConversionPlan, final_path: Path, inputs: list[Path],
-                    file_type: FileType, imatrix: Imatrix | None, threads: int,
-                    progress: bool | None, allow_nonfinite: bool = False) -> OnePassResult:
+def write_quantized(writer: GGUFWriter, plan: ConversionPlan, output: AtomicOutput, file_type: FileType,
+                    imatrix: Imatrix | None, threads: int, progress: bool | None,
+                    allow_nonfinite: bool = False) -> OnePassResult:
     """Write ``plan`` (the two-step route's first file, whose header ``writer`` holds) quantized to
-    ``file_type`` at ``final_path``. Raises ImatrixError, QuantizeError or OutputError; leaves nothing then."""
+    ``file_type`` at ``output``'s temporary path; the caller publishes it. Raises ImatrixError, QuantizeError or
+    OutputError."""
     start = time.perf_counter()
     timings = Timings(threads=threads)
-    with AtomicOutput(final_path, inputs) as output:
-        skeleton = output.temp_path.with_name(f"skeleton-{final_path.name}")
-        try:
-            write_header_and_hole(writer, skeleton)
-        except OSError as exc:
-            raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
-        opts = QuantizeOptions(input=skeleton, file_type=file_type, imatrix=imatrix.path if imatrix else None,
-                               threads=threads, dry_run=True)
-        qplan = plan_quantization(opts, read_input(skeleton), imatrix)
-        if imatrix is not None:
-            check_imatrix(imatrix, qplan, file_type)
-        header = ggml_native.quantized_header(skeleton, [(t.name, t.dst_type) for t in qplan.tensors],
-                                              file_type.ftype, GGML_QUANT_VERSION,
-                                              output_keys(imatrix, QUANTIZED_BY))
-        skeleton.unlink()
-        timings.plan = time.perf_counter() - start
-        check_free_space(final_path.parent, qplan.dst_bytes + len(header.meta))
-        writer_ = _TensorWriter(plan, qplan, header, imatrix, threads, timings, allow_nonfinite)
-        bar = tqdm(total=sum(t.src_bytes for t in qplan.tensors), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"clover-convert {file_type.name}", file=sys.stderr, dynamic_ncols=True,
-                   disable=None if progress is None else not progress)
-        try:
-            with open(output.temp_path, "wb") as fp:
-                fp.write(header.meta)
-                writer_.write_all(fp, bar.update)
-        except OSError as exc:
-            raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
-        finally:
-            bar.close()
-            writer_.close()
-        output.publish(1)
+    final_path = output.final_path
+    skeleton = output.temp_path.with_name(f"skeleton-{final_path.name}")
+    try:
+        write_header_and_hole(writer, skeleton)
+    except OSError as exc:
+        raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
+    opts = QuantizeOptions(input=skeleton, file_type=file_type, imatrix=imatrix.path if imatrix else None,
+                           threads=threads, dry_run=True)
+    qplan = plan_quantization(opts, read_input(skeleton), imatrix)
+    if imatrix is not None:
+        check_imatrix(imatrix, qplan, file_type)
+    header = ggml_native.quantized_header(skeleton, [(t.name, t.dst_type) for t in qplan.tensors],
+                                          file_type.ftype, GGML_QUANT_VERSION,
+                                          output_keys(imatrix, QUANTIZED_BY))
+    skeleton.unlink()
+    timings.plan = time.perf_counter() - start
+    check_free_space(final_path.parent, qplan.dst_bytes + len(header.meta))
+    writer_ = _TensorWriter(plan, qplan, header, imatrix, threads, timings, allow_nonfinite)
+    bar = tqdm(total=sum(t.src_bytes for t in qplan.tensors), unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"clover-convert {file_type.name}", file=sys.stderr, dynamic_ncols=True,
+               disable=None if progress is None else not progress)
+    try:
+        with open(output.temp_path, "wb") as fp:
+            fp.write(header.meta)
+            writer_.write_all(fp, bar.update)
+    except OSError as exc:
+        raise OutputError(final_path, f"cannot be written ({exc.strerror or exc})") from None
+    finally:
+        bar.close()
+        writer_.close()
     timings.wall = time.perf_counter() - start
     _dump_timings(timings)
     return OnePassResult(qplan, final_path, timings)

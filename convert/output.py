@@ -78,7 +78,8 @@ def make_temp_dir(directory: Path, stem: str) -> Path:
 
 
 class AtomicOutput:
-    """A temporary directory next to the final path; ``publish`` renames its files into place."""
+    """A temporary directory next to the final path; ``publish`` renames its files into place, together with the
+    companions (files of the same directory written beside it, such as a block-diffusion sidecar): all or none."""
 
     def __init__(self, final_path: Path, inputs: Iterable[Path] = ()) -> None:
         self.final_path = final_path
@@ -91,6 +92,14 @@ class AtomicOutput:
         except OSError as exc:
             raise OutputError(directory, f"the output directory cannot be written ({exc.strerror or exc})") from None
         self._published = False
+        self._companions: list[Path] = []
+
+    def companion(self, final: Path) -> Path:
+        """The temporary path of another file to publish with this output, at ``final`` (same directory)."""
+        assert final.parent == self.final_path.parent, final
+        check_outputs([final], self.inputs)
+        self._companions.append(final)
+        return self._temp_dir / final.name
 
     @property
     def temp_path(self) -> Path:
@@ -99,13 +108,14 @@ class AtomicOutput:
 
     def publish(self, shard_count: int) -> list[Path]:
         finals = output_shard_paths(self.final_path, shard_count)
-        targets = check_outputs(finals, self.inputs)  # again: the path may have changed while we wrote
-        with safe_output.deferred_signals():  # all shards or none
-            for temp, target in zip(output_shard_paths(self.temp_path, shard_count), targets):
+        temps = output_shard_paths(self.temp_path, shard_count) + [self._temp_dir / c.name for c in self._companions]
+        targets = check_outputs(finals + self._companions, self.inputs)  # again: a path may have changed meanwhile
+        with safe_output.deferred_signals():  # all files or none
+            for temp, target in zip(temps, targets):
                 os.replace(temp, target)
             self._published = True
         self._cleanup()
-        return finals
+        return finals + self._companions
 
     def _cleanup(self) -> None:
         safe_output.remove_temp(self._temp_dir)

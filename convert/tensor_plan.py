@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
@@ -103,6 +104,13 @@ class ConversionPlan:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def subset(self, keep: Callable[[str], bool]) -> "ConversionPlan":
+        """The GGUF tensors whose names ``keep`` accepts, with the Hugging Face tensors they read."""
+        tensors = [t for t in self.tensors if keep(t.name)]
+        read = {span.hf_name for t in tensors for span in t.spans}
+        return ConversionPlan(tensors, {n: s for n, s in self.expected_inputs.items() if n in read},
+                              {n: s for n, s in self.sources.items() if n in read})
 
 
 def choose_type(name: str, shape: tuple[int, ...], out: OutType, always_f32: bool) -> GGMLQuantizationType:
@@ -287,17 +295,22 @@ def _merge_adjacent(spans: list[SourceSpan]) -> list[SourceSpan]:
 
 
 def build_plan(config: CloverConfig, out: OutType, index: CheckpointIndex | None,
-               conv_right_order: str = "cd") -> ConversionPlan:
+               conv_right_order: str = "cd", only: Callable[[str], bool] | None = None) -> ConversionPlan:
     """Plan the conversion; with an index, also check every tensor against the config and bind the sources.
-    ``conv_right_order`` is how a flat conv_right_weight is laid out (--conv-right-order, spec 2.3)."""
+    ``conv_right_order`` is how a flat conv_right_weight is laid out (--conv-right-order, spec 2.3). ``only``
+    keeps the GGUF tensors it accepts, and only their sources are checked and bound (the rest of the checkpoint
+    is never looked at, beyond its safetensors headers)."""
     plan = _PlanBuilder(config, out, index, conv_right_order).build()
+    if only is not None:
+        plan = plan.subset(only)
     if index is not None:
-        bind_sources(plan, index)
+        bind_sources(plan, index, complete=only is None)
     return plan
 
 
-def bind_sources(plan: ConversionPlan, index: CheckpointIndex) -> None:
-    """Attach the stored tensors, failing on a missing, misshapen or unknown tensor (naming it)."""
+def bind_sources(plan: ConversionPlan, index: CheckpointIndex, complete: bool = True) -> None:
+    """Attach the stored tensors, failing on a missing, misshapen or (when the plan is ``complete``) unknown
+    tensor, naming it."""
     for hf_name, source in index.tensors.items():
         if is_v1_tensor(hf_name):
             raise CloverInputError(source.path, f"holds tensor '{source.name}', a spec v1 block tensor, which is "
@@ -312,7 +325,7 @@ def bind_sources(plan: ConversionPlan, index: CheckpointIndex) -> None:
             raise CloverInputError(source.path, f"tensor '{source.name}' has shape {list(source.shape)}, but "
                                                 f"config.json implies {list(shape)}")
         plan.sources[hf_name] = source
-    for hf_name, source in index.tensors.items():
+    for hf_name, source in index.tensors.items() if complete else ():
         if hf_name not in plan.expected_inputs:
             raise CloverInputError(source.path, f"holds tensor '{source.name}', which a Clover model does not have")
 
