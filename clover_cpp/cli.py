@@ -31,6 +31,8 @@ from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY
 from .offload import add_offload_args, offload_from_args
 
 PROG = "clover-cpp"
+BD_HELP = ("block-diffusion sidecar (NAME.bd.gguf, from clover-convert --bd-sidecar or --bd-only) for a trunk-only "
+           "-m file, such as llama.cpp's Clover GGUFs; the block modes need it (docs/gguf-format.md)")
 CORESET_HELP = ("the block expert coreset's top_p in (0, 1] for block passes (spec 3.3; default: the GGUF's; "
                 "1 = per-row routing)")
 
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="continue a prompt with the native engine")
     gen.add_argument("-m", "--model", required=True, help="Clover GGUF file")
+    gen.add_argument("--bd", metavar="FILE", default=None, help=BD_HELP)
     gen.add_argument("-p", "--prompt", required=True)
     gen.add_argument("--mode", choices=["ar", "diffusion", "spec", "auto"], default="auto",
                      help="auto (default): lossless, faster than ar where drafts are accepted; "
@@ -61,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     imx = sub.add_parser("imatrix", help="importance matrix for quantization, with masked calibration")
     imx.add_argument("-m", "--model", required=True, help="Clover GGUF file (F16/BF16/F32)")
+    imx.add_argument("--bd", metavar="FILE", default=None, help=BD_HELP)
     imx.add_argument("-f", "--file", required=True, help="calibration text (UTF-8)")
     imx.add_argument("-o", "--output", default="imatrix.gguf", help="output imatrix GGUF (default imatrix.gguf)")
     imx.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; memory is cleared between")
@@ -90,6 +94,7 @@ def _add_temperature(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Loading and decoding options shared by chat and serve."""
     p.add_argument("-m", "--model", required=True, help="Clover GGUF file")
+    p.add_argument("--bd", metavar="FILE", default=None, help=BD_HELP)
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
     p.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
@@ -160,8 +165,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if not os.path.isfile(args.model):
-        raise BadInput(f"{args.model}: no such file")
+    _check_files(args)
     if args.block_size is not None and args.block_size < 1:
         raise BadInput(f"--block-size must be at least 1, got {args.block_size}")
     if args.max_tokens < 0:
@@ -266,14 +270,14 @@ def run_imatrix(args: argparse.Namespace) -> int:
     _at_least(("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
               ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
               ("-ngl/--n-gpu-layers", args.n_gpu_layers, -1), ("--seed", args.seed, 0))
-    for flag, path in (("-m/--model", args.model), ("-f/--file", args.file)):
-        if not os.path.isfile(path):
+    for flag, path in (("-m/--model", args.model), ("-f/--file", args.file), ("--bd", args.bd)):
+        if path is not None and not os.path.isfile(path):
             raise BadInput(f"{path}: no such file ({flag})")
     out = Path(args.output)
     if out.is_dir() or not out.resolve().parent.is_dir():
         raise BadInput(f"{out}: cannot write there (-o/--output needs a file in an existing folder)")
     try:
-        info = libclover.read_model_info(args.model)
+        info = libclover.read_model_info(args.model, args.bd)
     except native.NativeError as exc:
         raise BadInput(f"{args.model} is not a clover GGUF: {exc}") from None
     if args.chunk_size > info.n_ctx_train:
@@ -284,7 +288,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
         raise BadInput(f"{args.file}: not UTF-8 text (byte {exc.start})") from None
     if not text.strip():
         raise BadInput(f"{args.file}: the calibration file is empty")
-    model = native.LlamaModel(args.model, n_gpu_layers=args.n_gpu_layers)
+    model = native.LlamaModel(args.model, n_gpu_layers=args.n_gpu_layers, bd_path=args.bd)
     try:
         tokens = model.tokenize(text, add_special=False, parse_special=False)
         if len(tokens) < args.chunk_size:
@@ -292,6 +296,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
                            "(use a longer file or a smaller --chunk-size)")
         res = collect(model, tokens, out, dataset=args.file, chunk_size=args.chunk_size, max_chunks=args.chunks,
                       block_size=args.block_size or info.block_size, masked=not args.no_masked, seed=args.seed,
+                      mask_id=info.mask_token_id,
                       n_threads=args.threads or None, progress=not args.no_progress)
     finally:
         model.close()
@@ -307,16 +312,23 @@ def run_imatrix(args: argparse.Namespace) -> int:
 def model_kwargs(args: argparse.Namespace) -> dict:
     """Model(path, **these) for generate, chat and serve: loading options, offload (llama.cpp's flags) included."""
     kwargs = {"n_ctx": args.ctx_size, "n_threads": args.threads, "n_gpu_layers": args.n_gpu_layers,
-              "offload": offload_from_args(args)}
+              "offload": offload_from_args(args), "bd_path": args.bd}
     if getattr(args, "max_block_size", 0):
         kwargs["max_block_size"] = args.max_block_size
     return kwargs
 
 
-def _check_engine_args(args: argparse.Namespace) -> None:
-    """Checks for _add_engine_args (chat and serve)."""
+def _check_files(args: argparse.Namespace) -> None:
+    """-m and --bd name existing files."""
     if not os.path.isfile(args.model):
         raise BadInput(f"{args.model}: no such file")
+    if args.bd is not None and not os.path.isfile(args.bd):
+        raise BadInput(f"{args.bd}: no such file (--bd)")
+
+
+def _check_engine_args(args: argparse.Namespace) -> None:
+    """Checks for _add_engine_args (chat and serve)."""
+    _check_files(args)
     _at_least(("-c/--ctx-size", args.ctx_size, 0), ("--max-block-size", args.max_block_size, 0),
               ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
               ("--cache-ram", args.cache_ram, 0), ("--checkpoint-every", args.checkpoint_every, 0))

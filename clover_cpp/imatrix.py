@@ -136,9 +136,10 @@ class ImatrixResult:
 def collect(model: native.LlamaModel, tokens: Sequence[int], out_path: str | os.PathLike[str], *,
             dataset: str, chunk_size: int = 512, max_chunks: int | None = None, block_size: int,
             masked: bool = True, seed: int = 0, n_threads: int | None = None,
-            progress: bool = True) -> ImatrixResult:
+            progress: bool = True, mask_id: int | None = None) -> ImatrixResult:
     """Run the calibration over ``tokens`` on ``model`` and write the imatrix GGUF to ``out_path``
-    (``dataset`` is recorded in imatrix.datasets). Whole chunks only: a shorter tail is not used.
+    (``dataset`` is recorded in imatrix.datasets). Whole chunks only: a shorter tail is not used. ``mask_id``:
+    the mask token (libclover's resolution: the GGUF's key, its sidecar's, else by name); None = the vocab's.
 
     The caller checks the options (``chunk_size``, ``block_size`` >= 1, at least one full chunk)."""
     from tqdm import tqdm
@@ -153,7 +154,8 @@ def collect(model: native.LlamaModel, tokens: Sequence[int], out_path: str | os.
     start = time.perf_counter()
     causal_rows = block_rows = masked_inputs = block_output_rows = 0
 
-    mask_id = model.mask_token()
+    if mask_id is None:
+        mask_id = model.mask_token()
     collector = Collector()
     # masked: B-token segments (a window, then its causal pass); AR-only: one causal pass per chunk.
     # llama.cpp needs n_batch >= n_seq_max (2) and a hybrid model n_ubatch > n_rs_seq + 1: floor both at 8.

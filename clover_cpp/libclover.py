@@ -76,6 +76,7 @@ class clover_engine_params(ctypes.Structure):
         ("tensor_split", ctypes.c_char_p),
         ("fit_margin_mib", ctypes.c_int32),
         ("n_parallel", ctypes.c_int32),
+        ("bd_path", ctypes.c_char_p),  # a block-diffusion sidecar (spec 5), or NULL
     ]
 
 
@@ -164,6 +165,8 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_engine_default_params": (clover_engine_params, []),
     "clover_gen_default_params": (clover_gen_params, []),
     "clover_info_threshold": (ctypes.c_float, [ctypes.POINTER(clover_model_info), ctypes.c_int32]),
+    "clover_model_info_read": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(clover_model_info),
+                                                ctypes.c_char_p, ctypes.c_size_t]),
     "clover_read_model_info": (ctypes.c_int32, [ctypes.c_char_p, ctypes.POINTER(clover_model_info),
                                                 ctypes.c_char_p, ctypes.c_size_t]),
     "clover_engine_load": (clover_engine_p, [ctypes.c_char_p, clover_engine_params, ctypes.c_char_p,
@@ -259,13 +262,14 @@ def lib() -> ctypes.CDLL:
     return handle
 
 
-def read_model_info(path: str) -> clover_model_info:
-    """The clover settings of a GGUF file, read without loading the weights."""
+def read_model_info(path: str, bd_path: str | None = None) -> clover_model_info:
+    """The clover settings of a GGUF file (and of its block-diffusion sidecar), read without loading the weights."""
     info = clover_model_info()
-    err = ctypes.create_string_buffer(1024)
+    err = ctypes.create_string_buffer(2048)
     L = lib()
     with native.logged_errors() as logged:  # gguf's reason for a damaged file is only logged
-        rc = L.clover_read_model_info(str(path).encode(), ctypes.byref(info), err, len(err))
+        rc = L.clover_model_info_read(str(path).encode(), str(bd_path).encode() if bd_path else None,
+                                      ctypes.byref(info), err, len(err))
     if rc != 0:
         msg = err.value.decode("utf-8", "replace") or "cannot read the clover settings"
         reasons = native.error_reasons(logged)

@@ -438,7 +438,8 @@ class Generation:
 
 def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n_gpu_layers: int | None = None,
                   n_batch: int = 0, use_extra_bufts: bool = True, offload: Offload | None = None,
-                  n_parallel: int = 1) -> tuple[libclover.clover_engine_params, list[bytes]]:
+                  n_parallel: int = 1, bd_path: str | os.PathLike[str] | None = None,
+                  ) -> tuple[libclover.clover_engine_params, list[bytes]]:
     """The clover_engine_params Model(...) loads with (Model's arguments), and the strings they point to (keep them
     alive until the load returns)."""
     params = libclover.lib().clover_engine_default_params()
@@ -460,6 +461,9 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
         raise BadInput(f"n_parallel must be at least 1, got {n_parallel}")
     params.n_parallel = int(n_parallel)
     keep = (offload or Offload()).apply(params)
+    if bd_path is not None:
+        keep.append(os.fsencode(bd_path))
+        params.bd_path = keep[-1]
     return params, keep
 
 
@@ -469,18 +473,21 @@ class Model(native.NativeHandle):
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
                  n_gpu_layers: int | None = None, n_batch: int = 0, use_extra_bufts: bool = True,
                  offload: Offload | None = None, cache_ram_mib: float = 0,
-                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, n_parallel: int = 1) -> None:
-        """``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
+                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, n_parallel: int = 1,
+                 bd_path: str | os.PathLike[str] | None = None) -> None:
+        """``bd_path``: a block-diffusion sidecar (``NAME.bd.gguf``, spec 5) for a trunk-only ``path``.
+        ``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
         (llama.cpp's ``--no-repack``). ``offload``: llama.cpp's -ot, --cpu-moe, --n-cpu-moe, -sm, -mg, -ts
         (clover_cpp/offload.py). ``cache_ram_mib`` / ``checkpoint_every``: the prefix cache (``set_cache``).
         ``n_parallel``: slots sharing the context (``slot(i)``); ``n_ctx`` is divided among them."""
         L = libclover.lib()
         self.path = str(path)
-        if not os.path.exists(self.path):
-            raise FileNotFoundError(f"{self.path}: no such file")
+        for file in (self.path, bd_path):
+            if file is not None and not os.path.exists(file):
+                raise FileNotFoundError(f"{file}: no such file")
         params, keep = engine_params(n_ctx=n_ctx, n_threads=n_threads, max_block_size=max_block_size,
                                      n_gpu_layers=n_gpu_layers, n_batch=n_batch, use_extra_bufts=use_extra_bufts,
-                                     offload=offload, n_parallel=n_parallel)
+                                     offload=offload, n_parallel=n_parallel, bd_path=bd_path)
         err = ctypes.create_string_buffer(2048)
         with native.logged_errors() as logged:  # gguf's and the loader's reasons are only logged
             self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))

@@ -291,7 +291,9 @@ class LlamaModel(NativeHandle):
     """A loaded GGUF model (CPU unless n_gpu_layers / $CLOVER_N_GPU_LAYERS offloads layers)."""
 
     def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None,
-                 use_extra_bufts: bool = True) -> None:
+                 use_extra_bufts: bool = True, bd_path: str | os.PathLike[str] | None = None) -> None:
+        """``bd_path``: a block-diffusion sidecar (spec 5) attached to a trunk-only file after the load (the
+        caller checks its fingerprint first: libclover.read_model_info)."""
         L = llama()
         params = L.llama_model_default_params()
         if n_gpu_layers is None:
@@ -306,6 +308,19 @@ class LlamaModel(NativeHandle):
             raise NativeError(f"failed to load {self.path}: {error_reasons(errors) or 'unknown error'}")
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+        if bd_path is not None:
+            self._attach_block_diffusion(bd_path)
+
+    def _attach_block_diffusion(self, bd_path: str | os.PathLike[str]) -> None:
+        lib = llama().llama_cpp._lib
+        fn = lib.llama_clover_attach_block_diffusion
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_bool
+        err = ctypes.create_string_buffer(2048)
+        if not fn(self.ptr, os.fsencode(bd_path), err, len(err)):
+            message = err.value.decode("utf-8", "replace")
+            self.close()
+            raise NativeError(message)
 
     def set_coreset_top_p(self, top_p: float) -> None:
         """The block expert coreset's top_p of this model's next block passes (spec 3.3; the patch's

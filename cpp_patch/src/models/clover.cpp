@@ -16,10 +16,13 @@
 // block coreset (build_coreset_bias). Block mode reads the recurrent state (conv and ssm) and never writes it.
 
 #include "models.h"
+#include "llama-impl.h"
 #include "llama-memory-recurrent.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -63,18 +66,25 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
                 " is not supported (only one shared expert)");
     }
 
-    // diffusion.shift_logits: only the shifted form (spec 3.4)
-    bool shift_logits = true;
-    if (ml.get_key(LLM_KV_CLOVER_SHIFT_LOGITS, shift_logits, false) && !shift_logits) {
-        throw std::runtime_error("clover: diffusion.shift_logits = false: unshifted block diffusion is not implemented");
-    }
-
     // the block-diffusion keys are optional (absent from llama.cpp's converter's files): spec 2.2's defaults
     hparams.clover_block_size            = 32;
     hparams.clover_threshold             = 0.95f;
     hparams.clover_coreset_top_p         = 1.0f;
     hparams.clover_history_rows          = 32;
     hparams.clover_history_readout_scale = 1.0f / sqrtf((float) hparams.ssm_d_state);
+    hparams.clover_mask_token_id         = -1;
+    load_bd_hparams(ml);
+}
+
+// The block-diffusion keys (spec v2 section 5), from the model file or from a sidecar (attach_block_diffusion). All
+// are optional (llama.cpp's converter writes none): an absent key keeps spec 2.2's default.
+void llama_model_clover::load_bd_hparams(llama_model_loader & ml) {
+    // diffusion.shift_logits: only the shifted form (spec 3.4)
+    bool shift_logits = true;
+    if (ml.get_key(LLM_KV_CLOVER_SHIFT_LOGITS, shift_logits, false) && !shift_logits) {
+        throw std::runtime_error("clover: diffusion.shift_logits = false: unshifted block diffusion is not implemented");
+    }
+
     ml.get_key(LLM_KV_DFLASH_BLOCK_SIZE,            hparams.clover_block_size,            false); // ARCH.block_size
     ml.get_key(LLM_KV_CLOVER_DIFFUSION_THRESHOLD,   hparams.clover_threshold,             false);
     ml.get_key(LLM_KV_CLOVER_CORESET_TOP_P,         hparams.clover_coreset_top_p,         false);
@@ -82,9 +92,12 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     ml.get_key(LLM_KV_CLOVER_HISTORY_READOUT_SCALE, hparams.clover_history_readout_scale, false);
 
     // the mask token: tokenizer.ggml.mask_token_id, else found by name in the vocabulary (the engine does that,
-    // clover_read_model_info); -1 = none, and the block modes are unavailable
+    // clover_read_model_info); -1 = none, and the block modes are unavailable. A sidecar without the key keeps the
+    // trunk's.
     uint32_t mask_id = 0;
-    hparams.clover_mask_token_id = ml.get_key(LLM_KV_TOKENIZER_MASK_ID, mask_id, false) ? (int32_t) mask_id : -1;
+    if (ml.get_key(LLM_KV_TOKENIZER_MASK_ID, mask_id, false)) {
+        hparams.clover_mask_token_id = (int32_t) mask_id;
+    }
 
     clover_calibrated_block_sizes.clear();
     clover_calibrated_thresholds.clear();
@@ -213,44 +226,64 @@ void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
                 " is out of range (n_vocab = " + std::to_string(n_vocab) + ")");
     }
 
-    const int64_t head_k_dim = hparams.ssm_d_state;
-    const int64_t n_k_heads  = hparams.ssm_n_group;
-    const int64_t n_v_heads  = hparams.ssm_dt_rank;
-    const int64_t key_dim    = head_k_dim * n_k_heads;
-    const int64_t value_dim  = head_k_dim * n_v_heads;
-    const int64_t conv_dim   = key_dim * 2 + value_dim;
-
     clover_layers.assign(n_layer_all, clover_layer{});
     hparams.clover_has_block_diffusion = false;
     hparams.clover_conv_right_kernel   = 0;
 
-    // The four block-diffusion tensors of each GDN layer are optional as a group: a file with none of them in any
-    // layer is a trunk-only file (llama.cpp's converter writes those) and runs causal mode only.
-    const llm_tensor bd_kinds[4] = {
-        LLM_TENSOR_CLOVER_BD_CONV_RIGHT, LLM_TENSOR_CLOVER_BD_LOGIT_SCALE,
-        LLM_TENSOR_CLOVER_BD_HISTORY_BIAS, LLM_TENSOR_CLOVER_BD_HISTORY_C,
-    };
-    const auto bd_name = [&](int k, int il) {
-        return k == 0 ? tn(bd_kinds[k], "weight", il).str() : tn(bd_kinds[k], il).str();
-    };
-    bool any = false;
-    for (int il = 0; il < n_layer && !any; ++il) {
-        for (int k = 0; k < 4 && !any; ++k) {
-            any = hparams.is_recr(il) && ml.get_tensor_meta(bd_name(k, il).c_str()) != nullptr;
-        }
-    }
-    if (!any) {
+    if (!check_bd_tensors(ml)) {
         LLAMA_LOG_INFO("%s: clover: no block-diffusion tensors (a trunk-only file): causal mode only\n", __func__);
         return;
     }
-
-    const int64_t k_r_expected = (int64_t) hparams.ssm_d_conv - 1;
+    const int64_t k_r = (int64_t) hparams.ssm_d_conv - 1;
     for (int il = 0; il < n_layer; ++il) {
         if (!hparams.is_recr(il)) {
             continue;
         }
+        auto & cl = clover_layers[il];
+        cl.bd_conv_right   = create_tensor(tn(LLM_TENSOR_CLOVER_BD_CONV_RIGHT,   "weight", il), { k_r, bd_conv_dim() }, 0);
+        cl.bd_logit_scale  = create_tensor(tn(LLM_TENSOR_CLOVER_BD_LOGIT_SCALE,            il), { hparams.ssm_dt_rank }, 0);
+        cl.bd_history_bias = create_tensor(tn(LLM_TENSOR_CLOVER_BD_HISTORY_BIAS,           il), { hparams.ssm_dt_rank }, 0);
+        cl.bd_history_c    = create_tensor(tn(LLM_TENSOR_CLOVER_BD_HISTORY_C,              il), { hparams.ssm_dt_rank }, 0);
+    }
+    hparams.clover_has_block_diffusion = true;
+    hparams.clover_conv_right_kernel   = (uint32_t) k_r;
+}
+
+int64_t llama_model_clover::bd_conv_dim() const {
+    const int64_t key_dim   = (int64_t) hparams.ssm_d_state * hparams.ssm_n_group;
+    const int64_t value_dim = (int64_t) hparams.ssm_d_state * hparams.ssm_dt_rank;
+    return 2 * key_dim + value_dim;
+}
+
+std::string llama_model_clover::bd_tensor_name(int kind, int il) const {
+    static const llm_tensor kinds[4] = {
+        LLM_TENSOR_CLOVER_BD_CONV_RIGHT, LLM_TENSOR_CLOVER_BD_LOGIT_SCALE,
+        LLM_TENSOR_CLOVER_BD_HISTORY_BIAS, LLM_TENSOR_CLOVER_BD_HISTORY_C,
+    };
+    return kind == 0 ? tn(kinds[kind], "weight", il).str() : tn(kinds[kind], il).str();
+}
+
+// The four block-diffusion tensors of each GDN layer, as a group: false when the file has none of them in any layer
+// (a trunk-only file: llama.cpp's converter writes those), true when every GDN layer has all four with the right
+// type and K_r; anything in between is an error that names the first tensor missing or wrong. The shapes are
+// checked where the tensors are created.
+bool llama_model_clover::check_bd_tensors(const llama_model_loader & ml) const {
+    bool any = false;
+    for (uint32_t il = 0; il < hparams.n_layer() && !any; ++il) {
+        for (int k = 0; k < 4 && !any; ++k) {
+            any = hparams.is_recr(il) && ml.get_tensor_meta(bd_tensor_name(k, il).c_str()) != nullptr;
+        }
+    }
+    if (!any) {
+        return false;
+    }
+    const int64_t k_r_expected = (int64_t) hparams.ssm_d_conv - 1;
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        if (!hparams.is_recr(il)) {
+            continue;
+        }
         for (int k = 0; k < 4; ++k) {
-            const std::string name = bd_name(k, il);
+            const std::string name = bd_tensor_name(k, il);
             const ggml_tensor * meta = ml.get_tensor_meta(name.c_str());
             if (meta == nullptr) {
                 throw std::runtime_error("clover: tensor '" + name + "' is missing: the block-diffusion tensors "
@@ -269,19 +302,112 @@ void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
         throw std::runtime_error("clover: K_r = " + std::to_string(k_r_expected) +
                 " right-context taps are not supported (supported: 3, 4, 5, 9, 15)");
     }
+    return true;
+}
 
-    for (int il = 0; il < n_layer; ++il) {
+// A sidecar (spec v2 section 5, "Files"): the block-diffusion keys and tensors of a trunk-only model in a GGUF of
+// their own, attached after the trunk is loaded, as llama.cpp attaches a LoRA adapter (llama-adapter.cpp): each
+// tensor goes to the buffer type of its layer's ssm_conv1d, so it lives on the device that runs the layer. The
+// trunk's fingerprint is checked by the caller (libclover) before the trunk is loaded.
+void llama_model_clover::attach_block_diffusion(const std::string & path) {
+    if (hparams.clover_has_block_diffusion) {
+        throw std::runtime_error("the model already has block-diffusion tensors: a sidecar goes with a trunk-only file");
+    }
+    std::vector<std::string> splits;
+    llama_model_loader ml(nullptr, nullptr, nullptr, path, splits, nullptr, LLAMA_LOAD_MODE_NONE,
+                          /*check_tensors =*/ true, /*no_alloc =*/ false, /*load_mtp =*/ false, nullptr, nullptr);
+    if (!llm_arch_is_clover(ml.get_arch())) {
+        throw std::runtime_error("general.architecture is '" + ml.get_arch_name() + "', not a clover_moe sidecar");
+    }
+    if (!check_bd_tensors(ml)) {
+        throw std::runtime_error("it holds no block-diffusion tensors (blk.N.bd_conv_right.weight, ...) for this model's "
+                                 "GDN layers");
+    }
+    const int64_t k_r = (int64_t) hparams.ssm_d_conv - 1;
+    const int64_t n_v = hparams.ssm_dt_rank;
+    size_t n_expected = 0;
+    std::map<ggml_backend_buffer_type_t, ggml_context_ptr> ctx_of;
+    std::vector<clover_layer> attached(hparams.n_layer_all);
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
         if (!hparams.is_recr(il)) {
             continue;
         }
-        auto & cl = clover_layers[il];
-        cl.bd_conv_right   = create_tensor(tn(LLM_TENSOR_CLOVER_BD_CONV_RIGHT,   "weight", il), { k_r_expected, conv_dim }, 0);
-        cl.bd_logit_scale  = create_tensor(tn(LLM_TENSOR_CLOVER_BD_LOGIT_SCALE,            il), { n_v_heads }, 0);
-        cl.bd_history_bias = create_tensor(tn(LLM_TENSOR_CLOVER_BD_HISTORY_BIAS,           il), { n_v_heads }, 0);
-        cl.bd_history_c    = create_tensor(tn(LLM_TENSOR_CLOVER_BD_HISTORY_C,              il), { n_v_heads }, 0);
+        if (layers[il].ssm_conv1d == nullptr || layers[il].ssm_conv1d->buffer == nullptr) {
+            throw std::runtime_error("the model's weights are not allocated (a no_alloc load)");
+        }
+        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(layers[il].ssm_conv1d->buffer);
+        auto & ctx = ctx_of[buft];
+        if (!ctx) {
+            ggml_init_params params = { 4 * hparams.n_layer() * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+            ctx.reset(ggml_init(params));
+        }
+        ggml_tensor ** dst[4] = { &attached[il].bd_conv_right, &attached[il].bd_logit_scale,
+                                  &attached[il].bd_history_bias, &attached[il].bd_history_c };
+        for (int k = 0; k < 4; ++k) {
+            const std::string name = bd_tensor_name(k, il);
+            const ggml_tensor * meta = ml.get_tensor_meta(name.c_str());
+            const int64_t want0 = k == 0 ? k_r : n_v;
+            const int64_t want1 = k == 0 ? bd_conv_dim() : 1;
+            if (meta->ne[0] != want0 || meta->ne[1] != want1 || meta->ne[2] != 1 || meta->ne[3] != 1) {
+                throw std::runtime_error(format("tensor '%s' has shape %s, but this model needs {%lld, %lld}", name.c_str(),
+                        llama_format_tensor_shape(meta).c_str(), (long long) want0, (long long) want1));
+            }
+            *dst[k] = ggml_dup_tensor(ctx.get(), meta);
+            ggml_set_name(*dst[k], name.c_str());
+            n_expected++;
+        }
     }
+    if (ml.weights_map.size() != n_expected) {
+        for (const auto & it : ml.weights_map) {
+            if (std::none_of(attached.begin(), attached.end(), [&](const clover_layer & cl) {
+                    return cl.bd_conv_right && (it.first == ggml_get_name(cl.bd_conv_right) ||
+                            it.first == ggml_get_name(cl.bd_logit_scale) || it.first == ggml_get_name(cl.bd_history_bias) ||
+                            it.first == ggml_get_name(cl.bd_history_c)); })) {
+                throw std::runtime_error("tensor '" + it.first + "' is not a block-diffusion tensor of this model");
+            }
+        }
+    }
+
+    std::vector<ggml_backend_buffer_ptr> bufs;
+    std::vector<uint8_t> data;
+    for (auto & it : ctx_of) {
+        ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(it.second.get(), it.first));
+        if (!buf) {
+            throw std::runtime_error(format("cannot allocate the block-diffusion tensors in %s", ggml_backend_buft_name(it.first)));
+        }
+        ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        for (ggml_tensor * t = ggml_get_first_tensor(it.second.get()); t; t = ggml_get_next_tensor(it.second.get(), t)) {
+            const auto & w = ml.require_weight(ggml_get_name(t));
+            data.resize(ggml_nbytes(t));
+            ml.load_data_range(w, 0, data.size(), data.data());  // checks the values (check_tensors)
+            ggml_backend_tensor_set(t, data.data(), 0, data.size());
+        }
+        bufs.push_back(std::move(buf));
+    }
+
+    // the keys last: a failure above leaves the model as it was
+    llama_hparams saved = hparams;
+    try {
+        load_bd_hparams(ml);
+        if (hparams.clover_mask_token_id >= (int32_t) vocab.n_tokens()) {
+            throw std::runtime_error(format("tokenizer.ggml.mask_token_id = %d is out of range (n_vocab = %u)",
+                    hparams.clover_mask_token_id, vocab.n_tokens()));
+        }
+    } catch (...) {
+        hparams = saved;
+        clover_coreset_top_p_now.store(hparams.clover_coreset_top_p);
+        throw;
+    }
+    for (auto & it : ctx_of) {
+        clover_sidecar_ctxs.push_back(std::move(it.second));
+    }
+    for (auto & buf : bufs) {
+        clover_sidecar_bufs.push_back(std::move(buf));
+    }
+    clover_layers = attached;
     hparams.clover_has_block_diffusion = true;
-    hparams.clover_conv_right_kernel   = (uint32_t) k_r_expected;
+    hparams.clover_conv_right_kernel   = (uint32_t) k_r;
+    LLAMA_LOG_INFO("%s: clover: block-diffusion tensors and keys attached from %s\n", __func__, path.c_str());
 }
 
 std::unique_ptr<llm_graph_context> llama_model_clover::build_arch_graph(const llm_graph_params & params) const {
@@ -535,6 +661,7 @@ LLAMA_API bool  llama_clover_set_coreset_top_p(struct llama_model * model, float
 LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model);
 LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);
 LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * model);
+LLAMA_API bool  llama_clover_attach_block_diffusion(struct llama_model * model, const char * path, char * err, size_t err_size);
 }
 
 static const llama_model_clover * clover_model_of(const struct llama_model * model) {
@@ -563,4 +690,25 @@ float llama_clover_gguf_coreset_top_p(const struct llama_model * model) {
 bool llama_clover_has_block_diffusion(const struct llama_model * model) {
     const llama_model_clover * m = clover_model_of(model);
     return m != nullptr && m->hparams.clover_has_block_diffusion;
+}
+
+bool llama_clover_attach_block_diffusion(struct llama_model * model, const char * path, char * err, size_t err_size) {
+    auto * m = model ? dynamic_cast<llama_model_clover *>(model) : nullptr;
+    std::string msg;
+    if (m == nullptr || path == nullptr) {
+        msg = "not a clover_moe model, or no sidecar path";
+    } else {
+        try {
+            m->attach_block_diffusion(path);
+        } catch (const std::exception & e) {
+            msg = std::string("sidecar '") + path + "': " + e.what();
+        }
+    }
+    if (err != nullptr && err_size > 0) {
+        snprintf(err, err_size, "%s", msg.c_str());
+    }
+    if (!msg.empty()) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, msg.c_str());
+    }
+    return msg.empty();
 }

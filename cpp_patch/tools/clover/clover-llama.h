@@ -21,6 +21,12 @@ LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model)
 LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);
 // whether the file holds the block-diffusion tensors (false: a trunk-only file, causal mode only)
 LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * model);
+// Attach the block-diffusion keys and tensors of a sidecar GGUF (spec v2 section 5) to a trunk-only model, before
+// any context is created from it. Each tensor goes to the buffer type of its layer's ssm_conv1d. The caller checks
+// the trunk fingerprint (clover_read_info). Returns false, with a message naming the file and the tensor or key in
+// err, and the model unchanged, on any failure.
+LLAMA_API bool  llama_clover_attach_block_diffusion(struct llama_model * model, const char * path, char * err,
+                                                    size_t err_size);
 
 #ifdef __cplusplus
 }

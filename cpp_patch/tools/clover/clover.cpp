@@ -78,326 +78,6 @@ void clover_histogram_add(int32_t * histogram, int32_t value) {
 }
 
 //
-// GGUF metadata (typed)
-//
-
-// the largest block size a GGUF may declare: the model's loader (src/models/clover.cpp) and the converter
-// (reference/config.py MAX_BLOCK_SIZE) refuse the same
-static constexpr int CLOVER_MAX_GGUF_BLOCK_SIZE = 256;
-
-static bool clover_gguf_int(const gguf_context * gctx, const char * key, int64_t & out) {
-    const int64_t id = gguf_find_key(gctx, key);
-    if (id < 0) {
-        return false;
-    }
-    switch (gguf_get_kv_type(gctx, id)) {
-        case GGUF_TYPE_UINT8:  out = gguf_get_val_u8 (gctx, id); return true;
-        case GGUF_TYPE_INT8:   out = gguf_get_val_i8 (gctx, id); return true;
-        case GGUF_TYPE_UINT16: out = gguf_get_val_u16(gctx, id); return true;
-        case GGUF_TYPE_INT16:  out = gguf_get_val_i16(gctx, id); return true;
-        case GGUF_TYPE_UINT32: out = gguf_get_val_u32(gctx, id); return true;
-        case GGUF_TYPE_INT32:  out = gguf_get_val_i32(gctx, id); return true;
-        case GGUF_TYPE_UINT64: out = (int64_t) gguf_get_val_u64(gctx, id); return true;
-        case GGUF_TYPE_INT64:  out = gguf_get_val_i64(gctx, id); return true;
-        default: return false;
-    }
-}
-
-static bool clover_gguf_float(const gguf_context * gctx, const char * key, float & out) {
-    const int64_t id = gguf_find_key(gctx, key);
-    if (id < 0) {
-        return false;
-    }
-    switch (gguf_get_kv_type(gctx, id)) {
-        case GGUF_TYPE_FLOAT32: out = gguf_get_val_f32(gctx, id); return true;
-        case GGUF_TYPE_FLOAT64: out = (float) gguf_get_val_f64(gctx, id); return true;
-        default: return false;
-    }
-}
-
-// an array of numbers as doubles; false if missing or not numeric
-static bool clover_gguf_num_array(const gguf_context * gctx, const char * key, std::vector<double> & out) {
-    const int64_t id = gguf_find_key(gctx, key);
-    if (id < 0 || gguf_get_kv_type(gctx, id) != GGUF_TYPE_ARRAY) {
-        return false;
-    }
-    const size_t n    = gguf_get_arr_n(gctx, id);
-    const auto   type = gguf_get_arr_type(gctx, id);
-    out.clear();
-    // gguf_get_arr_data asserts on arrays of strings (and nested arrays): check the element type first
-    if (type == GGUF_TYPE_STRING || type == GGUF_TYPE_ARRAY || type == GGUF_TYPE_BOOL) {
-        return false;
-    }
-    if (n == 0) {
-        return true;
-    }
-    const void * data = gguf_get_arr_data(gctx, id);
-    for (size_t i = 0; i < n; ++i) {
-        switch (type) {
-            case GGUF_TYPE_UINT8:   out.push_back(((const uint8_t  *) data)[i]); break;
-            case GGUF_TYPE_INT8:    out.push_back(((const int8_t   *) data)[i]); break;
-            case GGUF_TYPE_UINT16:  out.push_back(((const uint16_t *) data)[i]); break;
-            case GGUF_TYPE_INT16:   out.push_back(((const int16_t  *) data)[i]); break;
-            case GGUF_TYPE_UINT32:  out.push_back(((const uint32_t *) data)[i]); break;
-            case GGUF_TYPE_INT32:   out.push_back(((const int32_t  *) data)[i]); break;
-            case GGUF_TYPE_UINT64:  out.push_back((double) ((const uint64_t *) data)[i]); break;
-            case GGUF_TYPE_INT64:   out.push_back((double) ((const int64_t  *) data)[i]); break;
-            case GGUF_TYPE_FLOAT32: out.push_back(((const float    *) data)[i]); break;
-            case GGUF_TYPE_FLOAT64: out.push_back(((const double   *) data)[i]); break;
-            default: return false;
-        }
-    }
-    return true;
-}
-
-// why gguf_init_from_file refused a file: it cannot be opened, it is no GGUF at all, or it is a damaged GGUF (gguf's
-// own reason is in llama.cpp's log, which the caller may add)
-static std::string clover_gguf_open_error(const char * path) {
-    FILE * f = std::fopen(path, "rb");
-    if (!f) {
-        return clover_format("cannot open '%s': %s", path, std::strerror(errno));
-    }
-    char magic[4] = {};
-    const size_t n = std::fread(magic, 1, sizeof(magic), f);
-    std::fclose(f);
-    if (n != sizeof(magic) || std::memcmp(magic, "GGUF", 4) != 0) {
-        return clover_format("'%s' is not a GGUF file (it does not start with the GGUF magic)", path);
-    }
-    return clover_format("'%s' is a damaged GGUF file: its header, metadata or tensor infos cannot be read", path);
-}
-
-// The data section must end where the file ends (after the last tensor's alignment padding, which GGUF writers
-// add): a header whose tensor count or tensor infos do not match the file would otherwise load with every
-// weight read from the wrong bytes.
-static bool clover_check_data_size(const char * path, const gguf_context * gctx, std::string & err) {
-    FILE * f = std::fopen(path, "rb");
-    if (!f || std::fseek(f, 0, SEEK_END) != 0) {
-        if (f) {
-            std::fclose(f);
-        }
-        err = clover_format("cannot read '%s': %s", path, std::strerror(errno));
-        return false;
-    }
-    const long file_size = std::ftell(f);
-    std::fclose(f);
-    const size_t align = gguf_get_alignment(gctx);
-    size_t end = gguf_get_data_offset(gctx);
-    for (int64_t i = 0; i < gguf_get_n_tensors(gctx); ++i) {
-        end = std::max(end, gguf_get_data_offset(gctx) + gguf_get_tensor_offset(gctx, i) + gguf_get_tensor_size(gctx, i));
-    }
-    const size_t padded = align > 0 ? (end + align - 1) / align * align : end;
-    if (file_size < 0 || ((size_t) file_size != end && (size_t) file_size != padded)) {
-        err = clover_format("'%s': the tensor data of the %lld tensors in its header ends at byte %zu, but the file has %ld bytes: "
-                "the tensor count or the tensor infos do not match the file", path,
-                (long long) gguf_get_n_tensors(gctx), padded, file_size);
-        return false;
-    }
-    return true;
-}
-
-bool clover_check_arch(const char * path, const std::string & arch, std::string & err) {
-    if (arch == "clover_moe" || arch == "clover-moe" || arch == "clovermoe") {
-        return true;
-    }
-    if (arch == "clover") {
-        err = clover_format("'%s': clover: architecture 'clover' is spec v1, which is retired; convert the checkpoint "
-                "again with clover-convert (spec v2, arch clover_moe)", path);
-    } else {
-        err = clover_format("'%s': general.architecture is '%s', not 'clover_moe' (clover-convert and llama.cpp's "
-                "Clover converter make clover_moe GGUF files)", path, arch.empty() ? "(none)" : arch.c_str());
-    }
-    return false;
-}
-
-// The mask token of a file without tokenizer.ggml.mask_token_id (spec 5): the one token of type CONTROL (3) or
-// USER_DEFINED (4) whose text contains "mask", case-insensitive; -1 unless there is exactly one.
-static int32_t clover_find_mask_token(const gguf_context * gctx) {
-    const int64_t tokens_id = gguf_find_key(gctx, "tokenizer.ggml.tokens");
-    const int64_t types_id  = gguf_find_key(gctx, "tokenizer.ggml.token_type");
-    if (tokens_id < 0 || types_id < 0 || gguf_get_kv_type(gctx, tokens_id) != GGUF_TYPE_ARRAY ||
-        gguf_get_kv_type(gctx, types_id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(gctx, tokens_id) != GGUF_TYPE_STRING ||
-        gguf_get_arr_type(gctx, types_id) != GGUF_TYPE_INT32) {
-        return -1;
-    }
-    const size_t n = std::min(gguf_get_arr_n(gctx, tokens_id), gguf_get_arr_n(gctx, types_id));
-    const int32_t * types = (const int32_t *) gguf_get_arr_data(gctx, types_id);
-    int32_t found = -1;
-    int32_t n_found = 0;
-    for (size_t i = 0; i < n; ++i) {
-        if (types[i] != LLAMA_TOKEN_TYPE_CONTROL && types[i] != LLAMA_TOKEN_TYPE_USER_DEFINED) {
-            continue;
-        }
-        std::string text = gguf_get_arr_str(gctx, tokens_id, i);
-        std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return (char) std::tolower(c); });
-        if (text.find("mask") != std::string::npos) {
-            found = (int32_t) i;
-            n_found++;
-        }
-    }
-    return n_found == 1 ? found : -1;
-}
-
-static bool clover_read_info(const char * path, clover_model_info & info, std::string & err) {
-    info = {};
-    if (!path) {
-        err = "no model path given";
-        return false;
-    }
-    gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-    gguf_context * gctx = gguf_init_from_file(path, gparams);
-    if (!gctx) {
-        err = clover_gguf_open_error(path);
-        return false;
-    }
-    if (!clover_check_data_size(path, gctx, err)) {
-        gguf_free(gctx);
-        return false;
-    }
-
-    std::string arch;
-    {
-        const int64_t id = gguf_find_key(gctx, "general.architecture");
-        if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_STRING) {
-            arch = gguf_get_val_str(gctx, id);
-        }
-    }
-    const auto key = [&](const char * suffix) { return arch + "." + suffix; };
-
-    bool ok = false;
-    do {
-        if (!clover_check_arch(path, arch, err)) {
-            break;
-        }
-        int64_t v = 0;
-        // the block-diffusion keys are optional (llama.cpp's converter writes none): spec 2.2's defaults
-        info.block_size          = 32;
-        info.threshold           = 0.95f;
-        info.coreset_top_p       = 1.0f;
-        info.history_rows        = 32;
-        info.mask_token_id       = -1;
-        if (gguf_find_key(gctx, key("block_size").c_str()) >= 0) {
-            if (!clover_gguf_int(gctx, key("block_size").c_str(), v)) {
-                err = clover_format("'%s': %s is not an integer", path, key("block_size").c_str());
-                break;
-            }
-            if (v < 1 || v > CLOVER_MAX_GGUF_BLOCK_SIZE) {
-                err = clover_format("'%s': %s = %lld must be in 1 .. %d", path, key("block_size").c_str(), (long long) v,
-                        CLOVER_MAX_GGUF_BLOCK_SIZE);
-                break;
-            }
-            info.block_size = (int32_t) v;
-        }
-
-        if (gguf_find_key(gctx, key("diffusion.threshold").c_str()) >= 0 &&
-            !clover_gguf_float(gctx, key("diffusion.threshold").c_str(), info.threshold)) {
-            err = clover_format("'%s': %s is not a float", path, key("diffusion.threshold").c_str());
-            break;
-        }
-        if (!(info.threshold >= 0.0f && info.threshold <= 1.0f)) {  // NaN fails too
-            err = clover_format("'%s': %s = %g must be in [0, 1]", path, key("diffusion.threshold").c_str(), (double) info.threshold);
-            break;
-        }
-        if (gguf_find_key(gctx, key("diffusion.coreset_top_p").c_str()) >= 0 &&
-            !clover_gguf_float(gctx, key("diffusion.coreset_top_p").c_str(), info.coreset_top_p)) {
-            err = clover_format("'%s': %s is not a float", path, key("diffusion.coreset_top_p").c_str());
-            break;
-        }
-        if (!(info.coreset_top_p > 0.0f && info.coreset_top_p <= 1.0f)) {
-            err = clover_format("'%s': %s = %g must be in (0, 1]", path, key("diffusion.coreset_top_p").c_str(),
-                    (double) info.coreset_top_p);
-            break;
-        }
-        if (gguf_find_key(gctx, key("diffusion.history_rows").c_str()) >= 0) {
-            if (!clover_gguf_int(gctx, key("diffusion.history_rows").c_str(), v) || v < 1 || v > INT32_MAX) {
-                err = clover_format("'%s': %s must be an integer >= 1", path, key("diffusion.history_rows").c_str());
-                break;
-            }
-            info.history_rows = (int32_t) v;
-        }
-        {
-            const int64_t id = gguf_find_key(gctx, "diffusion.shift_logits");
-            if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_BOOL && !gguf_get_val_bool(gctx, id)) {
-                err = clover_format("'%s': diffusion.shift_logits = false: unshifted block diffusion is not implemented", path);
-                break;
-            }
-        }
-
-        {
-            const int64_t id = gguf_find_key(gctx, "tokenizer.ggml.tokens");
-            info.n_vocab = id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_ARRAY ? (int32_t) gguf_get_arr_n(gctx, id) : 0;
-        }
-        if (gguf_find_key(gctx, "tokenizer.ggml.mask_token_id") >= 0) {
-            if (!clover_gguf_int(gctx, "tokenizer.ggml.mask_token_id", v) || v < 0 || v > INT32_MAX) {
-                err = clover_format("'%s': invalid tokenizer.ggml.mask_token_id", path);
-                break;
-            }
-            info.mask_token_id = (int32_t) v;
-        } else {
-            info.mask_token_id = clover_find_mask_token(gctx);
-        }
-
-        info.n_ctx_train = clover_gguf_int(gctx, key("context_length").c_str(), v) ? (int32_t) v : 0;
-
-        // the block-diffusion tensors (the loader refuses a file with only some of them); K_r from the first one
-        info.has_block_diffusion = 0;
-        info.conv_right_kernel   = 0;
-        for (int64_t i = 0; i < gguf_get_n_tensors(gctx); ++i) {
-            const char * name = gguf_get_tensor_name(gctx, i);
-            const char * tail = std::strstr(name, ".bd_conv_right.weight");
-            if (std::strncmp(name, "blk.", 4) == 0 && tail != nullptr && std::strcmp(tail, ".bd_conv_right.weight") == 0) {
-                info.has_block_diffusion = 1;
-                if (clover_gguf_int(gctx, key("ssm.conv_kernel").c_str(), v) && v > 1) {
-                    info.conv_right_kernel = (int32_t) (v - 1);  // the loader checks K_r = ssm.conv_kernel - 1
-                }
-                break;
-            }
-        }
-
-        std::vector<double> sizes;
-        std::vector<double> thresholds;
-        const bool has_sizes      = clover_gguf_num_array(gctx, key("diffusion.calibrated_block_sizes").c_str(), sizes);
-        const bool has_thresholds = clover_gguf_num_array(gctx, key("diffusion.calibrated_thresholds").c_str(), thresholds);
-        const int64_t sizes_id      = gguf_find_key(gctx, key("diffusion.calibrated_block_sizes").c_str());
-        const int64_t thresholds_id = gguf_find_key(gctx, key("diffusion.calibrated_thresholds").c_str());
-        if ((sizes_id >= 0 && !has_sizes) || (thresholds_id >= 0 && !has_thresholds)) {
-            err = clover_format("'%s': %s must be an array of numbers", path,
-                    key(sizes_id >= 0 && !has_sizes ? "diffusion.calibrated_block_sizes" : "diffusion.calibrated_thresholds").c_str());
-            break;
-        }
-        if (has_sizes != has_thresholds || sizes.size() != thresholds.size()) {
-            err = clover_format("'%s': %s and %s differ in length", path,
-                    key("diffusion.calibrated_block_sizes").c_str(), key("diffusion.calibrated_thresholds").c_str());
-            break;
-        }
-        if (sizes.size() > CLOVER_MAX_CALIBRATED) {
-            err = clover_format("'%s': %zu calibrated block sizes, at most %d are supported", path, sizes.size(), CLOVER_MAX_CALIBRATED);
-            break;
-        }
-        std::string bad;
-        for (size_t i = 0; i < sizes.size() && bad.empty(); ++i) {
-            if (!(sizes[i] >= 1 && sizes[i] <= CLOVER_MAX_GGUF_BLOCK_SIZE) || sizes[i] != std::floor(sizes[i])) {
-                bad = clover_format("%s holds %g; block sizes must be integers in 1 .. %d",
-                        key("diffusion.calibrated_block_sizes").c_str(), sizes[i], CLOVER_MAX_GGUF_BLOCK_SIZE);
-            } else if (!(thresholds[i] >= 0.0 && thresholds[i] <= 1.0)) {
-                bad = clover_format("%s holds %g; thresholds must be in [0, 1]",
-                        key("diffusion.calibrated_thresholds").c_str(), thresholds[i]);
-            }
-            info.calibrated_block_sizes[i] = (int32_t) sizes[i];
-            info.calibrated_thresholds[i]  = (float) thresholds[i];
-        }
-        if (!bad.empty()) {
-            err = clover_format("'%s': %s", path, bad.c_str());
-            break;
-        }
-        info.n_calibrated = (int32_t) sizes.size();
-        ok = true;
-    } while (false);
-
-    gguf_free(gctx);
-    return ok;
-}
-
-//
 // batches and passes
 //
 
@@ -1190,6 +870,7 @@ static bool clover_has_gpu() {
 // mparams points into offload, so a plan is not copied
 struct clover_load_plan {
     clover_model_info    info = {};
+    std::string          bd_path;  // the block-diffusion sidecar, or empty
     int32_t              max_block = 0;
     int32_t              n_ctx     = 0;
     int32_t              n_batch   = 0;
@@ -1206,7 +887,7 @@ struct clover_load_plan {
 static bool clover_make_load_plan(const char * path, const clover_engine_params & params, clover_load_plan & plan,
                                   std::string & err) {
     clover_model_info & info = plan.info;
-    if (!clover_read_info(path, info, err)) {
+    if (!clover_read_info(path, params.bd_path, info, err)) {
         return false;
     }
     if (params.n_ctx < 0 || params.n_batch < 0 || params.max_block_size < 0 || params.n_threads < 0) {
@@ -1267,6 +948,7 @@ static bool clover_make_load_plan(const char * path, const clover_engine_params 
         err = clover_format("n_ctx %d leaves no room for %d slots (each slot gets n_ctx / n_parallel)", n_ctx, n_parallel);
         return false;
     }
+    plan.bd_path    = params.bd_path ? params.bd_path : "";
     plan.max_block  = max_block;
     plan.n_ctx      = n_ctx / n_parallel;  // per slot, as llama-server divides -c among its -np slots
     plan.n_parallel = n_parallel;
@@ -1301,6 +983,7 @@ struct clover_engine_params clover_engine_default_params(void) {
     p.tensor_split    = nullptr;
     p.fit_margin_mib  = 1024;
     p.n_parallel      = 1;
+    p.bd_path         = nullptr;
     return p;
 }
 
@@ -1323,18 +1006,23 @@ struct clover_gen_params clover_gen_default_params(void) {
     return p;
 }
 
-int32_t clover_read_model_info(const char * path, struct clover_model_info * info, char * err, size_t err_size) {
+int32_t clover_model_info_read(const char * path, const char * bd_path, struct clover_model_info * info, char * err,
+                               size_t err_size) {
     if (!info) {
         clover_set_err(err, err_size, "info is NULL");
         return -1;
     }
     std::string msg;
-    if (!clover_read_info(path, *info, msg)) {
+    if (!clover_read_info(path, bd_path, *info, msg)) {
         clover_set_err(err, err_size, msg);
         return -1;
     }
     clover_set_err(err, err_size, "");
     return 0;
+}
+
+int32_t clover_read_model_info(const char * path, struct clover_model_info * info, char * err, size_t err_size) {
+    return clover_model_info_read(path, nullptr, info, err, err_size);
 }
 
 // a plan that does not fit a GPU, or slots whose context does not fit host memory, is refused before loading,
@@ -1367,6 +1055,13 @@ static clover_engine_ptr clover_engine_make(const char * path, clover_load_plan 
         msg = clover_format("llama.cpp could not load '%s'", path);
         return nullptr;
     }
+    if (!plan.bd_path.empty()) {
+        std::vector<char> buf(1024);
+        if (!llama_clover_attach_block_diffusion(model.get(), plan.bd_path.c_str(), buf.data(), buf.size())) {
+            msg = buf.data();
+            return nullptr;
+        }
+    }
     const llama_vocab * vocab = llama_model_get_vocab(model.get());
     const int32_t n_vocab = llama_vocab_n_tokens(vocab);
     if (plan.info.mask_token_id >= 0 && plan.info.mask_token_id >= n_vocab) {
@@ -1395,7 +1090,7 @@ static clover_engine_ptr clover_engine_make(const char * path, clover_load_plan 
     eng->coreset_top_p    = eng->info.coreset_top_p;
     if (!eng->info.has_block_diffusion) {
         eng->block_unavailable = "clover: this GGUF has no block-diffusion tensors (a trunk-only file, e.g. from llama.cpp's "
-                                 "converter); diffusion and spec need them: add them with clover-convert --bd-only";
+                                 "converter); diffusion and spec need them: make a sidecar with clover-convert MODEL_DIR --bd-only NAME.bd.gguf and load it with --bd NAME.bd.gguf";
     } else if (eng->info.mask_token_id < 0) {
         eng->block_unavailable = "clover: this GGUF has no mask token (no tokenizer.ggml.mask_token_id, and not exactly one "
                                  "control token named like 'mask'); diffusion and spec need one: set it with clover-convert --mask-token";

@@ -94,6 +94,8 @@ struct clover_engine_params {
     int32_t      fit_margin_mib;   // with layers on a GPU, refuse a load whose plan leaves less free on a device
                                    // (llama.cpp's --fit-target, default 1024); < 0 = no check
     int32_t      n_parallel;       // slots (llama-server's -np; 0 = 1); n_ctx is shared: each slot gets n_ctx / n_parallel
+    const char * bd_path;          // a block-diffusion sidecar (NAME.bd.gguf, spec v2 section 5) for a trunk-only file;
+                                   // NULL or "" = none. Refused unless its trunk fingerprint equals the file's.
 };
 
 // One device's share of a load, from llama.cpp's no_alloc dry run (clover_engine_plan_memory), in bytes.
@@ -165,7 +167,12 @@ int32_t clover_default_n_threads(void);
 struct clover_engine_params clover_engine_default_params(void);
 struct clover_gen_params    clover_gen_default_params(void);
 
-// Read the clover settings of a GGUF file. Returns 0, or -1 with a message in err (err may be NULL).
+// Read the clover settings of a GGUF file, and of its block-diffusion sidecar when bd_path is not NULL or "" (the
+// sidecar's keys override the file's; a sidecar of another trunk is refused, naming the fingerprint fields that
+// differ). Returns 0, or -1 with a message in err (err may be NULL).
+int32_t clover_model_info_read(const char * path, const char * bd_path, struct clover_model_info * info, char * err,
+                               size_t err_size);
+// clover_model_info_read without a sidecar
 int32_t clover_read_model_info(const char * path, struct clover_model_info * info, char * err, size_t err_size);
 
 // The threshold a call with threshold < 0 uses (spec 4.3): the calibrated threshold for block_size, else the

@@ -26,6 +26,7 @@
 static void clover_cli_usage(const char * argv0) {
     fprintf(stderr,
         "usage: %s -m MODEL.gguf -p PROMPT [options]\n"
+        "  --bd FILE                  block-diffusion sidecar (NAME.bd.gguf) for a trunk-only -m file\n"
         "  --mode ar|diffusion|spec|auto  decoding mode (default diffusion)\n"
         "  --block-size B             block size (default: the GGUF's ARCH.block_size, else 32)\n"
         "  --threshold T              fill threshold in [0, 1] (default: the calibrated one for B)\n"
@@ -220,6 +221,7 @@ static bool clover_cli_on_tokens(const llama_token * tokens, int32_t n_tokens, v
 // llama-clover's options; eparams and gparams point into the strings and vectors after clover_cli_parse
 struct clover_cli_args {
     std::string model_path;
+    std::string bd_path;
     std::string prompt;
     bool        have_prompt = false;
     bool        json        = false;
@@ -245,6 +247,8 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
         };
         if (arg == "-m" || arg == "--model") {
             a.model_path = next("-m");
+        } else if (arg == "--bd") {
+            a.bd_path = next("--bd");
         } else if (arg == "-p" || arg == "--prompt") {
             a.prompt = next("-p");
             a.have_prompt = true;
@@ -344,6 +348,7 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
     a.gparams.banned_ids = a.banned_ids.data();
     a.eparams.override_tensor = a.override_tensor.empty() ? nullptr : a.override_tensor.c_str();
     a.eparams.tensor_split    = a.tensor_split.empty() ? nullptr : a.tensor_split.c_str();
+    a.eparams.bd_path         = a.bd_path.empty() ? nullptr : a.bd_path.c_str();
     return -1;
 }
 
@@ -415,7 +420,7 @@ int main(int argc, char ** argv) {
 
     char err[1024] = {0};
     clover_model_info info;
-    if (clover_read_model_info(a.model_path.c_str(), &info, err, sizeof(err)) != 0) {
+    if (clover_model_info_read(a.model_path.c_str(), a.eparams.bd_path, &info, err, sizeof(err)) != 0) {
         fprintf(stderr, "error: %s\n", err);
         return 1;
     }
