@@ -205,15 +205,17 @@ Windows = list[tuple[int, list[int]]]  # (segment boundary p, masked rows of the
 
 
 def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], window: int,
-                            use_extra_bufts: bool = True, router: Any = None) -> tuple[np.ndarray, np.ndarray]:
+                            use_extra_bufts: bool = True, router: Any = None,
+                            bd_path: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For each (tokens, windows) document, on a fresh history: the causal logits of every position (the
     tokens appended segment by segment) and, at each boundary p, the block logits of the masked rows of
     the window tokens[p:p+window] over the history tokens[:p]. Rows of all documents, concatenated.
     ``use_extra_bufts=False`` loads the weights without AMX or repacked layouts. ``router``: a
-    routing_support.NativeRouterMargins that collects the native routing margins of the same rows."""
+    routing_support.NativeRouterMargins that collects the native routing margins of the same rows. ``bd_path``: a
+    block-diffusion sidecar for a trunk-only ``path``."""
     from clover_cpp import native
 
-    model = native.LlamaModel(path, use_extra_bufts=use_extra_bufts)
+    model = native.LlamaModel(path, use_extra_bufts=use_extra_bufts, bd_path=bd_path)
     ctx = native.create_context(model, n_ctx=1024, n_ubatch=64, n_batch=512,
                                 eval_callback=router.eval_callback if router else None)
     mask = model.mask_token()

@@ -276,3 +276,46 @@ def test_nonfinite_weights_refused_then_allowed(model: Path, out_dir: Path, caps
                                         "(GGUF blk.1.post_attention_norm.weight) holds 4 non-finite values "
                                         "(NaN or inf)"]
     assert (out_dir / "out.gguf").is_file()
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("--bd-only", "OUT", "--outfile", "OUT2"), ("--bd-only", "leave out OUT.gguf and --outfile")),
+    (("--bd-only", "OUT", "--outtype", "q8_0"), ("--bd-only", "--outtype q8_0 does not apply")),
+    (("--bd-only", "OUT", "--split-max-tensors", "3"), ("--split-max-*", "does not apply")),
+    (("--bd-only", "OUT", "--bd-sidecar"), ("--bd-sidecar", "not allowed with argument --bd-only")),
+    (("--bd-sidecar", "--dry-run", "--skeleton", "--outfile", "OUT"), ("--skeleton", "--bd-sidecar")),
+])
+def test_sidecar_option_conflicts(model: Path, out_dir: Path, capsys, args: tuple[str, ...],
+                                  fragments: tuple[str, ...]) -> None:
+    """--bd-only and --bd-sidecar (spec 5, "Files") with options that do not apply: one line, exit 2, no output."""
+    before = listing(model, out_dir)
+    argv = [str(out_dir / "x.bd.gguf") if a == "OUT" else str(out_dir / "y.gguf") if a == "OUT2" else a for a in args]
+    code, stdout, stderr = run_convert(capsys, model, *argv)
+    lines = stderr.splitlines()
+    assert code == 2 and stdout == "" and len(lines) == 1 and lines[0].startswith("clover-convert: error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert listing(model, out_dir) == before
+
+
+def test_sidecar_missing_tensor_leaves_nothing(model: Path, out_dir: Path, capsys) -> None:
+    """A checkpoint without a block-diffusion tensor fails --bd-sidecar and --bd-only alike, naming it, and writes
+    neither the trunk nor the sidecar."""
+    rewrite_weights(model, lambda t: t.pop("model.layers.2.linear_attn.bd_softmax_history_c"))
+    assert_fails(capsys, model, out_dir, "model.layers.2.linear_attn.bd_softmax_history_c", "missing",
+                 extra=("--bd-sidecar",))
+    before = listing(model, out_dir)
+    code, _, stderr = run_convert(capsys, model, "--bd-only", out_dir / "x.bd.gguf")
+    assert code == 2 and "bd_softmax_history_c" in stderr and len(stderr.splitlines()) == 1, stderr
+    assert listing(model, out_dir) == before
+
+
+def test_sidecar_and_trunk_are_published_together(model: Path, out_dir: Path, capsys) -> None:
+    """--bd-sidecar writes the sidecar first, then the trunk: a trunk tensor that fails while streaming (NaN) leaves
+    neither file, nor the temporary directory."""
+    name = "model.norm.weight"  # the last tensor streamed, after the whole sidecar
+
+    def poison(tensors: dict) -> None:
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+    rewrite_weights(model, poison)
+    assert_fails(capsys, model, out_dir, name, "non-finite", extra=("--bd-sidecar",))
