@@ -12,7 +12,17 @@ so an int8 activation can round one step apart. What must hold:
   makes (measured on CPU_REPACK: 0.2-0.8 %), and top-1 agrees on every row whose top-2 gap exceeds twice the
   largest logit difference. A random router can flip an expert at a routing near-tie (routing_support.py),
   and one flipped row outweighs the mean: when the bound is missed, both KLs are taken again over the rows
-  that the plain model itself routes decisively (its router margins, read from the native graph);
+  that the plain model itself routes decisively (its router margins, read from the native graph).
+  Failing both, the extra kernels must be as accurate as the plain ones: KL(f16 || extra) at most
+  (1 + ACCURACY_SHARE) KL(f16 || plain). The reason is arithmetic. Both settings quantize every activation row
+  to int8 blocks (Q8_0 / Q8_K) before the integer dot products, and their float sums differ only in order,
+  by about 1e-7 relative (AMX against plain, layer by layer, on the demo's Q8_0). An activation that sits on a
+  rounding boundary of the int8 grid then rounds to the other neighbour in one setting: an equally valid
+  draw of the quantization error, one step of that grid, which later layers carry on. On the AMX Xeon this
+  made the demo's and mid's Q8_0 logits differ by up to 0.17 on a third of the rows (KL 3-11 % of
+  quantization's), with rows routed decisively, while each setting stayed as close to the f16 model as the
+  other (KL(f16 || extra) / KL(f16 || plain): 1.01 causal and 0.98 block on demo, 1.00 and 0.99 on mid). A
+  wrong kernel moves the logits away from the f16 model, which this still catches;
 - **decoding:** greedy ar, diffusion and spec give the same tokens, or first differ at a decision of the
   plain model whose margin (top-2 gap, or distance of ln(confidence) to ln(threshold)) is below
   TIE_FACTOR times the largest logit difference measured between the settings: over the fixed passes, or
@@ -40,6 +50,7 @@ from routing_support import NEAR_TIE
 from clover_cpp import cpu
 
 KL_SHARE = 0.05
+ACCURACY_SHARE = 0.10  # another draw of the int8 activation rounding: as close to f16 as plain, within 10 %
 TIE_FACTOR = 4.0  # a decision flips only when its margin is below 2x the logit change; 2x more for safety
 PROBE = Path(__file__).resolve().parent / "extra_bufts_probe.py"
 TYPES = ["Q8_0", "Q4_0", "Q4_K_M", "IQ4_XS"]
@@ -94,12 +105,15 @@ def test_extra_buffer_types_agree_with_plain_buffers(model: str, qtype: str, f16
         if routed.any():
             kl_settings_routed, _ = kl_top1(b[routed], a[routed])
             kl_quant_routed, _ = kl_top1(f[routed], b[routed])
+        kl_extra, _ = kl_top1(f, a)
         measured[kind].update(near_tie_rows=np.flatnonzero(~routed).tolist(), kl_settings_decisive=kl_settings_routed,
-                              kl_quantization_decisive=kl_quant_routed)
-        assert kl_settings <= KL_SHARE * kl_quant or kl_settings_routed <= KL_SHARE * kl_quant_routed, \
+                              kl_quantization_decisive=kl_quant_routed, kl_quantization_extra=kl_extra)
+        assert (kl_settings <= KL_SHARE * kl_quant or kl_settings_routed <= KL_SHARE * kl_quant_routed
+                or kl_extra <= (1 + ACCURACY_SHARE) * kl_quant), \
             f"{model} {qtype} {kind}: extra buffer types {extra['buffer_types']} move the logits by KL " \
             f"{kl_settings:.3g}, more than {KL_SHARE} of quantization's own {kl_quant:.3g}, and by " \
-            f"{kl_settings_routed:.3g} against {kl_quant_routed:.3g} on the {int(routed.sum())} rows routed decisively"
+            f"{kl_settings_routed:.3g} against {kl_quant_routed:.3g} on the {int(routed.sum())} rows routed " \
+            f"decisively, and are less accurate: KL(f16 || extra) {kl_extra:.3g} against KL(f16 || plain) {kl_quant:.3g}"
         assert flips == 0, f"{model} {qtype} {kind}: top-1 differs on {flips} decisive rows"
     measured["differences"] = result["differences"]
     record(f"extra_bufts_{model}_{qtype}", measured)
