@@ -38,9 +38,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from clover_ref.config import qwen_twin_config
+from clover_common.config import qwen_twin_config
 from clover_ref.factory import init_checkpoint, init_checkpoint_streaming
-from clover_ref.tokenizer import SHIPPED_FILES
+from clover_common.tokenizer import SHIPPED_FILES
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

@@ -68,7 +68,7 @@ def main() -> int:
     from native_support import quantize
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    text = (REPO / "reference" / "decode.py").read_text()
+    text = (REPO / "clover_ref" / "decode.py").read_text()
     rows = []
     for name, f16 in f16_models(args.workdir).items():
         m = native.LlamaModel(f16)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from clover_ref.errors import BadInput
+from clover_common.errors import BadInput
 
 from . import session
 from .chat_template import ChatTemplate, TemplateError, load_template

@@ -1,6 +1,6 @@
 """The model's chat template (``tokenizer.chat_template`` in the GGUF), rendered for chat and serve.
 
-Rendering is ``clover_ref.chat_render.render_chat`` (Jinja configured like transformers'
+Rendering is ``clover_common.chat_render.render_chat`` (Jinja configured like transformers'
 ``apply_chat_template``) with the template text read from the GGUF; the reference renders with the same function,
 so both build the same prompt text.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import jinja2
 
-from clover_ref.chat_render import render_chat
-from clover_ref.errors import BadInput
+from clover_common.chat_render import render_chat
+from clover_common.errors import BadInput
 
 from . import native
 

@@ -23,9 +23,9 @@ import os
 import sys
 import time
 
-from clover_ref import cli_runner
-from clover_ref.cli_runner import OneLineParser
-from clover_ref.errors import BadInput
+from clover_common import cli_runner
+from clover_common.cli_runner import OneLineParser
+from clover_common.errors import BadInput
 
 from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY
 from .offload import add_offload_args, offload_from_args
@@ -244,8 +244,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def json_output(text: str, prompt_ids: list[int], tokens: list[int], stats, seconds: float) -> dict:
-    """generate --json: the object clover-ref and llama-clover print too (clover_ref.generate_output)."""
-    from clover_ref.generate_output import generate_output, histogram_from_bins
+    """generate --json: the object clover-ref and llama-clover print too (clover_common.generate_output)."""
+    from clover_common.generate_output import generate_output, histogram_from_bins
 
     extra = {"threads": stats.threads, "seconds": seconds, "block_ms": stats.block_ms, "causal_ms": stats.causal_ms}
     if stats.mode == "auto":

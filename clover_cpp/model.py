@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clover_ref.generate_output import PassCounts
-from clover_ref.errors import BadInput
+from clover_common.generate_output import PassCounts
+from clover_common.errors import BadInput
 
 from . import libclover, native
 from .native import NativeError

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from clover_ref.errors import BadInput, CloverError
+from clover_common.errors import BadInput, CloverError
 
 from . import cpu
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from clover_ref.errors import BadInput
+from clover_common.errors import BadInput
 
 # llama.cpp's common/common.h (the test checks libclover's --n-cpu-moe patterns against these)
 LLM_FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clover_ref.errors import BadInput
+from clover_common.errors import BadInput
 
 from .chat_template import ChatTemplate, load_template
 from .model import EngineError, Model

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from clover_ref.errors import BadInput
+from clover_common.errors import BadInput
 
 MAGIC = b"CLVRSESS"
 FORMAT_VERSION = 1

@@ -1,7 +1,7 @@
 """Helpers for the chat and server tests: the reference's answer to a conversation.
 
 The expected answer is built without the native runtime: the chat template shipped in the checkpoint,
-rendered by clover_ref.tokenizer.render_chat, tokenized by the checkpoint's tokenizer.json, and decoded
+rendered by clover_common.tokenizer.render_chat, tokenized by the checkpoint's tokenizer.json, and decoded
 greedily by clover_ref.decode on a fresh history (the mask token banned, the config's end-of-generation
 ids as stops), then detokenized without special tokens and split by the output parser.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import pexpect  # a test dependency (pyproject [test]): missing, the suite fails instead of skipping
 
 from clover_cpp.output_parser import ParsedOutput, opens_reasoning, parse_output
-from clover_ref.tokenizer import load_tokenizer, render_chat
+from clover_common.tokenizer import load_tokenizer, render_chat
 
 N_CTX = 4096
 

@@ -23,8 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from clover_convert.cli import main
-from clover_ref.config import CloverConfig, qwen_twin_config
-from clover_ref.layout import canonical_name, is_clover_tensor
+from clover_common.config import CloverConfig, qwen_twin_config
+from clover_common.layout import canonical_name, is_clover_tensor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"

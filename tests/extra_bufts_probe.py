@@ -38,7 +38,7 @@ def documents(path: Path) -> list[tuple[list[int], list[tuple[int, list[int]]]]]
     """One document of held-out code: causal rows for all of it, block windows at three boundaries (fully
     masked, half masked, one masked target)."""
     model = native.LlamaModel(path)
-    tokens = model.tokenize((REPO_ROOT / "reference" / "decode.py").read_text()[:3000])[:N_TOKENS]
+    tokens = model.tokenize((REPO_ROOT / "clover_ref" / "decode.py").read_text()[:3000])[:N_TOKENS]
     model.close()
     windows = [(16, list(range(WINDOW))), (48, [1, 3, 5, 7]), (80, [WINDOW - 1])]
     return [(tokens, windows)]

@@ -14,7 +14,7 @@ logits move by far more than the parity tolerance (0.1 against 0.0044, seen on A
   alternative routing, each one that a backend's rounding could pick. A genuine error (a wrong expert
   weight, a wrong tap) matches no variant and fails (tests/test_native_clover.py injects one).
 
-The reference's routing is ``SparseMoe.route`` (reference/model.py). With the block coreset of spec 3.3
+The reference's routing is ``SparseMoe.route`` (clover_ref/model.py). With the block coreset of spec 3.3
 (top_p < 1) there are two more places where backends may round apart, and ``routing_near_ties`` finds them:
 a cut that is a near-tie (``clover_ref.coreset.cut_is_near_tie``: a cumulative mass within 1e-5 of top_p, or
 tied block masses at the cut), and a row whose k-th and (k+1)-th experts inside the coreset are within

@@ -1,4 +1,4 @@
-"""The block-diffusion settings of a checkpoint (spec v2 section 2.2, clover_ref.block_settings): the names tried in
+"""The block-diffusion settings of a checkpoint (spec v2 section 2.2, clover_common.block_settings): the names tried in
 order, generation_config.json, the mask token found by name when exactly one candidate exists, and
 clover-convert's --mask-token, --block-size and --threshold. Bad cases are in tests/test_convert_errors.py."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from clover_ref.block_settings import Overrides, mask_candidates, resolve
-from clover_ref.config import CloverConfig
+from clover_common.block_settings import Overrides, mask_candidates, resolve
+from clover_common.config import CloverConfig
 from convert_support import copy_checkpoint, fields, run_convert
 
 MASK = 3007  # <|mask|> of the shipped tokenizer

@@ -17,9 +17,9 @@ import torch
 from clover_convert import encoding, streaming
 from clover_convert.converter import ConvertOptions, convert as convert_api
 from clover_ref.checkpoint import save_model
-from clover_ref.config import CloverConfig
+from clover_common.config import CloverConfig
 from clover_ref.factory import init_checkpoint, init_checkpoint_streaming, preset_config, random_model
-from clover_ref.tokenizer import MASK_TOKEN, special_token_ids
+from clover_common.tokenizer import MASK_TOKEN, special_token_ids
 from convert_support import (VENV_PYTHON, assert_tensor_matches, convert, expected_gguf, expected_type, fields,
                                   hf_state, run_convert, tensor_values)
 
@@ -226,7 +226,7 @@ def test_licence_and_base_model_from_the_model_card(tiny_checkpoint: Path, tmp_p
 def test_streamed_random_checkpoint(tmp_path: Path, capsys) -> None:
     """The bench's checkpoint writer: sharded, Clover tensors in a shard of their own, loadable, convertible."""
     from clover_ref.checkpoint import load_model
-    from clover_ref.layout import is_clover_tensor
+    from clover_common.layout import is_clover_tensor
 
     model = tmp_path / "streamed"
     init_checkpoint_streaming(model, "tiny", seed=5, max_shard_bytes=500_000, separate_clover_shard=True)

@@ -10,8 +10,8 @@ import gguf
 import pytest
 import transformers
 
-from clover_ref.config import CloverConfig
-from clover_ref.tokenizer import NON_SPECIAL_TOKENS, SPECIAL_TOKENS
+from clover_common.config import CloverConfig
+from clover_common.tokenizer import NON_SPECIAL_TOKENS, SPECIAL_TOKENS
 from convert_support import copy_checkpoint, fields, run_convert
 
 T = gguf.TokenType

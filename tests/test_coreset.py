@@ -99,7 +99,7 @@ def test_a_cut_routes_every_row_inside_one_set(tiny_model: Any) -> None:
 def test_the_reference_decoder_takes_a_top_p(tiny_model: Any) -> None:
     """Session.generate(coreset_top_p=): 1 is the default's output, a cut may change it, (0, 1] is enforced."""
     from clover_ref.decode import Session
-    from clover_ref.errors import BadInput
+    from clover_common.errors import BadInput
 
     prompt = np.random.default_rng(1).integers(0, 3000, size=12).tolist()
 

@@ -113,7 +113,8 @@ def test_extra_buffer_types_agree_with_plain_buffers(model: str, qtype: str, f16
             f"{model} {qtype} {kind}: extra buffer types {extra['buffer_types']} move the logits by KL " \
             f"{kl_settings:.3g}, more than {KL_SHARE} of quantization's own {kl_quant:.3g}, and by " \
             f"{kl_settings_routed:.3g} against {kl_quant_routed:.3g} on the {int(routed.sum())} rows routed " \
-            f"decisively, and are less accurate: KL(f16 || extra) {kl_extra:.3g} against KL(f16 || plain) {kl_quant:.3g}"
+            f"decisively, and are less accurate: KL(f16 || extra) {kl_extra:.3g} against KL(f16 || plain) " \
+            f"{kl_quant:.3g}"
         assert flips == 0, f"{model} {qtype} {kind}: top-1 differs on {flips} decisive rows"
     measured["differences"] = result["differences"]
     record(f"extra_bufts_{model}_{qtype}", measured)

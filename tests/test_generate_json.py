@@ -101,7 +101,7 @@ def test_three_clis_share_the_schema(tiny_checkpoint: Path, tiny_gguf: Path, mod
 
 def test_schema_matches_the_python_writer() -> None:
     """generate_output's required keys are the schema's, and the validator rejects what it should."""
-    from clover_ref.generate_output import STATS_KEYS, TOP_KEYS, generate_output
+    from clover_common.generate_output import STATS_KEYS, TOP_KEYS, generate_output
 
     schema = load_schema(SCHEMA)
     assert tuple(schema["required"]) == TOP_KEYS

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clover_ref import safe_output
+from clover_common import safe_output
 from native_support import VENV_PYTHON, clover_convert, require_native
 from convert_support import copy_checkpoint, run_convert, slowed_convert_script
 

@@ -227,7 +227,7 @@ def _quality(f16: Path, tag: str, types: list[str], imatrix: Path | None) -> dic
     from clover_cpp import native
 
     model = native.load_model(f16)
-    text = (REPO_ROOT / "reference" / "decode.py").read_text()[:4000]
+    text = (REPO_ROOT / "clover_ref" / "decode.py").read_text()[:4000]
     tokens = model.tokenize(text)[:128]
     model.close()
     rng = np.random.default_rng(0)

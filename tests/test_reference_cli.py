@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from clover_ref.checkpoint import load_model
 from clover_ref.cli import main
-from clover_ref.config import CloverConfig
+from clover_common.config import CloverConfig
 from clover_ref.factory import init_checkpoint
-from clover_ref.tokenizer import SHIPPED_FILES
+from clover_common.tokenizer import SHIPPED_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):"

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from clover_ref import hf_io
 from clover_ref.checkpoint import load_model, round_to_dtype, save_model
-from clover_ref.config import CLOVER_FIELDS, TEXT_MODEL_TYPE, CloverConfig
+from clover_common.config import CLOVER_FIELDS, TEXT_MODEL_TYPE, CloverConfig
 from clover_ref.factory import init_checkpoint, preset_config, random_model
-from clover_ref.layout import is_clover_tensor, tensor_shapes
-from clover_ref.tokenizer import load_tokenizer
+from clover_common.layout import is_clover_tensor, tensor_shapes
+from clover_common.tokenizer import load_tokenizer
 
 PROMPT = [17, 250, 3, 999, 42, 1800, 7, 2047, 64]
 SHARD_RE = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")

@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.utils import logging as hf_logging
 
-from clover_ref.config import CloverConfig
+from clover_common.config import CloverConfig
 from clover_ref.history import DeltaNetState
 from clover_ref.model import CloverModel
 

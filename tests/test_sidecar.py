@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from clover_convert.sidecar import config_fingerprint, gguf_fingerprint, is_bd_tensor, sidecar_path
-from clover_ref.config import CloverConfig
+from clover_common.config import CloverConfig
 from convert_support import (VENV_PYTHON, copy_checkpoint, fields, llama_cpp_clover_file, make_qwen_twin,
                              rewrite_weights, run_convert, vendored_convert)
 from native_support import causal_and_block_logits, clover_convert, require_engine, rewrite_gguf

@@ -11,8 +11,8 @@ import pytest
 import transformers
 from tokenizers import Tokenizer
 
-from clover_ref import tokenizer as ctok
-from clover_ref.errors import CloverInputError
+from clover_common import tokenizer as ctok
+from clover_common.errors import CloverInputError
 
 TEXTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",

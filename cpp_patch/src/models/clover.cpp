@@ -27,7 +27,7 @@
 #include <string>
 
 // the largest block size a GGUF may declare (clover.block_size, calibrated sizes); the converter refuses the same
-// (reference/config.py MAX_BLOCK_SIZE): every block size needs B-1 rollback states of the recurrent memory
+// (clover_common/config.py MAX_BLOCK_SIZE): every block size needs B-1 rollback states of the recurrent memory
 static constexpr uint32_t CLOVER_MAX_BLOCK_SIZE = 256;
 
 static std::string clover_key(llama_model_loader & ml, llm_kv kid) {

@@ -27,7 +27,7 @@ using gguf_ptr = std::unique_ptr<gguf_context, gguf_deleter>;
 }
 
 // the largest block size a GGUF may declare: the model's loader (src/models/clover.cpp) and the converter
-// (reference/config.py MAX_BLOCK_SIZE) refuse the same
+// (clover_common/config.py MAX_BLOCK_SIZE) refuse the same
 static constexpr int CLOVER_MAX_GGUF_BLOCK_SIZE = 256;
 
 static bool clover_gguf_int(const gguf_context * gctx, const char * key, int64_t & out) {

@@ -1,6 +1,6 @@
 // Clover decoding engine: ar, LowConfidence block diffusion and self-speculative decoding
 // (shared/clover-spec.md section 4). See clover.h for the API and docs/decoding.md for the reading of the spec
-// that the PyTorch reference (reference/decode.py) implements; in greedy mode this engine is token-identical to it.
+// that the PyTorch reference (clover_ref/decode.py) implements; in greedy mode this engine is token-identical to it.
 
 #include "clover.h"
 #include "clover-cpp.h"

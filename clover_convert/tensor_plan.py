@@ -21,9 +21,9 @@ from typing import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from clover_ref.config import CloverConfig
-from clover_ref.errors import CloverInputError
-from clover_ref.layout import check_conv_right_shape, is_clover_tensor, is_v1_tensor, layer_tensor_shapes
+from clover_common.config import CloverConfig
+from clover_common.errors import CloverInputError
+from clover_common.layout import check_conv_right_shape, is_clover_tensor, is_v1_tensor, layer_tensor_shapes
 
 from clover_quantize.file_types import tensor_nbytes
 

@@ -18,7 +18,7 @@ from typing import IO, Callable, Iterator
 
 import numpy as np
 
-from clover_ref.errors import CloverInputError
+from clover_common.errors import CloverInputError
 
 from .encoding import RAW_DTYPES, encode_chunk, to_float32
 from .tensor_plan import ConversionPlan, SourceSpan, TensorPlan

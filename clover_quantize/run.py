@@ -21,9 +21,9 @@ from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from clover_cpp import native
-from clover_ref import safe_output
+from clover_common import safe_output
 
-from clover_ref.errors import CloverError
+from clover_common.errors import CloverError
 
 from .importance import Imatrix, load_imatrix
 from .gguf_input import InputError, InputModel, read_input

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from clover_ref.errors import BadInput
+from clover_common.errors import BadInput
 
 
 class UnknownTypeError(BadInput):

@@ -1,6 +1,6 @@
 """The project's errors: what the user's input or machine causes, as opposed to bugs.
 
-Every command-line tool (clover-ref, clover-convert, clover-quantize, clover-cpp; clover_ref.cli_runner) prints a
+Every command-line tool (clover-ref, clover-convert, clover-quantize, clover-cpp; clover_common.cli_runner) prints a
 ``CloverError`` as one line and exits with code 2; any other exception is a bug and keeps its traceback.
 """
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clover_ref.errors import CloverInputError, read_json
+from clover_common.errors import CloverInputError, read_json
 
 log = logging.getLogger(__name__)
 

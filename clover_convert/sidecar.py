@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clover_ref.config import CloverConfig
+from clover_common.config import CloverConfig
 
 FINGERPRINT_KEY = "bd.trunk_fingerprint"  # under the architecture's prefix
 SIDECAR_TYPE = "bd_sidecar"  # general.type of a sidecar

@@ -3,7 +3,7 @@
     clover-ref init OUT_DIR --preset tiny|mid|35b-shape [--seed N] [--layers N] [--config-only]
     clover-ref generate MODEL_DIR -p TEXT --mode ar|diffusion|spec [--block-size B] [--threshold T] [-n N] [--json]
 
-`generate --json` prints the output object shared with clover-cpp and llama-clover (clover_ref.generate_output).
+`generate --json` prints the output object shared with clover-cpp and llama-clover (clover_common.generate_output).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import cli_runner
-from .cli_runner import OneLineParser
-from .errors import CloverError, CloverInputError
+from clover_common import cli_runner
+from clover_common.cli_runner import OneLineParser
+from clover_common.errors import CloverError, CloverInputError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +71,7 @@ def run_init(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from .checkpoint import load_model
     from .decode import generate
-    from .tokenizer import load_tokenizer
+    from clover_common.tokenizer import load_tokenizer
 
     if not args.model_dir.is_dir():
         raise CloverInputError(args.model_dir, "is not a directory (expected a Clover checkpoint)")
@@ -88,7 +88,7 @@ def run_generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     text = tokenizer.decode(result.tokens, skip_special_tokens=False)
     if args.json:
-        from .generate_output import generate_output, histogram_from_samples
+        from clover_common.generate_output import generate_output, histogram_from_samples
 
         s = result.stats
         print(json.dumps(generate_output(

@@ -12,12 +12,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .errors import BadInput
+from clover_common.errors import BadInput
 from .checkpoint import round_to_dtype, save_model
-from .config import CloverConfig
-from .layout import is_clover_tensor, tensor_shapes
+from clover_common.config import CloverConfig
+from clover_common.layout import is_clover_tensor, tensor_shapes
 from .model import CloverModel
-from .tokenizer import MASK_TOKEN, copy_tokenizer, special_token_ids
+from clover_common.tokenizer import MASK_TOKEN, copy_tokenizer, special_token_ids
 
 VOCAB_SIZE = 3072  # the shipped 3008-token tokenizer, padded as Qwen pads its vocabulary
 

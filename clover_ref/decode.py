@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from .coreset import check_top_p
-from .errors import BadInput
-from .generate_output import PassCounts
+from clover_common.errors import BadInput
+from clover_common.generate_output import PassCounts
 from .model import CloverModel
 from .sampling import Sampler, SamplingParams
 

@@ -10,9 +10,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from clover_ref.errors import CloverInputError
-from clover_ref.layout import canonical_name
-from clover_ref.safetensors_header import (INDEX_FILE, SINGLE_FILE, SUPPORTED_DTYPES, SourceTensor,  # noqa: F401
+from clover_common.errors import CloverInputError
+from clover_common.layout import canonical_name
+from clover_common.safetensors_header import (INDEX_FILE, SINGLE_FILE, SUPPORTED_DTYPES, SourceTensor,  # noqa: F401
                                            read_safetensors_header, read_weight_map)
 
 log = logging.getLogger(__name__)

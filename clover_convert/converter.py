@@ -13,9 +13,9 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, Metadata, naming_convention, si
 from gguf.utility import model_weight_count_rounded_notation
 from tqdm import tqdm
 
-from clover_ref.block_settings import Overrides
-from clover_ref.config import CONFIG_FILE, CloverConfig
-from clover_ref.errors import BadInput, CloverInputError, missing_path_reason, read_json
+from clover_common.block_settings import Overrides
+from clover_common.config import CONFIG_FILE, CloverConfig
+from clover_common.errors import BadInput, CloverInputError, missing_path_reason, read_json
 
 from clover_quantize.importance import load_imatrix
 from clover_quantize.file_types import FileType, UnknownTypeError, file_type

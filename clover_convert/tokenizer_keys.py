@@ -17,8 +17,8 @@ from typing import Any
 from gguf import GGUFWriter, TokenType
 from tokenizers import Tokenizer
 
-from clover_ref.errors import CloverInputError, read_json
-from clover_ref.tokenizer import PRETOKENIZE_REGEX
+from clover_common.errors import CloverInputError, read_json
+from clover_common.tokenizer import PRETOKENIZE_REGEX
 
 from .special_vocab import SpecialVocab, load_special_vocab
 

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 
 from clover_cpp import native
 from clover_quantize.file_types import tensor_nbytes
-from clover_ref.errors import CloverError
+from clover_common.errors import CloverError
 
 
 class NativeQuantError(CloverError, RuntimeError):

@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import CloverConfig
-from .errors import CloverInputError
-from .layout import (CONV_RIGHT, canonical_name, check_conv_right_shape, is_v1_tensor, normalize_conv_right,
-                     tensor_shapes)
-from .safetensors_header import INDEX_FILE, SINGLE_FILE, read_safetensors_header, read_weight_map
+from clover_common.config import CloverConfig
+from clover_common.errors import CloverInputError
+from clover_common.layout import (CONV_RIGHT, canonical_name, check_conv_right_shape, is_v1_tensor,
+                                  normalize_conv_right, tensor_shapes)
+from clover_common.safetensors_header import INDEX_FILE, SINGLE_FILE, read_safetensors_header, read_weight_map
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

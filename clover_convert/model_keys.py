@@ -14,9 +14,9 @@ from typing import Any
 
 from gguf import ExpertGatingFuncType, GGUFValueType, GGUFWriter, Keys, LlamaFileType
 
-from clover_ref.config import CloverConfig
-from clover_ref.errors import CloverInputError
-from clover_ref.layout import GGUF_ARCH
+from clover_common.config import CloverConfig
+from clover_common.errors import CloverInputError
+from clover_common.layout import GGUF_ARCH
 
 ARCH = GGUF_ARCH  # the default; --arch-name writes another (the writer's arch is the key prefix)
 

@@ -36,9 +36,9 @@ from tqdm import tqdm
 
 from .windowed import CHUNK, block_logits_at, causal_with_window_states, greedy_continue
 from .checkpoint import save_model
-from .config import CloverConfig
+from clover_common.config import CloverConfig
 from .factory import random_model
-from .tokenizer import MASK_TOKEN, copy_tokenizer, load_tokenizer, special_token_ids, TOKENIZER_DIR
+from clover_common.tokenizer import MASK_TOKEN, copy_tokenizer, load_tokenizer, special_token_ids, TOKENIZER_DIR
 
 # The block expert coreset the demo model trains its block loss with (spec 3.3), recorded in its config.json:
 # 0.9 keeps about half of the 8 experts in a 32-row window (bench/results/bench_coreset.md).

@@ -5,7 +5,7 @@ the same pipeline (NFC, Qwen3.5's split regex, byte-level BPE), a 3000-token bas
 Python standard-library sources, then the Qwen special tokens at ids 3000.. (``<|mask|>`` last).
 
 The trained files live in ``data/tokenizer/`` next to this module and are shipped, not rebuilt at run
-time. Regenerate them (deterministically) with ``python -m clover_ref.tokenizer --retrain``.
+time. Regenerate them (deterministically) with ``python -m clover_common.tokenizer --retrain``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tokenizers import processors, trainers
 try:
     from . import chat_render
     from .errors import CloverInputError
-except ImportError:  # run as a plain script: python reference/tokenizer.py --retrain
+except ImportError:  # run as a plain script: python clover_common/tokenizer.py --retrain
     import chat_render  # type: ignore[no-redef]
     from errors import CloverInputError  # type: ignore[no-redef]
 
@@ -199,7 +199,7 @@ def render_chat(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``--retrain`` rebuilds the shipped files; otherwise print a summary."""
-    parser = argparse.ArgumentParser(prog="python -m clover_ref.tokenizer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m clover_common.tokenizer", description=__doc__.splitlines()[0])
     parser.add_argument("--retrain", action="store_true", help="retrain on the standard library and write the files")
     parser.add_argument("--out", type=Path, default=TOKENIZER_DIR, help="output directory (default: shipped dir)")
     args = parser.parse_args(argv)

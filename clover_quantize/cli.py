@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from clover_ref import cli_runner, safe_output
-from clover_ref.cli_runner import OneLineParser
-from clover_ref.errors import BadInput
+from clover_common import cli_runner, safe_output
+from clover_common.cli_runner import OneLineParser
+from clover_common.errors import BadInput
 
 from .run import Plan, QuantizeOptions, imatrix_advice, native_call_running, quantize
 from .file_types import FILE_TYPES, UnknownTypeError, file_type, tensor_type

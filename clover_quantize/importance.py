@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 
-from clover_ref.errors import BadInput
+from clover_common.errors import BadInput
 
 from .gguf_input import field_value
 

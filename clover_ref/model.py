@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import precision
-from .config import CloverConfig
+from clover_common.config import CloverConfig
 from .coreset import check_top_p, route_in_coreset
 from .history import AttentionCache, DeltaNetState, History
 from .precision import Linear

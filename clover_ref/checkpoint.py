@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from .config import CloverConfig
-from .errors import CloverInputError
+from clover_common.config import CloverConfig
+from clover_common.errors import CloverInputError
 from .hf_io import load_state_dict, save_state_dict, split_experts
 from .model import CloverModel
 
@@ -40,7 +40,7 @@ def save_model(
     """Write config.json and the weights (per-expert layout by default, as transformers writes it).
 
     A config read with a nested ``text_config`` is written nested, with ``model.language_model.`` names.
-    Tokenizer files are not written here (see ``clover_ref.tokenizer.copy_tokenizer``).
+    Tokenizer files are not written here (see ``clover_common.tokenizer.copy_tokenizer``).
     """
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)

@@ -24,11 +24,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from clover_ref import cli_runner, safe_output
-from clover_ref.block_settings import Overrides
-from clover_ref.layout import ARCH_SPELLINGS, CONV_RIGHT_ORDERS, GGUF_ARCH
-from clover_ref.cli_runner import OneLineParser
-from clover_ref.errors import BadInput
+from clover_common import cli_runner, safe_output
+from clover_common.block_settings import Overrides
+from clover_common.layout import ARCH_SPELLINGS, CONV_RIGHT_ORDERS, GGUF_ARCH
+from clover_common.cli_runner import OneLineParser
+from clover_common.errors import BadInput
 
 from clover_quantize.file_types import FILE_TYPES
 
@@ -227,7 +227,7 @@ class _StderrHandler(logging.Handler):
 
 def _log_warnings_to_stderr() -> None:
     """Warnings of the converter and the gguf library as ``clover-convert: warning: ...`` lines."""
-    for name in ("clover_convert", "clover_ref.block_settings", "gguf"):
+    for name in ("clover_convert", "clover_common.block_settings", "gguf"):
         logger = logging.getLogger(name)
         for handler in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
             logger.removeHandler(handler)

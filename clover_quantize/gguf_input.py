@@ -10,8 +10,8 @@ from typing import Any
 
 from gguf import GGMLQuantizationType, GGUFReader
 
-from clover_ref.errors import BadInput
-from clover_ref.layout import ARCH_SPELLINGS, V1_GGUF_ARCH
+from clover_common.errors import BadInput
+from clover_common.layout import ARCH_SPELLINGS, V1_GGUF_ARCH
 
 from .file_types import is_quantized
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")

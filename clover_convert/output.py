@@ -16,8 +16,8 @@ from types import TracebackType
 from gguf import fill_templated_filename
 from gguf.gguf_writer import SHARD_NAME_FORMAT
 
-from clover_ref import safe_output
-from clover_ref.errors import CloverError, CloverInputError
+from clover_common import safe_output
+from clover_common.errors import CloverError, CloverInputError
 
 TEMP_SUFFIX = ".partial"
 
