@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K_M")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    from clover_cpp import cpu, native
+    from clover_cpp import cpu, bindings
     from extra_bufts_probe import buffer_types
     from native_support import quantize
 
@@ -71,7 +71,7 @@ def main() -> int:
     text = (REPO / "clover_ref" / "decode.py").read_text()
     rows = []
     for name, f16 in f16_models(args.workdir).items():
-        m = native.LlamaModel(f16)
+        m = bindings.LlamaModel(f16)
         prompt = m.tokenize(text)[:256]
         m.close()
         for qtype in args.types.split(","):

@@ -8,7 +8,7 @@ For the `tiny` and `mid` random checkpoints (seed 0), at f32 and q8_0 (llama-qua
 - decode tok/s, ms per pass and TPF of the engine in ar, diffusion and spec (default B and calibrated
   threshold; spec with draft_steps 0), greedy;
 - the cost ratio of one B-token block pass (all B rows asked, as in a block's first step) to one 1-token
-  causal pass, timed with clover_cpp.native (median of several);
+  causal pass, timed with clover_cpp.bindings (median of several);
 - stock llama.cpp `qwen35moe` AR decode tok/s on the Clover-stripped twin (llama.cpp's own converter), and
   our clover GGUF through the very same llama-cpp-python low-level loop, so the difference is the patch's
   cost to the causal graph (budget: at most 5 %);
@@ -106,10 +106,10 @@ def engine_runs(path: Path, name: str, threads: int) -> dict[str, Any]:
 
 
 def cost_ratio(path: Path, block: int, threads: int, reps: int = 9) -> dict[str, float]:
-    from clover_cpp import native
+    from clover_cpp import bindings
 
-    model = native.LlamaModel(path)
-    ctx = native.Context(model, n_ctx=1024, n_ubatch=max(64, block), n_threads=threads)
+    model = bindings.LlamaModel(path)
+    ctx = bindings.Context(model, n_ctx=1024, n_ubatch=max(64, block), n_threads=threads)
     ids = prompt_ids(64, seed=3)
     ctx.causal(ids, rows=[63])
     mask = model.mask_token()
@@ -132,13 +132,13 @@ def cost_ratio(path: Path, block: int, threads: int, reps: int = 9) -> dict[str,
 def lowlevel_ar(paths: dict[str, Path], n_tokens: int, threads: int, rounds: int = 3) -> dict[str, float]:
     """Greedy AR decode tok/s through llama-cpp-python low-level calls, the same loop for every file;
     the files take turns over several rounds (best round each), so a noisy neighbour hits both alike."""
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     ids = prompt_ids(32, seed=2)
     state = {}
     for key, path in paths.items():
-        model = native.LlamaModel(path)
-        state[key] = (model, native.Context(model, n_ctx=2048, n_ubatch=64, n_threads=threads))
+        model = bindings.LlamaModel(path)
+        state[key] = (model, bindings.Context(model, n_ctx=2048, n_ubatch=64, n_threads=threads))
     best = {key: 0.0 for key in paths}
     for _ in range(rounds):
         for key, (model, ctx) in state.items():

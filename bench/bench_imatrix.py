@@ -58,7 +58,7 @@ def parse_args(description: str, workdir: str) -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0], "bench-imatrix")
-    from clover_cpp import native
+    from clover_cpp import bindings
     from clover_ref.train import corpus_files
 
     work = args.workdir
@@ -75,7 +75,7 @@ def main() -> int:
             str(args.chunks), "--no-progress", *extra)
         imatrices[name] = out
 
-    model = native.load_model(f16)
+    model = bindings.LlamaModel(f16)
     docs = [model.tokenize(p.read_text(encoding="utf-8", errors="replace"))[:256] for p in held[:args.eval_docs]]
     model.close()
     walks = eval_windows(docs)

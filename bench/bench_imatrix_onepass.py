@@ -32,7 +32,7 @@ def run(*args: str) -> None:
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0], "bench-imatrix-onepass")
-    from clover_cpp import native
+    from clover_cpp import bindings
     from clover_ref.train import corpus_files
 
     work = args.workdir
@@ -47,7 +47,7 @@ def main() -> int:
         imatrices[name] = work / f"imatrix-from-{name}.gguf"
         run("clover_cpp.cli", "imatrix", "-m", str(path), "-f", str(calib), "-o", str(imatrices[name]),
             "--chunks", str(args.chunks), "--no-progress")
-    model = native.load_model(sources["bf16"])
+    model = bindings.LlamaModel(sources["bf16"])
     docs = [model.tokenize(p.read_text(encoding="utf-8", errors="replace"))[:256] for p in held[:args.eval_docs]]
     model.close()
     walks = eval_windows(docs)

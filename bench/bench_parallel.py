@@ -63,10 +63,10 @@ def model_path(name: str, work: Path) -> Path:
 
 
 def bound(gguf: Path, clients: list[int]) -> dict[str, Any]:
-    from clover_cpp import native
+    from clover_cpp import bindings
 
-    model = native.LlamaModel(gguf)
-    ctx = native.Context(model, n_ctx=2048, n_ubatch=64, n_rs_seq=max(clients))
+    model = bindings.LlamaModel(gguf)
+    ctx = bindings.Context(model, n_ctx=2048, n_ubatch=64, n_rs_seq=max(clients))
     try:
         ids = list(range(100, 164))
         ctx.causal(ids, rows=[63])

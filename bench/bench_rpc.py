@@ -101,14 +101,14 @@ def main() -> int:
         print(json.dumps(worker(args.worker, args.rpc)))
         return 0
 
-    from clover_cpp import native
+    from clover_cpp import loader
     from native_support import clover_convert
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     gguf = args.workdir / "clover-demo-f16.gguf"
     if not gguf.exists():
         clover_convert(REPO / "models" / "clover-demo", gguf, "f16")
-    procs, servers = start_servers(native.lib_dir().parent / "bin" / "rpc-server", 2)
+    procs, servers = start_servers(loader.lib_dir().parent / "bin" / "rpc-server", 2)
     results: dict[str, list[dict]] = {"local": [], "rpc": []}
     try:
         for i in range(args.runs):

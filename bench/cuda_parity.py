@@ -34,9 +34,9 @@ ENGINE_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(ar
 
 
 def cases(path: Path, n_gpu_layers: int, flash_attn: bool | None = None) -> dict[str, np.ndarray]:
-    from clover_cpp import native
+    from clover_cpp import bindings
 
-    model = native.LlamaModel(path, n_gpu_layers=n_gpu_layers)
+    model = bindings.LlamaModel(path, n_gpu_layers=n_gpu_layers)
     out: dict[str, np.ndarray] = {}
     try:
         vocab = model.n_vocab
@@ -45,7 +45,7 @@ def cases(path: Path, n_gpu_layers: int, flash_attn: bool | None = None) -> dict
         # The CPU side must stay on the CPU: with op offload on (llama.cpp's default), a CUDA build runs every
         # ubatch of 32 tokens or more of host weights on the GPU, which made the first device run compare the
         # GPU with itself for the 64- and 300-token cases.
-        ctx = native.Context(model, n_ctx=512, n_ubatch=64, flash_attn=flash_attn, op_offload=n_gpu_layers > 0)
+        ctx = bindings.Context(model, n_ctx=512, n_ubatch=64, flash_attn=flash_attn, op_offload=n_gpu_layers > 0)
         try:
             for n in PROMPTS:
                 ctx.clear()

@@ -168,19 +168,19 @@ def native_cpu(name: str, model: Any, ids: list[int], exact: np.ndarray, workdir
     """Causal prompts on the CPU build, flash attention x n_ubatch, against the exact reference."""
     import subprocess
 
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     src = REPO / "models" / "clover-demo" if name == "demo" else workdir / name
     gguf = workdir / f"{name}-f32.gguf"
     if not gguf.exists():
         subprocess.run([sys.executable, "-m", "clover_convert", str(src), str(gguf), "--outtype", "f32"],
                        check=True, stdout=subprocess.DEVNULL)
-    m = native.LlamaModel(gguf)
+    m = bindings.LlamaModel(gguf)
     out: dict[str, Any] = {}
     try:
         for fa in (True, False):
             for ub in (1, 7, 64, 300):
-                ctx = native.Context(m, n_ctx=512, n_batch=512, n_ubatch=ub, flash_attn=fa)
+                ctx = bindings.Context(m, n_ctx=512, n_batch=512, n_ubatch=ub, flash_attn=fa)
                 try:
                     row = {}
                     for n in PROMPTS:

@@ -108,16 +108,16 @@ def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int],
                    parallel: int = 1) -> dict[int, dict[str, float]]:
     """MiB of each context buffer llama.cpp allocates for the engine's context on the 35B, per B_max, with
     ``parallel`` slots (2 sequences each; n_ctx is the total, shared as in llama-server)."""
-    from clover_cpp import native
+    from clover_cpp import loader, bindings
 
-    model = native.load_model(skeleton)
+    model = bindings.LlamaModel(skeleton)
     out: dict[int, dict[str, float]] = {}
     try:
         for b in block_sizes:
             lines: list[str] = []
-            with native.log_listener(lambda _level, line: lines.append(line)):
+            with loader.log_listener(lambda _level, line: lines.append(line)):
                 # the engine's settings (tools/clover/clover.cpp): n_ubatch = max(B + 1, 512), n_rs_seq = B - 1
-                ctx = native.create_context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=max(b + 1, 512),
+                ctx = bindings.Context(model, n_ctx=n_ctx, n_batch=512, n_ubatch=max(b + 1, 512),
                                             n_rs_seq=b - 1, n_threads=2, n_seq_max=2 * parallel)
                 ctx.close()
             sizes = {k: sum(float(m.group(1)) for ln in lines for m in [rx.search(ln)] if m)

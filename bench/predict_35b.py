@@ -73,10 +73,10 @@ def slice_gguf(work: Path, layers: int) -> Path:
 def pass_costs(path: Path, reps: int = 5) -> dict[str, Any]:
     """ms per causal pass of w rows (all / one row asked) and per block pass of w rows; the minimum of the
     repetitions (noise on a shared machine only adds time)."""
-    from clover_cpp import native
+    from clover_cpp import bindings
 
-    model = native.LlamaModel(path)
-    ctx = native.Context(model, n_ctx=512, n_ubatch=64, n_rs_seq=max(WIDTHS))
+    model = bindings.LlamaModel(path)
+    ctx = bindings.Context(model, n_ctx=512, n_ubatch=64, n_rs_seq=max(WIDTHS))
     history = [int(t) % 3000 + 1 for t in range(64)]
     ctx.causal(history)
     mask = model.mask_token()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from clover_cpp import native
+from clover_cpp import loader
 from clover_quantize.file_types import tensor_nbytes
 from clover_common.errors import CloverError
 
@@ -36,8 +36,8 @@ def _bind() -> ctypes.CDLL:
     global _lib
     if _lib is not None:
         return _lib
-    native.llama()  # checks the build against this CPU and loads the libraries from lib_dir()
-    lib = ctypes.CDLL(str(native.lib_dir() / "libggml-base.so"))
+    loader.llama()  # checks the build against this CPU and loads the libraries from lib_dir()
+    lib = ctypes.CDLL(str(loader.lib_dir() / "libggml-base.so"))
     vp, cp, i64, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_size_t
     sigs: dict[str, tuple[object, list[object]]] = {
         "ggml_quantize_chunk": (sz, [ctypes.c_int, vp, vp, i64, i64, i64, vp]),

@@ -26,7 +26,7 @@ from clover_common.errors import BadInput
 from . import session
 from .chat_template import ChatTemplate, TemplateError, load_template
 from .model import EngineError, Generation, Model, Stats
-from .native import NativeError
+from .loader import NativeError
 from .output_parser import OutputParser, TextEvent, opens_reasoning
 from .text_stream import TextPipeline
 

@@ -17,7 +17,7 @@ import jinja2
 from clover_common.chat_render import render_chat
 from clover_common.errors import BadInput
 
-from . import native
+from . import loader
 
 
 class TemplateError(BadInput):
@@ -32,7 +32,7 @@ class ChatTemplate:
     @classmethod
     def from_model(cls, llama_model: Any, path: str) -> "ChatTemplate | None":
         """The GGUF's default template (``tokenizer.chat_template``), or None when it has none."""
-        raw = native.llama().llama_model_chat_template(llama_model, None)
+        raw = loader.llama().llama_model_chat_template(llama_model, None)
         if not raw:
             return None
         return cls(raw.decode("utf-8", "replace"), f"{path}: tokenizer.chat_template")

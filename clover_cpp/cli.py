@@ -264,7 +264,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
     """Masked calibration over a text file, written in llama.cpp's imatrix GGUF format (clover_cpp/imatrix.py)."""
     from pathlib import Path
 
-    from . import libclover, native
+    from . import libclover, loader, bindings
     from .imatrix import collect
 
     _at_least(("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
@@ -278,7 +278,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
         raise BadInput(f"{out}: cannot write there (-o/--output needs a file in an existing folder)")
     try:
         info = libclover.read_model_info(args.model, args.bd)
-    except native.NativeError as exc:
+    except loader.NativeError as exc:
         raise BadInput(f"{args.model} is not a clover GGUF: {exc}") from None
     if args.chunk_size > info.n_ctx_train:
         raise BadInput(f"--chunk-size {args.chunk_size} exceeds the model's training context {info.n_ctx_train}")
@@ -288,7 +288,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
         raise BadInput(f"{args.file}: not UTF-8 text (byte {exc.start})") from None
     if not text.strip():
         raise BadInput(f"{args.file}: the calibration file is empty")
-    model = native.LlamaModel(args.model, n_gpu_layers=args.n_gpu_layers, bd_path=args.bd)
+    model = bindings.LlamaModel(args.model, n_gpu_layers=args.n_gpu_layers, bd_path=args.bd)
     try:
         tokens = model.tokenize(text, add_special=False, parse_special=False)
         if len(tokens) < args.chunk_size:

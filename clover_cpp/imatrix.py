@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from . import libclover, native
-from .native import NativeError
+from . import libclover, loader, bindings
+from .loader import NativeError
 
 _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_imatrix_init": (ctypes.c_void_p, []),
@@ -59,8 +59,8 @@ def _lib() -> ctypes.CDLL:
     return handle
 
 
-class Collector(native.NativeHandle):
-    """The native importance-matrix collector; ``eval_callback`` goes to ``native.Context``."""
+class Collector(loader.NativeHandle):
+    """The native importance-matrix collector; ``eval_callback`` goes to ``bindings.Context``."""
 
     def __init__(self) -> None:
         self._lib = _lib()
@@ -68,7 +68,7 @@ class Collector(native.NativeHandle):
         if not self.ptr:
             raise NativeError("clover_imatrix_init failed (out of memory)")
         address = ctypes.cast(self._lib.clover_imatrix_eval_cb, ctypes.c_void_p).value
-        self.eval_callback = (native.llama().ggml_backend_sched_eval_callback(address), ctypes.c_void_p(self.ptr))
+        self.eval_callback = (loader.llama().ggml_backend_sched_eval_callback(address), ctypes.c_void_p(self.ptr))
 
     def end_chunk(self) -> None:
         self._lib.clover_imatrix_end_chunk(self.ptr)
@@ -133,7 +133,7 @@ class ImatrixResult:
     seconds: float
 
 
-def collect(model: native.LlamaModel, tokens: Sequence[int], out_path: str | os.PathLike[str], *,
+def collect(model: bindings.LlamaModel, tokens: Sequence[int], out_path: str | os.PathLike[str], *,
             dataset: str, chunk_size: int = 512, max_chunks: int | None = None, block_size: int,
             masked: bool = True, seed: int = 0, n_threads: int | None = None,
             progress: bool = True, mask_id: int | None = None) -> ImatrixResult:
@@ -161,7 +161,7 @@ def collect(model: native.LlamaModel, tokens: Sequence[int], out_path: str | os.
     # llama.cpp needs n_batch >= n_seq_max (2) and a hybrid model n_ubatch > n_rs_seq + 1: floor both at 8.
     step = block_size if masked else chunk_size
     n_batch = max(step, 8)
-    ctx = native.Context(model, n_ctx=chunk_size + block_size + 8, n_batch=n_batch,
+    ctx = bindings.Context(model, n_ctx=chunk_size + block_size + 8, n_batch=n_batch,
                          n_ubatch=min(n_batch, max(8, block_size if masked else 512)), n_rs_seq=0,
                          n_threads=n_threads or None, eval_callback=collector.eval_callback)
     bar = tqdm(total=n_chunks * chunk_size, unit="tok", desc="imatrix", file=sys.stderr, disable=not progress,

@@ -1,7 +1,7 @@
 """ctypes binding of the Clover decoding engine's C API (cpp_patch/tools/clover/clover.h).
 
 The structs and prototypes below mirror clover.h field by field. ``lib()`` loads ``libclover.so`` from the
-folder that holds ``libllama.so`` (``clover_cpp.native.lib_dir()``), after ``clover_cpp.native`` has loaded
+folder that holds ``libllama.so`` (``clover_cpp.loader.lib_dir()``), after ``clover_cpp.loader`` has loaded
 libllama through llama-cpp-python (RTLD_GLOBAL), so the engine and the Python tokenizer calls share one
 libllama.
 """
@@ -12,8 +12,8 @@ import ctypes
 import sys
 from pathlib import Path
 
-from . import native
-from .native import NativeError
+from . import loader
+from .loader import NativeError
 
 CLOVER_MAX_CALIBRATED = 16
 CLOVER_HIST_SIZE = 65
@@ -212,13 +212,13 @@ _lib: ctypes.CDLL | None = None
 
 
 def lib_path() -> Path:
-    d = native.lib_dir()
+    d = loader.lib_dir()
     return d / ("libclover.dylib" if sys.platform == "darwin" else "libclover.so")
 
 
 def available() -> tuple[bool, str]:
     """(True, "") when libclover can be loaded, else (False, reason)."""
-    ok, reason = native.native_available()
+    ok, reason = loader.native_available()
     if not ok:
         return ok, reason
     if not lib_path().exists():
@@ -235,12 +235,12 @@ def lib() -> ctypes.CDLL:
     global _lib
     if _lib is not None:
         return _lib
-    native.llama()  # libllama (and ggml) first, through llama-cpp-python, bound to the same folder
+    loader.llama()  # libllama (and ggml) first, through llama-cpp-python, bound to the same folder
     path = lib_path()
     if not path.exists():
         raise NativeError(f"{path} not found: build the engine with `make native`")
     # make libllama's symbols global so libclover resolves against the very copy llama_cpp loaded
-    llama_so = native.lib_dir() / path.name.replace("clover", "llama")
+    llama_so = loader.lib_dir() / path.name.replace("clover", "llama")
     if llama_so.exists():
         ctypes.CDLL(str(llama_so), mode=ctypes.RTLD_GLOBAL)
     try:
@@ -267,12 +267,12 @@ def read_model_info(path: str, bd_path: str | None = None) -> clover_model_info:
     info = clover_model_info()
     err = ctypes.create_string_buffer(2048)
     L = lib()
-    with native.logged_errors() as logged:  # gguf's reason for a damaged file is only logged
+    with loader.logged_errors() as logged:  # gguf's reason for a damaged file is only logged
         rc = L.clover_model_info_read(str(path).encode(), str(bd_path).encode() if bd_path else None,
                                       ctypes.byref(info), err, len(err))
     if rc != 0:
         msg = err.value.decode("utf-8", "replace") or "cannot read the clover settings"
-        reasons = native.error_reasons(logged)
+        reasons = loader.error_reasons(logged)
         where = "" if str(path) in msg else f"{path}: "  # libclover's messages name the file themselves
         raise NativeError(f"{where}{msg}" + (f": {reasons}" if reasons else ""))
     return info

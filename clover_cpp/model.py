@@ -27,8 +27,9 @@ from typing import Any
 from clover_common.generate_output import PassCounts
 from clover_common.errors import BadInput
 
-from . import libclover, native
-from .native import NativeError
+from . import libclover, loader, bindings
+from .loader import NativeError
+from .gen_params import GenParams, merge
 from .offload import Offload
 
 
@@ -177,14 +178,6 @@ class Stats(PassCounts):
     def ms_per_causal_pass(self) -> float:
         return self.causal_ms / self.causal_passes if self.causal_passes else 0.0
 
-    @property
-    def n_blocks(self) -> int:
-        return sum(self.steps_per_block)
-
-    @property
-    def n_rounds(self) -> int:
-        return sum(self.accepted_lengths)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode, "block_size": self.block_size, "threshold": self.threshold,
@@ -209,53 +202,37 @@ class Result:
 
 
 class _Call:
-    """One prepared clover_generate call: parameters, kept-alive arrays and the C callbacks."""
+    """One prepared clover_generate call: the C parameters, kept-alive arrays and the C callbacks."""
 
-    def __init__(self, model: "Model", prompt_ids: list[int], mode: str, block_size: int | None,
-                 threshold: float | None, draft_steps: int, max_tokens: int, temperature: float, top_k: int,
-                 top_p: float, seed: int, stop_ids: Sequence[int] | None, banned_ids: Sequence[int] | None,
-                 on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None, *,
-                 coreset_top_p: float | None = None) -> None:
+    def __init__(self, model: "Model", prompt_ids: list[int], params: GenParams,
+                 on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None) -> None:
         L = libclover.lib()
-        if mode not in libclover.MODES:
-            raise BadInput(f"unknown mode {mode!r}; choose one of {', '.join(libclover.MODES)}")
-        if not prompt_ids:
-            raise BadInput("the prompt is empty; at least one token is needed (the last one is the pending token)")
-        if max_tokens < 0:
-            raise BadInput(f"max_tokens must be >= 0, got {max_tokens}")
-        if block_size is not None and block_size < 1:
-            raise BadInput(f"block size must be at least 1, got {block_size}")
-        if coreset_top_p is not None and not 0.0 < coreset_top_p <= 1.0:  # NaN fails too
-            raise BadInput(f"coreset_top_p must be in (0, 1], got {coreset_top_p!r}")
-        n_vocab = model.info.n_vocab
-        for what, ids in (("prompt", prompt_ids), ("stop_ids", stop_ids or []), ("banned_ids", banned_ids or [])):
-            bad = [t for t in ids if not 0 <= int(t) < n_vocab]
-            if bad:
-                raise BadInput(f"{what} holds token ids outside the vocabulary [0, {n_vocab}): {bad[:5]}")
         self.model = model
-        self.mode = mode
-        self.block_size = int(block_size or model.info.block_size)
-        self.threshold = float(model.info.threshold_for(self.block_size) if threshold is None else threshold)
-        self.prompt = (libclover.llama_token * len(prompt_ids))(*[int(t) for t in prompt_ids])
+        self.mode = params.mode
+        self.block_size = int(params.block_size or model.info.block_size)
+        self.threshold = float(model.info.threshold_for(self.block_size) if params.threshold is None
+                               else params.threshold)
+        self.prompt = (libclover.llama_token * max(1, len(prompt_ids)))(*[int(t) for t in prompt_ids])
         self.n_prompt = len(prompt_ids)
         self.params = L.clover_gen_default_params()
         p = self.params
-        p.mode = libclover.MODES[mode]
-        p.block_size = int(block_size or 0)
-        p.threshold = -1.0 if threshold is None else float(threshold)
-        p.draft_steps = int(draft_steps)
-        p.temperature = float(temperature)
-        p.top_k = int(top_k)
-        p.top_p = float(top_p)
-        p.seed = int(seed) & 0xFFFFFFFF
-        p.max_tokens = int(max_tokens)
-        p.coreset_top_p = 0.0 if coreset_top_p is None else float(coreset_top_p)  # 0: the GGUF's value
+        p.mode = libclover.MODES[params.mode]
+        p.block_size = int(params.block_size or 0)
+        p.threshold = -1.0 if params.threshold is None else float(params.threshold)
+        p.draft_steps = int(params.draft_steps)
+        p.temperature = float(params.temperature)
+        p.top_k = int(params.top_k)
+        p.top_p = float(params.top_p)
+        p.seed = int(params.seed) & 0xFFFFFFFF
+        p.max_tokens = int(params.max_tokens)
+        p.coreset_top_p = 0.0 if params.coreset_top_p is None else float(params.coreset_top_p)  # 0: the GGUF's
+        stop_ids = params.stop_ids
         self._stop, n_stop = libclover.token_array(None if stop_ids is None else list(stop_ids))
         if stop_ids is None:  # NULL with n < 0: the vocabulary's end-of-generation set
             p.stop_ids, p.n_stop_ids = None, -1
         else:
             p.stop_ids, p.n_stop_ids = ctypes.cast(self._stop, libclover.llama_token_p), n_stop
-        self._banned, n_banned = libclover.token_array(list(banned_ids) if banned_ids else None)
+        self._banned, n_banned = libclover.token_array(list(params.banned_ids) or None)
         p.banned_ids = ctypes.cast(self._banned, libclover.llama_token_p) if self._banned is not None else None
         p.n_banned_ids = n_banned
         self.stats = libclover.clover_stats()
@@ -452,9 +429,9 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
     if n_threads:
         params.n_threads = int(n_threads)
     else:
-        params.n_threads = native.env_int("CLOVER_THREADS", params.n_threads)
-    if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.native.LlamaModel
-        n_gpu_layers = native.env_int("CLOVER_N_GPU_LAYERS", 0)
+        params.n_threads = loader.env_int("CLOVER_THREADS", params.n_threads)
+    if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.bindings.LlamaModel
+        n_gpu_layers = loader.env_int("CLOVER_N_GPU_LAYERS", 0)
     params.n_gpu_layers = int(n_gpu_layers)
     params.use_extra_bufts = bool(use_extra_bufts)
     if n_parallel < 1:
@@ -467,7 +444,7 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
     return params, keep
 
 
-class Model(native.NativeHandle):
+class Model(loader.NativeHandle):
     """One loaded GGUF and its engine context (history, scratch sequence, rollback room)."""
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0,
@@ -489,11 +466,11 @@ class Model(native.NativeHandle):
                                      n_gpu_layers=n_gpu_layers, n_batch=n_batch, use_extra_bufts=use_extra_bufts,
                                      offload=offload, n_parallel=n_parallel, bd_path=bd_path)
         err = ctypes.create_string_buffer(2048)
-        with native.logged_errors() as logged:  # gguf's and the loader's reasons are only logged
+        with loader.logged_errors() as logged:  # gguf's and the loader's reasons are only logged
             self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))
         if not self.ptr:
             msg = err.value.decode("utf-8", "replace").strip() or "unknown error"
-            reasons = native.error_reasons(logged)
+            reasons = loader.error_reasons(logged)
             if reasons and msg.startswith("llama.cpp could not load"):
                 msg = "llama.cpp refused it"  # the reason says what; the path is already in the line
             msg = msg.removeprefix(f"'{self.path}': ")
@@ -501,7 +478,7 @@ class Model(native.NativeHandle):
         del keep
         self.info = ModelInfo.from_c(L.clover_engine_info(self.ptr).contents)
         self._llama_model = L.clover_engine_model(self.ptr)
-        self._vocab = native.llama().llama_model_get_vocab(self._llama_model)
+        self._vocab = loader.llama().llama_model_get_vocab(self._llama_model)
         self._active: Generation | None = None
         self._lock = threading.Lock()
         self._owner: Model | None = None  # set on slot views: the Model that owns the engine
@@ -575,7 +552,7 @@ class Model(native.NativeHandle):
     @property
     def llama_n_ctx(self) -> int:
         """The context llama.cpp allocated (at least n_batch)."""
-        return int(native.llama().llama_n_ctx(self.llama_context))
+        return int(loader.llama().llama_n_ctx(self.llama_context))
 
     # ---------------------------------------------------------------------------------- auto's cost table
     @property
@@ -613,15 +590,15 @@ class Model(native.NativeHandle):
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """Text to token ids; ``special`` parses special tokens such as ``<|im_start|>``. No BOS is added."""
         try:
-            return native.tokenize(self._vocab, text, add_special=False, parse_special=special)
-        except native.NativeError as exc:
+            return bindings.tokenize(self._vocab, text, add_special=False, parse_special=special)
+        except loader.NativeError as exc:
             raise EngineError(str(exc)) from None
 
     def detokenize(self, ids: Sequence[int], special: bool = True) -> str:
         """Token ids to text; ``special`` renders special tokens (as the reference's decode does)."""
         if not ids:
             return ""
-        L = native.llama()
+        L = loader.llama()
         arr = (L.llama_token * len(ids))(*[int(t) for t in ids])
         cap = 16 * len(ids) + 64
         for _ in range(2):
@@ -638,34 +615,26 @@ class Model(native.NativeHandle):
         return [int(t) for t in prompt]
 
     # ---------------------------------------------------------------------------------- generation
-    def generate(self, prompt: str | Sequence[int], mode: str = "diffusion", block_size: int | None = None,
-                 threshold: float | None = None, draft_steps: int = 0, max_tokens: int = 64,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 stop_ids: Sequence[int] | None = None, banned_ids: Sequence[int] | None = None,
-                 on_step: Callable[[list[int]], Any] | None = None, buffer: int = 2,
-                 steps: bool = False, coreset_top_p: float | None = None) -> Generation:
+    def generate(self, prompt: str | Sequence[int], params: GenParams | None = None, *,
+                 on_step: Callable[[list[int]], Any] | None = None, buffer: int = 2, steps: bool = False,
+                 **fields: Any) -> Generation:
         """Continue ``prompt`` on the engine's history; an iterator of committed token lists.
 
-        ``stop_ids=None`` uses the vocabulary's end-of-generation tokens; ``[]`` stops on none.
-        ``threshold=None`` uses the calibrated threshold for the block size; ``coreset_top_p=None`` the GGUF's
-        block expert coreset (spec 3.3; 1 is per-row routing). ``on_step(canvas)`` is called
-        from the worker thread after each LowConfidence step (masked targets hold ``info.mask_token_id``);
-        returning False cancels. ``steps=True`` also delivers the canvases through ``Generation.events()``.
-        A still-running previous generation is cancelled first.
+        ``params`` (default ``GenParams()``), with any of its fields given as keywords instead or on top
+        (``mode="spec", max_tokens=32``). ``on_step(canvas)`` is called from the worker thread after each
+        LowConfidence step (masked targets hold ``info.mask_token_id``); returning False cancels. ``steps=True``
+        also delivers the canvases through ``Generation.events()``. A still-running previous generation is
+        cancelled first.
         """
         self.close_active()
-        call = _Call(self, self._prompt_ids(prompt), mode, block_size, threshold, draft_steps, max_tokens,
-                     temperature, top_k, top_p, seed, stop_ids, banned_ids, lambda _t: True, on_step,
-                     coreset_top_p=coreset_top_p)
+        call = _Call(self, self._prompt_ids(prompt), merge(params, fields), lambda _t: True, on_step)
         gen = Generation(call, buffer, steps)
         self._active = gen
         return gen
 
-    def run(self, prompt: str | Sequence[int], mode: str = "diffusion", block_size: int | None = None,
-            threshold: float | None = None, draft_steps: int = 0, max_tokens: int = 64, temperature: float = 0.0,
-            top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] | None = None,
-            banned_ids: Sequence[int] | None = None, on_step: Callable[[list[int]], Any] | None = None,
-            on_tokens: Callable[[list[int]], Any] | None = None, coreset_top_p: float | None = None) -> Result:
+    def run(self, prompt: str | Sequence[int], params: GenParams | None = None, *,
+            on_step: Callable[[list[int]], Any] | None = None, on_tokens: Callable[[list[int]], Any] | None = None,
+            **fields: Any) -> Result:
         """Synchronous ``generate``: runs in the calling thread and returns all tokens and the stats.
         ``on_tokens(block)`` / ``on_step(canvas)`` returning False cancels."""
         self.close_active()
@@ -675,9 +644,7 @@ class Model(native.NativeHandle):
             tokens.extend(block)
             return True if on_tokens is None else on_tokens(block) is not False
 
-        call = _Call(self, self._prompt_ids(prompt), mode, block_size, threshold, draft_steps, max_tokens,
-                     temperature, top_k, top_p, seed, stop_ids, banned_ids, push, on_step,
-                     coreset_top_p=coreset_top_p)
+        call = _Call(self, self._prompt_ids(prompt), merge(params, fields), push, on_step)
         with self._lock:
             rc, wall = call.run()
         call.raise_for(rc)
@@ -731,7 +698,7 @@ class Model(native.NativeHandle):
         ``restore_history`` puts it back, in this engine or another one on the same GGUF."""
         self._single_slot("saving a session")
         self.close_active()
-        L = native.llama()
+        L = loader.llama()
         ctx = self.llama_context
         n = self.n_past
         mem = L.llama_get_memory(ctx)
@@ -754,7 +721,7 @@ class Model(native.NativeHandle):
         if len(tokens) + 1 > self.n_ctx:  # checked first: the history is still intact
             raise EngineError(f"a history of {len(tokens)} tokens does not fit the context size {self.n_ctx}")
         self.close_active()
-        L, C = native.llama(), libclover.lib()
+        L, C = loader.llama(), libclover.lib()
         h = self._handle()
         C.clover_engine_reset(h)
         if not tokens:

@@ -243,9 +243,9 @@ def model_identity(model: Any) -> dict[str, Any]:
     """What ties a session to the GGUF it was saved with: the fingerprint decides, the rest names it."""
     import ctypes
 
-    from . import native
+    from . import loader
 
-    L = native.llama()
+    L = loader.llama()
     buf = ctypes.create_string_buffer(256)
     L.llama_model_desc(model.llama_model, buf, len(buf))
     return {"file": Path(model.path).name, "size": os.path.getsize(model.path),

@@ -54,13 +54,6 @@ def file_type(name: str) -> FileType:
     return _BY_NAME[key]
 
 
-def file_type_of(ftype: int) -> FileType | None:
-    for t in FILE_TYPES:
-        if t.ftype == ftype:
-            return t
-    return None
-
-
 # ggml tensor types a user may name in --tensor-type, --output-tensor-type and --token-embedding-type
 TENSOR_TYPES: tuple[str, ...] = (
     "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_K", "Q4_0", "Q4_1", "Q3_K", "Q2_K",

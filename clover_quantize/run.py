@@ -20,7 +20,7 @@ from typing import Any
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
-from clover_cpp import native
+from clover_cpp import loader
 from clover_common import safe_output
 
 from clover_common.errors import CloverError
@@ -143,7 +143,7 @@ class _Params:
     """llama_model_quantize_params plus the C arrays it points to (kept alive as long as this object)."""
 
     def __init__(self, opts: QuantizeOptions, imatrix: Imatrix | None, dry_run: bool) -> None:
-        L = native.llama()
+        L = loader.llama()
         p = L.llama_model_quantize_default_params()
         p.nthread = int(opts.threads)
         p.ftype = opts.file_type.ftype
@@ -213,7 +213,7 @@ def _output_kv(L: Any, imatrix: Imatrix | None) -> Any:
 
 
 def _call_quantize(src: Path, dst: Path, params: _Params, on_line: Callable[[str], None]) -> None:
-    L = native.llama()
+    L = loader.llama()
     errors: list[str] = []
 
     def on_log(level: int, line: str) -> None:
@@ -221,7 +221,7 @@ def _call_quantize(src: Path, dst: Path, params: _Params, on_line: Callable[[str
             errors.append(line.strip())
         on_line(line)
 
-    with native.log_listener(on_log):
+    with loader.log_listener(on_log):
         rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params.params))
     if rc != 0:
         reasons = [e for e in errors if e] or ["unknown error (see llama.cpp's log)"]

@@ -30,9 +30,9 @@ venv/bin/clover-cpp generate -m demo-q4-onepass.gguf -p "$PROMPT" --mode auto -n
 venv/bin/python - "$PROMPT" <<'PY'
 import json, pathlib, sys
 import llama_cpp
-import clover_cpp.native as native
+import clover_cpp.loader as loader
 lib = pathlib.Path(llama_cpp.llama_cpp._base_path).resolve()
-assert native.lib_dir().resolve() == lib, (native.lib_dir(), lib)
+assert loader.lib_dir().resolve() == lib, (loader.lib_dir(), lib)
 print("libraries:", lib)
 print("cpu variants:", len(list(lib.glob("libggml-cpu-*.so"))))
 llm = llama_cpp.Llama(model_path="demo-f16.gguf", n_ctx=256, verbose=False)

@@ -52,12 +52,12 @@ _NOTES: list[str] = []
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The CPU and the native build first (even under -q), so every failure report carries them."""
-    from clover_cpp import cpu, native
+    from clover_cpp import cpu, loader
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None or hasattr(session.config, "workerinput"):  # xdist workers have no terminal
         return
-    info = cpu.read_build_info(native.lib_dir().parent)
+    info = cpu.read_build_info(loader.lib_dir().parent)
     build = "not built (make native)"
     if info:
         build = (f"{info.get('gpu', '?')} build {info.get('key', '?')}, compiled for CPU features: "

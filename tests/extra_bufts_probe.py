@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native_support import REPO_ROOT, causal_and_block_logits  # noqa: E402
 from routing_support import NativeRouterMargins  # noqa: E402
 
-from clover_cpp import Model, native  # noqa: E402
+from clover_cpp import Model, loader, bindings# noqa: E402
 
 WINDOW = 8
 N_TOKENS = 96
@@ -37,7 +37,7 @@ _BUFFER = re.compile(r"(\S+) model buffer size")
 def documents(path: Path) -> list[tuple[list[int], list[tuple[int, list[int]]]]]:
     """One document of held-out code: causal rows for all of it, block windows at three boundaries (fully
     masked, half masked, one masked target)."""
-    model = native.LlamaModel(path)
+    model = bindings.LlamaModel(path)
     tokens = model.tokenize((REPO_ROOT / "clover_ref" / "decode.py").read_text()[:3000])[:N_TOKENS]
     model.close()
     windows = [(16, list(range(WINDOW))), (48, [1, 3, 5, 7]), (80, [WINDOW - 1])]
@@ -47,8 +47,8 @@ def documents(path: Path) -> list[tuple[list[int], list[tuple[int, list[int]]]]]
 def buffer_types(path: Path, use_extra_bufts: bool) -> list[str]:
     """The weight buffer types llama.cpp reports at load (CPU_Mapped, CPU_REPACK, AMX, ...)."""
     seen: list[str] = []
-    with native.log_listener(lambda _level, line: seen.extend(m.group(1) for m in _BUFFER.finditer(line))):
-        native.LlamaModel(path, use_extra_bufts=use_extra_bufts).close()
+    with loader.log_listener(lambda _level, line: seen.extend(m.group(1) for m in _BUFFER.finditer(line))):
+        bindings.LlamaModel(path, use_extra_bufts=use_extra_bufts).close()
     return sorted(set(seen))
 
 
@@ -74,8 +74,8 @@ class Replay:
     buffer types), and how far the other setting moves that decision's logits."""
 
     def __init__(self, path: Path, use_extra_bufts: bool = False) -> None:
-        self.model = native.LlamaModel(path, use_extra_bufts=use_extra_bufts)
-        self.ctx = native.Context(self.model, n_ctx=512, n_ubatch=64)
+        self.model = bindings.LlamaModel(path, use_extra_bufts=use_extra_bufts)
+        self.ctx = bindings.Context(self.model, n_ctx=512, n_ubatch=64)
         self.mask = self.model.mask_token()
         self.other: Replay | None = None  # the extra-buffers model, for logit_diff
         self.logit_diff = 0.0  # of the last decision replayed
@@ -159,7 +159,7 @@ def first_difference(prompt: list[int], extra: dict, plain: dict, mode: str, rep
 def routing_margins(path: Path, docs: list) -> tuple[np.ndarray, np.ndarray]:
     """The plain model's routing margin of each causal and block row (tests/routing_support.py), from a
     run of its own: reading the router splits the graph."""
-    model = native.LlamaModel(path)
+    model = bindings.LlamaModel(path)
     top_k = int(model.meta(f"{model.meta('general.architecture')}.expert_used_count"))
     model.close()
     router = NativeRouterMargins(top_k)

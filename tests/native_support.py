@@ -27,9 +27,9 @@ def require_native() -> None:
     CLOVER_SKIP_NATIVE=1 (`make test-fast`) skips every native test, built or not."""
     if os.environ.get("CLOVER_SKIP_NATIVE") == "1" and os.environ.get("CLOVER_REQUIRE_NATIVE") != "1":
         pytest.skip("CLOVER_SKIP_NATIVE=1: the pure-Python tests only (make test-fast)")
-    from clover_cpp import native
+    from clover_cpp import loader
 
-    ok, reason = native.native_available()
+    ok, reason = loader.native_available()
     if not ok:
         skip_or_fail(f"native runtime unavailable: {reason}")
 
@@ -53,9 +53,9 @@ def skip_or_fail(reason: str) -> None:
 
 def native_tool(name: str) -> Path:
     """A tool of the native build (build/native/bin: llama-server, rpc-server, ...); skip_or_fail when missing."""
-    from clover_cpp import native
+    from clover_cpp import loader
 
-    path = native.lib_dir().parent / "bin" / name
+    path = loader.lib_dir().parent / "bin" / name
     if not path.exists():
         skip_or_fail(f"{path} is missing (scripts/build_native.sh builds it)")
     return path
@@ -105,9 +105,9 @@ def clover_convert(model_dir: Path, out: Path, outtype: str = "f32", *options: s
 
 
 def quantize(src: Path, dst: Path, qtype: str = "Q8_0") -> Path:
-    from clover_cpp import native
+    from clover_cpp import loader
 
-    tool = native.lib_dir().parent / "bin" / "llama-quantize"
+    tool = loader.lib_dir().parent / "bin" / "llama-quantize"
     assert tool.exists(), f"{tool} missing (make native)"
     done = subprocess.run([str(tool), str(src), str(dst), qtype], capture_output=True, text=True)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
@@ -188,10 +188,10 @@ def load_in_subprocess(path: Path) -> subprocess.CompletedProcess[str]:
     """Try to load a GGUF in a fresh interpreter (a crash there cannot take the test session down)."""
     code = (
         "import sys\n"
-        "from clover_cpp import native\n"
+        "from clover_cpp import loader, bindings\n"
         "try:\n"
-        "    native.LlamaModel(sys.argv[1])\n"
-        "except native.NativeError as exc:\n"
+        "    bindings.LlamaModel(sys.argv[1])\n"
+        "except loader.NativeError as exc:\n"
         "    print('LOAD-ERROR:', exc)\n"
         "    sys.exit(3)\n"
         "print('LOADED')\n"
@@ -213,10 +213,10 @@ def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], w
     ``use_extra_bufts=False`` loads the weights without AMX or repacked layouts. ``router``: a
     routing_support.NativeRouterMargins that collects the native routing margins of the same rows. ``bd_path``: a
     block-diffusion sidecar for a trunk-only ``path``."""
-    from clover_cpp import native
+    from clover_cpp import bindings
 
-    model = native.LlamaModel(path, use_extra_bufts=use_extra_bufts, bd_path=bd_path)
-    ctx = native.create_context(model, n_ctx=1024, n_ubatch=64, n_batch=512,
+    model = bindings.LlamaModel(path, use_extra_bufts=use_extra_bufts, bd_path=bd_path)
+    ctx = bindings.Context(model, n_ctx=1024, n_ubatch=64, n_batch=512,
                                 eval_callback=router.eval_callback if router else None)
     mask = model.mask_token()
     causal, block = [], []

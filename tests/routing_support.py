@@ -168,7 +168,7 @@ def assert_parity_routed(name: str, got: np.ndarray, ref: np.ndarray, rel: float
 class NativeRouterMargins:
     """The native graph's own routing margins, read through the scheduler's eval callback: llama.cpp names
     each MoE layer's router probabilities ``ffn_moe_probs-IL`` ([n_expert, n_tokens], F32 on the CPU).
-    Give ``eval_callback`` to native.Context, call ``end_pass`` after each pass, and ``margins[kind]`` holds,
+    Give ``eval_callback`` to bindings.Context, call ``end_pass`` after each pass, and ``margins[kind]`` holds,
     for every output row of that kind of pass, the smallest p_k - p_{k+1} over the MoE layers that saw it.
 
     Reading a tensor splits the graph there, so use a context of its own for this, not the one whose
@@ -179,9 +179,9 @@ class NativeRouterMargins:
     def __init__(self, top_k: int) -> None:
         import ctypes
 
-        from clover_cpp import native
+        from clover_cpp import loader
 
-        ggml = ctypes.CDLL(str(native.lib_dir() / "libggml-base.so"))
+        ggml = ctypes.CDLL(str(loader.lib_dir() / "libggml-base.so"))
         ggml.ggml_get_name.restype = ctypes.c_char_p
         ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
         for fn in (ggml.ggml_nrows, ggml.ggml_nelements):
@@ -210,7 +210,7 @@ class NativeRouterMargins:
                 self._error = exc
             return True
 
-        self._callback = native.llama().ggml_backend_sched_eval_callback(on_tensor)  # kept alive here
+        self._callback = loader.llama().ggml_backend_sched_eval_callback(on_tensor)  # kept alive here
         self.eval_callback = (self._callback, None)
 
     def end_pass(self, kind: str, n_rows: int, out_rows: list[int] | None = None) -> None:

@@ -24,7 +24,7 @@ from native_support import REPO_ROOT, VENV_PYTHON, require_native
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import check_tilecfg  # noqa: E402
 
-from clover_cpp import cpu, native  # noqa: E402
+from clover_cpp import cpu, loader# noqa: E402
 
 MMQ = Path("ggml/src/ggml-cpu/amx/mmq.cpp")
 # What -DGGML_NATIVE=ON gives on a Sapphire Rapids machine, and the `sapphirerapids` variant of
@@ -39,8 +39,8 @@ FLAG_SETS = {
 
 def _build_info() -> dict[str, str]:
     require_native()
-    info = cpu.read_build_info(native.lib_dir().parent)
-    assert info, f"{native.lib_dir().parent}/BUILD_INFO missing (make native writes it)"
+    info = cpu.read_build_info(loader.lib_dir().parent)
+    assert info, f"{loader.lib_dir().parent}/BUILD_INFO missing (make native writes it)"
     return info
 
 
@@ -110,7 +110,7 @@ def test_tilecfg_fix_in_compiled_amx_kernels(tmp_path: Path, record_property) ->
 def test_tilecfg_in_the_built_library(record_property) -> None:
     """On a CPU with AMX, the -march=native build holds the AMX kernels: check the shipped library itself."""
     _build_info()
-    lib = native.lib_dir() / "libggml-cpu.so"
+    lib = loader.lib_dir() / "libggml-cpu.so"
     assert lib.exists(), f"{lib} missing"
     _, patched = _trees()
     n, failures = check_tilecfg.check(lib.resolve(), check_tilecfg.expected_config(patched / MMQ))
@@ -184,7 +184,7 @@ def test_build_for_another_cpu_is_refused(tmp_path: Path) -> None:
     info = _build_info()
     lib = tmp_path / "native" / "lib"
     lib.mkdir(parents=True)
-    for so in native.lib_dir().iterdir():
+    for so in loader.lib_dir().iterdir():
         (lib / so.name).symlink_to(so.resolve())
     info["cpu_features"] = info.get("cpu_features", "") + " clover_test_feature"
     (tmp_path / "native" / "BUILD_INFO").write_text("".join(f"{k}={v}\n" for k, v in info.items()))

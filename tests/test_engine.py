@@ -392,7 +392,7 @@ def test_spec_drafts_after_rollback(tiny: Engine) -> None:
     exposed with threshold 0 and draft_steps 1: one LowConfidence step that fills every target with argmax P,
     the same block pass and choice as a plain draft (draft_steps 0). The round structure (tokens kept per
     round) follows from the drafts and the output, which equals greedy ar: m = min(c + 1, B, R)."""
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     rng = np.random.default_rng(11)
     compared, ties = 0, []
@@ -407,11 +407,11 @@ def test_spec_drafts_after_rollback(tiny: Engine) -> None:
         assert stats.accepted_lengths == plain_stats.accepted_lengths  # same drafts as draft_steps = 0
         assert len(drafts) == stats.causal_passes, (len(drafts), stats)
         kept = 0
-        ctx_model = native.LlamaModel(tiny.gguf)
+        ctx_model = bindings.LlamaModel(tiny.gguf)
         for d in drafts:
             assert tiny.mask not in d and len(d) == min(b, 1024)
             history = prompt + tokens[:kept]
-            ctx = native.Context(ctx_model, n_ctx=1024, n_ubatch=64)
+            ctx = bindings.Context(ctx_model, n_ctx=1024, n_ubatch=64)
             if len(history) > 1:
                 ctx.causal(history[:-1], rows=[len(history) - 2])
             logits = ctx.block([history[-1]] + [tiny.mask] * (b - 1))

@@ -30,9 +30,9 @@ def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _llama_clover() -> Path:
-    from clover_cpp import native
+    from clover_cpp import loader
 
-    tool = native.lib_dir().parent / "bin" / "llama-clover"
+    tool = loader.lib_dir().parent / "bin" / "llama-clover"
     assert tool.exists(), f"{tool} missing (make native)"
     return tool
 

@@ -61,12 +61,12 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     require_engine()
-    from clover_cpp import native
+    from clover_cpp import bindings
     d = tmp_path_factory.mktemp("imatrix")
     gguf = clover_convert(tiny_checkpoint, d / "tiny-f32.gguf", "f32")
     calib = d / "calib.txt"
     calib.write_text(_calibration_text())
-    model = native.LlamaModel(gguf)
+    model = bindings.LlamaModel(gguf)
     tokens = model.tokenize(calib.read_text(), add_special=False, parse_special=False)
     mask = model.mask_token()
     model.close()
@@ -134,9 +134,9 @@ def test_file_layout_and_counts(tiny: SimpleNamespace) -> None:
 
 
 def test_llama_quantize_uses_it(tiny: SimpleNamespace) -> None:
-    from clover_cpp import native
+    from clover_cpp import loader
 
-    tool = native.lib_dir().parent / "bin" / "llama-quantize"
+    tool = loader.lib_dir().parent / "bin" / "llama-quantize"
     assert tool.exists(), f"{tool} missing (make native)"
     outs = {}
     for tag, extra in (("imx", ["--imatrix", str(tiny.masked)]), ("plain", [])):
@@ -235,15 +235,15 @@ def test_seed_is_deterministic(tiny: SimpleNamespace) -> None:
 
 
 def test_collector_never_changes_logits(tiny: SimpleNamespace) -> None:
-    from clover_cpp import native
+    from clover_cpp import bindings
     from clover_cpp.imatrix import Collector, masked_window
 
-    model = native.LlamaModel(tiny.gguf)
+    model = bindings.LlamaModel(tiny.gguf)
     collector = Collector()
     window, rows = masked_window(tiny.tokens[40:48], tiny.mask, np.random.default_rng(0))
     results = []
     for cb in (None, collector.eval_callback):
-        ctx = native.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, eval_callback=cb)
+        ctx = bindings.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1, eval_callback=cb)
         causal = ctx.causal(tiny.tokens[:40])
         block = ctx.block(window, list(range(8)))
         results.append((causal, block))

@@ -134,9 +134,9 @@ def test_pth_sets_the_path_only_when_unset(tmp_path: Path) -> None:
 def test_plain_import_through_the_pth(tmp_path: Path, tiny_gguf: Path, clover_tokens: dict) -> None:
     """The .pth the script writes makes `import llama_cpp` load our libllama, and Llama's greedy completion
     equals clover-cpp's ar output."""
-    from clover_cpp import native
+    from clover_cpp import loader
 
-    lib = native.lib_dir().resolve()
+    lib = loader.lib_dir().resolve()
     sp = fake_venv(tmp_path / "venv")
     install(tmp_path / "venv", lib)
     bare = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, env=clean_env())
@@ -162,18 +162,18 @@ def test_venv_imports_llama_cpp(tiny_gguf: Path, clover_tokens: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ clover_cpp and the default
 def test_clover_cpp_overrides_only_the_venv_default(tmp_path: Path) -> None:
-    """clover_cpp.native may replace the .pth's default (another build: $CLOVER_NATIVE_LIB, a git worktree), but
+    """clover_cpp.loader may replace the .pth's default (another build: $CLOVER_NATIVE_LIB, a git worktree), but
     not a LLAMA_CPP_LIB_PATH that a user set."""
     require_engine()
     elsewhere = str(tmp_path)
-    code = ("import os; from clover_cpp import native; native.llama(); "
+    code = ("import os; from clover_cpp import loader; loader.llama(); "
             "print(os.environ['LLAMA_CPP_LIB_PATH'])")
     env = dict(os.environ, LLAMA_CPP_LIB_PATH=elsewhere, CLOVER_LLAMA_LIB_DEFAULT=elsewhere)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
-    from clover_cpp import native
+    from clover_cpp import loader
 
     assert done.returncode == 0, done.stderr[-2000:]
-    assert Path(done.stdout.strip()).resolve() == native.lib_dir().resolve()
+    assert Path(done.stdout.strip()).resolve() == loader.lib_dir().resolve()
     env.pop("CLOVER_LLAMA_LIB_DEFAULT")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     assert done.returncode != 0 and "points elsewhere" in done.stderr

@@ -133,7 +133,7 @@ def reference_ppl(tokens: list[int], bos: int | None, n_ctx: int, n_chunks: int)
 
 
 def test_llama_perplexity_matches_reference(demo_gguf: Path, tmp_path: Path) -> None:
-    from clover_cpp import native
+    from clover_cpp import loader, bindings
 
     text_file = tmp_path / "held-out.py"
     text_file.write_text(held_out_text(PPL_CHUNKS * PPL_CTX * 6), encoding="utf-8")
@@ -156,10 +156,10 @@ def test_llama_perplexity_matches_reference(demo_gguf: Path, tmp_path: Path) -> 
         out[-3000:]
 
     # the tokens llama-perplexity scored: common_tokenize(ctx, text, add_special=true, parse_special=false)
-    model = native.LlamaModel(demo_gguf)
+    model = bindings.LlamaModel(demo_gguf)
     try:
-        L = native.llama()
-        tokens = native.tokenize(model.vocab, text_file.read_text(encoding="utf-8"), add_special=True,
+        L = loader.llama()
+        tokens = bindings.tokenize(model.vocab, text_file.read_text(encoding="utf-8"), add_special=True,
                                  parse_special=False)
         bos = int(L.llama_vocab_bos(model.vocab)) if L.llama_vocab_get_add_bos(model.vocab) else None
     finally:

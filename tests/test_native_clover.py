@@ -1,6 +1,6 @@
 """Native tests of the `clover` architecture in the patched llama.cpp (spec 3, docs/native.md).
 
-Through llama-cpp-python's low-level API and clover_cpp.native. Parity bounds are relative to
+Through llama-cpp-python's low-level API and clover_cpp.bindings. Parity bounds are relative to
 max(1, max|reference logit|). Every measured difference is written to build/native-parity.json.
 Without the native build these tests skip with the reason; with CLOVER_REQUIRE_NATIVE=1 they fail.
 """
@@ -48,13 +48,13 @@ class Bundle:
     """One test model: reference, f32 GGUF, native model, ids, and cached reference results."""
 
     def __init__(self, name: str, checkpoint: Path, ref_model: Any, tmp: Path) -> None:
-        from clover_cpp import native
+        from clover_cpp import bindings
 
         self.name = name
         self.checkpoint = checkpoint
         self.ref = ref_model
         self.gguf = clover_convert(checkpoint, tmp / f"{name}-f32.gguf", "f32")
-        self.model = native.LlamaModel(self.gguf)
+        self.model = bindings.LlamaModel(self.gguf)
         self.mask = self.model.mask_token()
         self.block_size = int(self.model.meta("clover_moe.block_size"))
         self.ids = _ids(1234, self.model.n_vocab)
@@ -80,11 +80,11 @@ class Bundle:
         return self._block_cache[key]
 
     def context(self, **kw: Any):
-        from clover_cpp import native
+        from clover_cpp import bindings
 
         kw.setdefault("n_ctx", 512)
         kw.setdefault("n_ubatch", 64)
-        return native.Context(self.model, **kw)
+        return bindings.Context(self.model, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def _block_cases(model: str) -> list[tuple[int, int, str]]:
 @pytest.mark.parametrize("model", ["tiny", "mid"])
 def test_block_pass_parity(request: pytest.FixtureRequest, model: str) -> None:
     bundle: Bundle = request.getfixturevalue(model)
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     worst: dict[str, float] = {"max_abs_diff": 0.0, "rel": 0.0}
     for p in BLOCK_POSITIONS:
@@ -157,7 +157,7 @@ def test_block_pass_parity(request: pytest.FixtureRequest, model: str) -> None:
                                      lambda: bundle.ref.forward_block(window, bundle.hist[p].clone()))
             if m["rel"] > worst["rel"]:
                 worst = {"max_abs_diff": m["max_abs_diff"], "rel": m["rel"], "case": f"p{p}/B{b}/{canvas}"}
-        assert ctx.pos_max(native.HISTORY_SEQ) == p - 1
+        assert ctx.pos_max(bindings.HISTORY_SEQ) == p - 1
     record(f"block/{model}/worst", worst)
 
 
@@ -224,14 +224,14 @@ def test_the_coreset_changes_routing_and_one_row_windows_route_per_row(tiny: Bun
 def test_history_c_matters_only_below_history_rows(tiny: Bundle, tmp_path: Path) -> None:
     """spec 3.2 step 5: bd_history_c multiplies ln(W / history_rows): changing it changes nothing at
     W = history_rows (32) and changes the block logits at W < 32."""
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     changed = rewrite_gguf(tiny.gguf, tmp_path / "history-c.gguf",
                            tensor_edit=lambda name, data: data + 1.5 if name.endswith("bd_history_c") else data)
     p = 37
     out = {}
     for path in (tiny.gguf, changed):
-        ctx = native.Context(native.LlamaModel(path), n_ctx=512, n_ubatch=64)
+        ctx = bindings.Context(bindings.LlamaModel(path), n_ctx=512, n_ubatch=64)
         ctx.causal(tiny.ids[:p], rows=[p - 1])
         out[path] = [ctx.block(block_window(tiny.ids, p, w, "partly", tiny.mask)) for w in (32, 8)]
     np.testing.assert_array_equal(out[tiny.gguf][0], out[changed][0])
@@ -255,7 +255,7 @@ def test_near_tie_rule_still_fails_a_genuine_error(mid: Bundle, tmp_path: Path) 
     that a decisive row's logits move by about 0.1 (25x the tolerance). Every near-tied flip is tried, and
     the check still fails, naming that row as decisive."""
     import gguf
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     p, b = 1, 32
     window = block_window(mid.ids, p, b, "filled", mid.mask)
@@ -284,7 +284,7 @@ def test_near_tie_rule_still_fails_a_genuine_error(mid: Bundle, tmp_path: Path) 
     reader.data.flush()
     del reader, tensor
 
-    ctx = native.Context(native.LlamaModel(bad), n_ctx=512, n_ubatch=64)
+    ctx = bindings.Context(bindings.LlamaModel(bad), n_ctx=512, n_ubatch=64)
     ctx.causal(mid.ids[:p], rows=[p - 1])
     got = ctx.block(window)
     error = float(np.abs(got[row] - ref[row].numpy()).max())
@@ -329,7 +329,7 @@ def test_causal_equals_stock_qwen35moe(tiny: Bundle, stock_tiny: Path, tmp_path:
     graph even if the converters round that one computed tensor differently (seen once: 1 ulp). The
     converters' largest weight difference and the as-converted logit difference are recorded alongside."""
     import gguf
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     stock_reader = gguf.GGUFReader(str(stock_tiny))
     stock_tensors = {t.name: np.array(t.data, dtype=np.float32) for t in stock_reader.tensors}
@@ -344,12 +344,12 @@ def test_causal_equals_stock_qwen35moe(tiny: Bundle, stock_tiny: Path, tmp_path:
 
     same = rewrite_gguf(tiny.gguf, tmp_path / "clover-stock-ssm_a.gguf",
                         tensor_edit=lambda n, d: stock_tensors[n].reshape(d.shape) if n.endswith(".ssm_a") else d)
-    clover_same = native.LlamaModel(same)
-    stock = native.LlamaModel(stock_tiny)
+    clover_same = bindings.LlamaModel(same)
+    stock = bindings.LlamaModel(stock_tiny)
     assert stock.meta("general.architecture") == "qwen35moe"
     for n in (7, 300):
-        want = native.Context(stock, n_ctx=512, n_ubatch=64).causal(tiny.ids[:n])
-        got = native.Context(clover_same, n_ctx=512, n_ubatch=64).causal(tiny.ids[:n])
+        want = bindings.Context(stock, n_ctx=512, n_ubatch=64).causal(tiny.ids[:n])
+        got = bindings.Context(clover_same, n_ctx=512, n_ubatch=64).causal(tiny.ids[:n])
         assert_parity(f"stock/tiny/prompt{n}", got, want, STOCK_TOL)
         record(f"stock/tiny/prompt{n}/bitwise_equal", bool(np.array_equal(got, want)))
         as_converted = tiny.context().causal(tiny.ids[:n])
@@ -505,7 +505,7 @@ def test_rewrite_roundtrip_loads(tiny: Bundle, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ q8_0
 def test_q8_0_top1_agreement(bundle: Bundle, tmp_path: Path) -> None:
     import gguf
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     q8 = quantize(bundle.gguf, tmp_path / f"{bundle.name}-q8_0.gguf", "Q8_0")
     reader = gguf.GGUFReader(str(q8))
@@ -514,9 +514,9 @@ def test_q8_0_top1_agreement(bundle: Bundle, tmp_path: Path) -> None:
     assert clover and all(types[n] == gguf.GGMLQuantizationType.F32 for n in clover)
     assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.Q8_0
 
-    qm = native.LlamaModel(q8)
+    qm = bindings.LlamaModel(q8)
     ids = bundle.ids
-    f_ctx, q_ctx = bundle.context(), native.Context(qm, n_ctx=512, n_ubatch=64)
+    f_ctx, q_ctx = bundle.context(), bindings.Context(qm, n_ctx=512, n_ubatch=64)
     pairs = [(f_ctx.causal(ids[:300]), q_ctx.causal(ids[:300]))]
     for canvas in CANVASES:
         w = block_window(ids, 300, bundle.block_size, canvas, bundle.mask)

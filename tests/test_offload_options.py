@@ -53,9 +53,9 @@ def _c_string(header: str, name: str) -> str:
 def test_n_cpu_moe_patterns_are_llamas(tiny_gguf: Path) -> None:
     """The patterns libclover hands to llama.cpp for --n-cpu-moe / --cpu-moe are llama.cpp's own
     (LLM_FFN_EXPS_REGEX and llm_ffn_block_regex in the pinned tree's common/common.h)."""
-    from clover_cpp import cpu, native
+    from clover_cpp import cpu, loader
 
-    info = cpu.read_build_info(native.lib_dir().parent)
+    info = cpu.read_build_info(loader.lib_dir().parent)
     header = (Path(info["build_dir"]).parent / "src" / "common" / "common.h").read_text()
     assert _c_string(header, "LLM_FFN_EXPS_REGEX") == LLM_FFN_EXPS_REGEX
     assert re.search(r'string_format\("blk\\\\.%d%s", idx, ffn_regex\)', header), "llm_ffn_block_regex changed"
@@ -106,11 +106,11 @@ def test_cli_flags_reach_model_params(command: str, tiny_gguf: Path) -> None:
 
 # ------------------------------------------------------------------------------- real loads on the CPU
 def _load_log(gguf: Path, offload: Offload | None) -> tuple[list[int], list[str]]:
-    from clover_cpp import native
+    from clover_cpp import loader
     from clover_cpp.model import Model
 
     lines: list[str] = []
-    with native.log_listener(lambda _level, line: lines.append(line)):
+    with loader.log_listener(lambda _level, line: lines.append(line)):
         with Model(gguf, n_threads=2, offload=offload) as m:
             ids = m.tokenize("def fibonacci(n):")
             tokens = m.generate(ids, mode="ar", max_tokens=24).wait()
@@ -165,7 +165,7 @@ def test_bad_options_are_refused_at_load(tiny_gguf: Path, offload: Offload, need
 
 def test_unknown_split_mode_is_refused(tiny_gguf: Path) -> None:
     from clover_cpp.model import engine_params
-    from clover_cpp.native import NativeError
+    from clover_cpp.loader import NativeError
 
     with pytest.raises(ValueError, match="split-mode"):
         engine_params(offload=Offload(split_mode="tensor"))

@@ -224,9 +224,9 @@ WINDOW = 16
 
 
 def _quality(f16: Path, tag: str, types: list[str], imatrix: Path | None) -> dict[str, dict[str, float]]:
-    from clover_cpp import native
+    from clover_cpp import bindings
 
-    model = native.load_model(f16)
+    model = bindings.LlamaModel(f16)
     text = (REPO_ROOT / "clover_ref" / "decode.py").read_text()[:4000]
     tokens = model.tokenize(text)[:128]
     model.close()

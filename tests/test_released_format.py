@@ -89,12 +89,12 @@ def llama_cpp_file(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
 def test_llama_cpp_clover_file_gives_stock_qwen35moe_logits(llama_cpp_file: tuple[Path, Path]) -> None:
     """spec 6: causal mode on llama.cpp's Clover file == stock qwen35moe on the same trunk."""
     require_native()
-    from clover_cpp import native
+    from clover_cpp import bindings
 
     stock, trunk = llama_cpp_file
     logits = []
     for path in (stock, trunk):
-        ctx = native.Context(native.LlamaModel(path), n_ctx=256, n_ubatch=64)
+        ctx = bindings.Context(bindings.LlamaModel(path), n_ctx=256, n_ubatch=64)
         logits.append(ctx.causal(PROMPT))
     np.testing.assert_array_equal(logits[0], logits[1])
 
@@ -103,7 +103,7 @@ def test_llama_cpp_clover_file_runs_ar_and_auto(llama_cpp_file: tuple[Path, Path
     """A trunk-only file runs ar and auto (n-gram drafts only), with our single file's ar output; diffusion and
     spec say in one line what is missing and how to add it."""
     require_engine()
-    from clover_cpp.native import NativeError
+    from clover_cpp.loader import NativeError
 
     _, trunk = llama_cpp_file
     ar = _run(trunk, "ar")

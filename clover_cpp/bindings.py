@@ -1,8 +1,7 @@
-"""Thin helpers over llama-cpp-python's low-level API for the patched llama.cpp (architecture `clover`).
-
-The native libraries are found in ``build/native/lib`` (``make native``) or in ``$CLOVER_NATIVE_LIB``.
-``LLAMA_CPP_LIB_PATH`` is set to that folder before ``llama_cpp`` is imported, so the bindings resolve
-against our build, never a bundled one.
+"""The raw llama.cpp API for the patched build: a loaded model (``LlamaModel``) and a context with the
+engine's sequence layout (``Context``: causal passes on the history, block passes on a scratch copy). Tests, the
+importance-matrix collector and the benches drive passes one by one through it; ``clover_cpp.model`` drives the
+engine instead.
 
 Block passes use libclover's ``clover_block_decode`` (the protocol lives once, in C): ``seq_cp(0 -> 1)``,
 ``causal_attn = false``, decode the window on seq 1 with logits only for the requested rows, ``seq_rm(1)``,
@@ -13,45 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from clover_common.errors import BadInput, CloverError
+from . import libclover
+from .loader import NativeError, NativeHandle, env_int, error_reasons, llama, logged_errors, recent_log
 
-from . import cpu
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_LIB_DIR = ROOT / "build" / "native" / "lib"
 HISTORY_SEQ = 0
 SCRATCH_SEQ = 1
-
-_llama: ModuleType | None = None
-_log_lines: list[str] = []
-_log_cb: Any = None
-_log_listeners: list[Callable[[int, str], None]] = []
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer setting from the environment ($CLOVER_THREADS, $CLOVER_N_GPU_LAYERS); BadInput naming the variable
-    when it is not an integer."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise BadInput(f"${name} must be an integer, got {text!r}") from None
-
-
-class NativeError(CloverError, RuntimeError):
-    """The native runtime is missing or a native call failed."""
 
 
 def tokenize(vocab: Any, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
@@ -70,183 +40,6 @@ def tokenize(vocab: Any, text: str, add_special: bool = False, parse_special: bo
     return [int(t) for t in toks[:n]]
 
 
-def installed_lib_dir() -> Path | None:
-    """``llama_cpp/lib`` of an installed wheel of this project (setup.py puts libclover there), else None. Found
-    without importing llama_cpp, which would bind its library path."""
-    import importlib.util  # noqa: PLC0415
-
-    try:
-        spec = importlib.util.find_spec("llama_cpp")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin:
-        return None
-    d = Path(spec.origin).parent / "lib"
-    return d if any((d / f"libclover{ext}").exists() for ext in (".so", ".dylib")) else None
-
-
-def lib_dir() -> Path:
-    """Folder holding libllama.so: ``$CLOVER_NATIVE_LIB``, else a checkout's build/native/lib (``make native``),
-    else the libraries an installed wheel carries (``pip install .``: llama_cpp/lib)."""
-    env = os.environ.get("CLOVER_NATIVE_LIB")
-    if env:
-        return Path(env)
-    if DEFAULT_LIB_DIR.exists():
-        return DEFAULT_LIB_DIR
-    return installed_lib_dir() or DEFAULT_LIB_DIR
-
-
-def _load_backend_modules(llama_cpp: ModuleType, d: Path) -> None:
-    """A portable build (GGML_BACKEND_DL, what wheels carry) has ggml's CPU backend as run-time modules
-    (libggml-cpu-<level>.so) in ``d``; ggml looks for them only beside the executable (python) and in the working
-    directory, so load them from ``d``, the best variant for this CPU first. A build that links its backends has
-    them registered already, and this does nothing."""
-    lib = llama_cpp.llama_cpp._lib  # dlsym through libllama reaches libggml's symbols too
-    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
-    if lib.ggml_backend_reg_count() == 0:
-        lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-        lib.ggml_backend_load_all_from_path(str(d).encode())
-
-
-def native_available() -> tuple[bool, str]:
-    """(True, "") when the native library and the Python bindings can be used, else (False, reason)."""
-    d = lib_dir()
-    if not (d / "libllama.so").exists() and not (d / "libllama.dylib").exists():
-        return False, f"native library not found in {d} (run `make native`)"
-    try:
-        llama()
-    except Exception as exc:  # noqa: BLE001 - reported to the caller as a reason
-        return False, f"cannot load the native library from {d}: {exc}"
-    return True, ""
-
-
-def _preload_libstdcxx() -> None:
-    """Put the system libstdc++ in the global symbol scope before libllama is loaded.
-
-    python3 does not link libstdc++, so libllama's C++ template instantiations (std::ostream inserters,
-    ...) are resolved through its own dependency list, where a CUDA build's libggml-cuda.so (compiled by
-    nvcc's host toolchain) comes first and exports its copies. Binding to those crashed in
-    llama_model::print_info on an H200 (CUDA 13). A C++ program links libstdc++ first and never sees this.
-    """
-    if sys.platform != "linux":
-        return
-    try:
-        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        pass
-
-
-def llama() -> ModuleType:
-    """The ``llama_cpp`` module bound to our libraries (imported once, backend initialised)."""
-    global _llama, _log_cb
-    if _llama is not None:
-        return _llama
-    # ggml's abort hook attaches gdb to the process for a backtrace; under a supervisor (tests, serve) that hung
-    # for minutes and left orphans. A native abort then only prints its one GGML_ASSERT line. ggml reads this
-    # when the library loads (its terminate handler) and when it aborts, so set it before the import.
-    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
-    d = lib_dir()
-    if not (d / "libllama.so").exists() and not (d / "libllama.dylib").exists():
-        raise NativeError(f"native library not found in {d}: run `make native` or set CLOVER_NATIVE_LIB")
-    prev = os.environ.get("LLAMA_CPP_LIB_PATH")
-    # The venv's .pth (scripts/install_lib_path.py) sets LLAMA_CPP_LIB_PATH as a default and marks it with
-    # CLOVER_LLAMA_LIB_DEFAULT: that default yields to lib_dir() as long as llama_cpp has not been imported.
-    venv_default = prev is not None and prev == os.environ.get("CLOVER_LLAMA_LIB_DEFAULT")
-    if prev is not None and Path(prev).resolve() != d.resolve() and (not venv_default or "llama_cpp" in sys.modules):
-        raise NativeError(f"LLAMA_CPP_LIB_PATH={prev} points elsewhere than {d}"
-                          + (" (llama_cpp was imported before clover_cpp)" if venv_default else ""))
-    try:
-        cpu.check_build(d.parent)
-    except RuntimeError as exc:
-        raise NativeError(str(exc)) from None
-    os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
-    _preload_libstdcxx()
-    try:
-        import llama_cpp  # noqa: PLC0415 - must follow LLAMA_CPP_LIB_PATH
-    except ImportError as exc:
-        raise NativeError(f"llama-cpp-python is not installed (make native): {exc}") from exc
-
-    @llama_cpp.llama_log_callback
-    def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        msg = text.decode("utf-8", "replace")
-        _log_lines.append(msg)
-        del _log_lines[:-200]
-        for listener in list(_log_listeners):
-            listener(level, msg)
-        if level == 4 and os.environ.get("CLOVER_NATIVE_QUIET") != "1":  # GGML_LOG_LEVEL_ERROR
-            print(msg, end="", flush=True, file=__import__("sys").stderr)
-
-    _log_cb = _cb
-    llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
-    _load_backend_modules(llama_cpp, d)
-    llama_cpp.llama_backend_init()
-    _llama = llama_cpp
-    return llama_cpp
-
-
-class _LineJoiner:
-    """llama.cpp logs fragments (a line may come in several calls, GGML_LOG_LEVEL_CONT continuing the
-    previous one); this hands whole lines, each with the level of the message it belongs to."""
-
-    def __init__(self, on_line: Callable[[int, str], None]) -> None:
-        self.on_line = on_line
-        self.buf = ""
-        self.level = 0
-
-    def __call__(self, level: int, text: str) -> None:
-        if level != 5:  # GGML_LOG_LEVEL_CONT
-            self.level = level
-        self.buf += text
-        while "\n" in self.buf:
-            line, self.buf = self.buf.split("\n", 1)
-            self.on_line(self.level, line)
-
-    def flush(self) -> None:
-        if self.buf:
-            self.on_line(self.level, self.buf)
-            self.buf = ""
-
-
-@contextmanager
-def log_listener(on_line: Callable[[int, str], None]) -> Iterator[None]:
-    """Call ``on_line(level, line)`` with every whole line llama.cpp logs inside the ``with`` block
-    (GGML_LOG_LEVEL_*: 2 info, 3 warn, 4 error); an unterminated last line is delivered at the end."""
-    llama()
-    joiner = _LineJoiner(on_line)
-    _log_listeners.append(joiner)
-    try:
-        yield
-    finally:
-        _log_listeners.remove(joiner)
-        joiner.flush()
-
-
-# "llama_model_load: error loading model: error loading model hyperparameters: X" -> "X"
-_LOG_PREFIX = re.compile(r"^(?:\w+: |error loading model(?: [a-z ]+)?: )+")
-_GENERIC = ("failed to load model", "error loading model", "failed to read", "failed to initialize")
-
-
-def error_reasons(lines: Sequence[str]) -> str:
-    """llama.cpp's logged error lines, each without its function prefixes, deduplicated, joined with "; ":
-    the reason a load failed (gguf's and the model loader's messages are only logged)."""
-    out: list[str] = []
-    for line in lines:
-        text = line.strip()
-        reason = _LOG_PREFIX.sub("", text).strip() or text
-        if reason.rstrip(":").lower() in _GENERIC and len(lines) > 1:
-            continue
-        out.append(reason)
-    return "; ".join(dict.fromkeys(r for r in out if r))
-
-
-@contextmanager
-def logged_errors() -> Iterator[list[str]]:
-    """The ERROR-level lines llama.cpp logs inside the ``with`` block, in a list filled as they come."""
-    lines: list[str] = []
-    with log_listener(lambda level, line: lines.append(line) if level == 4 else None):
-        yield lines
-
-
 def check_model(path: str | os.PathLike[str]) -> None:
     """Load ``path`` as llama.cpp would, without reading or allocating the weights (``no_alloc``): every check of
     the loader and of the model's architecture runs. Raises NativeError with llama.cpp's reason."""
@@ -260,31 +53,6 @@ def check_model(path: str | os.PathLike[str]) -> None:
     if not ptr:
         raise NativeError(f"{path}: llama.cpp cannot load it: {error_reasons(errors) or 'unknown error'}")
     L.llama_model_free(ptr)
-
-
-def recent_log() -> str:
-    """The last lines llama.cpp logged (load errors are only reported there)."""
-    return "".join(_log_lines)
-
-
-class NativeHandle:
-    """Owns one native pointer, ``ptr``: ``close()`` frees it once, and so does garbage collection."""
-
-    ptr: Any = None
-
-    def _free(self, ptr: Any) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        if self.ptr:
-            self._free(self.ptr)
-            self.ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 class LlamaModel(NativeHandle):
@@ -433,8 +201,6 @@ class Context(NativeHandle):
         b = len(window)
         if b > self.n_ubatch:
             raise ValueError(f"block window of {b} does not fit n_ubatch={self.n_ubatch}")
-        from . import libclover  # noqa: PLC0415 - libclover imports this module
-
         rows = list(range(b)) if rows is None else list(rows)
         pos0 = self.pos_max(HISTORY_SEQ) + 1
         return self._decode(window, pos0, SCRATCH_SEQ, rows, decode=libclover.lib().clover_block_decode)
@@ -454,14 +220,4 @@ class Context(NativeHandle):
 
 def default_threads() -> int:
     """The engine's default thread count: the physical cores this process may use (libclover)."""
-    from . import libclover  # noqa: PLC0415 - libclover imports this module
-
     return int(libclover.lib().clover_default_n_threads())
-
-
-def load_model(path: str | os.PathLike[str]) -> LlamaModel:
-    return LlamaModel(path)
-
-
-def create_context(model: LlamaModel, **kwargs: Any) -> Context:
-    return Context(model, **kwargs)

@@ -1,0 +1,104 @@
+"""``GenParams``: what one generation asks of the engine, the one Python shape of libclover's
+``clover_gen_params``. ``Model.generate`` / ``Model.run`` take it (or its fields as keywords); ``clover-cpp``
+builds it from its options (clover_cpp/options.py), chat keeps one for its turns, and the server fills one per
+request from the request and its defaults.
+
+Its checks are the Python API's and the command line's one place for these values: a bad value is a
+``GenParamError`` naming the field, which the CLI turns into its option's name. Request fields are checked
+by their pydantic models (clover_cpp/serve/schema.py); limits of a loaded engine (its largest block size, its
+vocabulary, its context) are checked by libclover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clover_common.errors import BadInput
+
+MODES = ("auto", "ar", "diffusion", "spec")
+DEFAULT_MODE = "auto"  # lossless, and faster than ar where drafts are accepted (docs/decoding.md)
+
+
+class GenParamError(BadInput):
+    """A generation parameter out of its range; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """``None`` takes the GGUF's value: the block size (``ARCH.block_size``), the threshold calibrated for it
+    (spec 4.3), the coreset top_p (spec 3.3). ``stop_ids=None`` stops at the vocabulary's end-of-generation
+    tokens, ``()`` at none. ``draft_steps``: spec mode's LowConfidence steps before the argmax draft (greedy
+    only)."""
+
+    mode: str = DEFAULT_MODE
+    block_size: int | None = None
+    threshold: float | None = None
+    coreset_top_p: float | None = None
+    draft_steps: int = 0
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] | None = None
+    banned_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stop_ids is not None and not isinstance(self.stop_ids, tuple):
+            object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        if not isinstance(self.banned_ids, tuple):
+            object.__setattr__(self, "banned_ids", tuple(int(t) for t in self.banned_ids or ()))
+        self._check()
+
+    def _check(self) -> None:
+        def bad(field: str, rule: str) -> GenParamError:
+            return GenParamError(field, f"{field} {rule}, got {getattr(self, field)!r}")
+
+        if self.mode not in MODES:
+            raise GenParamError("mode", f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.block_size is not None and self.block_size < 1:
+            raise bad("block_size", "must be at least 1")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:  # NaN fails too
+            raise bad("threshold", "must be in [0, 1]")
+        if self.coreset_top_p is not None and not 0.0 < self.coreset_top_p <= 1.0:
+            raise bad("coreset_top_p", "must be in (0, 1]")
+        if self.draft_steps < 0:
+            raise bad("draft_steps", "must be >= 0")
+        if self.max_tokens < 0:
+            raise bad("max_tokens", "must be >= 0")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise bad("temperature", "must be a finite number >= 0")
+        if self.top_k < 0:
+            raise bad("top_k", "must be >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1] (1 = off)")
+
+    def replace(self, **changes: Any) -> "GenParams":
+        """A copy with some fields changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def merge(params: GenParams | None, overrides: dict[str, Any]) -> GenParams:
+    """``params`` (default: ``GenParams()``) with the keyword overrides of Model.generate/run; a keyword that is
+    no field is a TypeError, as for any function."""
+    unknown = set(overrides) - set(GenParams.fields())
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    base = params or GenParams()
+    return base.replace(**overrides) if overrides else base
+
+
+def token_tuple(ids: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if ids is None else tuple(int(t) for t in ids)
