@@ -1,7 +1,7 @@
 """`pip install .` / `pip wheel .` build the patched llama.cpp into the wheel (docs/install.md).
 
 The build hook runs scripts/build_native.sh (the pinned llama-cpp-python sdist, its sha256 check and the patch
-dry-run, the build cache in $CLOVER_CACHE with ccache) with PORTABLE=1: GGML_NATIVE=OFF, GGML_BACKEND_DL=ON and
+series' dry-runs, the build cache in $CLOVER_CACHE with ccache) with PORTABLE=1: GGML_NATIVE=OFF, GGML_BACKEND_DL=ON and
 GGML_CPU_ALL_VARIANTS=ON, so the wheel runs on other x86 CPUs than the builder's (llama.cpp's release recipe; the
 best ggml-cpu variant is chosen at run time). CMAKE_ARGS is honoured as llama-cpp-python honours it
 (CMAKE_ARGS="-DGGML_CUDA=on" pip install .). Into the wheel go:

@@ -155,6 +155,7 @@ class clover_cache_info(ctypes.Structure):
 
 
 clover_engine_p = ctypes.c_void_p
+clover_slot_p = ctypes.c_void_p
 
 # typedef bool (*clover_tokens_cb)(const llama_token * tokens, int32_t n_tokens, void * user_data);
 clover_tokens_cb = ctypes.CFUNCTYPE(ctypes.c_bool, llama_token_p, ctypes.c_int32, ctypes.c_void_p)
@@ -164,10 +165,8 @@ clover_step_cb = ctypes.CFUNCTYPE(ctypes.c_bool, llama_token_p, ctypes.c_int32, 
 _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_engine_default_params": (clover_engine_params, []),
     "clover_gen_default_params": (clover_gen_params, []),
-    "clover_info_threshold": (ctypes.c_float, [ctypes.POINTER(clover_model_info), ctypes.c_int32]),
+    "clover_model_info_threshold": (ctypes.c_float, [ctypes.POINTER(clover_model_info), ctypes.c_int32]),
     "clover_model_info_read": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(clover_model_info),
-                                                ctypes.c_char_p, ctypes.c_size_t]),
-    "clover_read_model_info": (ctypes.c_int32, [ctypes.c_char_p, ctypes.POINTER(clover_model_info),
                                                 ctypes.c_char_p, ctypes.c_size_t]),
     "clover_engine_load": (clover_engine_p, [ctypes.c_char_p, clover_engine_params, ctypes.c_char_p,
                                              ctypes.c_size_t]),
@@ -183,29 +182,29 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_engine_info": (ctypes.POINTER(clover_model_info), [clover_engine_p]),
     "clover_engine_model": (ctypes.c_void_p, [clover_engine_p]),
     "clover_engine_context": (ctypes.c_void_p, [clover_engine_p]),
-    "clover_engine_reset": (None, [clover_engine_p]),
-    "clover_engine_slot": (clover_engine_p, [clover_engine_p, ctypes.c_int32]),
+    "clover_slot_reset": (None, [clover_slot_p]),
+    "clover_engine_slot": (clover_slot_p, [clover_engine_p, ctypes.c_int32]),
     "clover_engine_n_parallel": (ctypes.c_int32, [clover_engine_p]),
     "clover_engine_pass_stats": (None, [clover_engine_p, ctypes.POINTER(ctypes.c_int64),
                                         ctypes.POINTER(ctypes.c_int64)]),
-    "clover_engine_n_past": (ctypes.c_int32, [clover_engine_p]),
+    "clover_slot_n_past": (ctypes.c_int32, [clover_slot_p]),
     "clover_engine_n_ctx": (ctypes.c_int32, [clover_engine_p]),
     "clover_engine_max_block_size": (ctypes.c_int32, [clover_engine_p]),
     "clover_engine_n_threads": (ctypes.c_int32, [clover_engine_p]),
     "clover_default_n_threads": (ctypes.c_int32, []),
-    "clover_generate": (ctypes.c_int32, [clover_engine_p, llama_token_p, ctypes.c_int32,
-                                         ctypes.POINTER(clover_gen_params), clover_tokens_cb, clover_step_cb,
-                                         ctypes.c_void_p, ctypes.POINTER(clover_stats)]),
-    "clover_engine_last_error": (ctypes.c_char_p, [clover_engine_p]),
+    "clover_slot_generate": (ctypes.c_int32, [clover_slot_p, llama_token_p, ctypes.c_int32,
+                                              ctypes.POINTER(clover_gen_params), clover_tokens_cb, clover_step_cb,
+                                              ctypes.c_void_p, ctypes.POINTER(clover_stats)]),
+    "clover_slot_last_error": (ctypes.c_char_p, [clover_slot_p]),
     "clover_block_decode": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_void_p]),
-    "clover_engine_set_cache": (None, [clover_engine_p, ctypes.c_int64, ctypes.c_int32]),
-    "clover_engine_reuse_prefix": (ctypes.c_int32, [clover_engine_p, llama_token_p, ctypes.c_int32]),
-    "clover_engine_cache_info": (None, [clover_engine_p, ctypes.POINTER(clover_cache_info)]),
-    "clover_engine_checkpoint_hint": (None, [clover_engine_p, ctypes.c_int32]),
-    "clover_engine_set_history": (ctypes.c_int32, [clover_engine_p, llama_token_p, ctypes.c_int32]),
-    "clover_engine_measure_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
-    "clover_engine_set_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
-    "clover_engine_get_costs": (ctypes.c_int32, [clover_engine_p, ctypes.POINTER(clover_pass_costs)]),
+    "clover_slot_set_cache": (None, [clover_slot_p, ctypes.c_int64, ctypes.c_int32]),
+    "clover_slot_reuse_prefix": (ctypes.c_int32, [clover_slot_p, llama_token_p, ctypes.c_int32]),
+    "clover_slot_cache_info": (None, [clover_slot_p, ctypes.POINTER(clover_cache_info)]),
+    "clover_slot_checkpoint_hint": (None, [clover_slot_p, ctypes.c_int32]),
+    "clover_slot_set_history": (ctypes.c_int32, [clover_slot_p, llama_token_p, ctypes.c_int32]),
+    "clover_slot_measure_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
+    "clover_slot_set_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
+    "clover_slot_get_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
 }
 
 _lib: ctypes.CDLL | None = None

@@ -80,13 +80,13 @@ class ModelInfo:
                    bool(info.has_block_diffusion))
 
     def threshold_for(self, block_size: int) -> float:
-        """The threshold a call without one uses (spec 4.3), as the engine resolves it (clover_info_threshold):
+        """The threshold a call without one uses (spec 4.3), as the engine resolves it (clover_model_info_threshold):
         the calibrated threshold for B, else the default."""
         c = libclover.clover_model_info()
         c.block_size, c.threshold, c.n_calibrated = self.block_size, self.threshold, len(self.calibrated_block_sizes)
         for i, (b, t) in enumerate(zip(self.calibrated_block_sizes, self.calibrated_thresholds)):
             c.calibrated_block_sizes[i], c.calibrated_thresholds[i] = b, t
-        return float(libclover.lib().clover_info_threshold(ctypes.byref(c), int(block_size)))
+        return float(libclover.lib().clover_model_info_threshold(ctypes.byref(c), int(block_size)))
 
 
 def _histogram(values: Sequence[int]) -> list[int]:
@@ -202,7 +202,7 @@ class Result:
 
 
 class _Call:
-    """One prepared clover_generate call: the C parameters, kept-alive arrays and the C callbacks."""
+    """One prepared clover_slot_generate call: the C parameters, kept-alive arrays and the C callbacks."""
 
     def __init__(self, model: "Model", prompt_ids: list[int], params: GenParams,
                  on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None) -> None:
@@ -270,8 +270,8 @@ class _Call:
     def run(self) -> tuple[int, float]:
         L = libclover.lib()
         start = time.perf_counter()
-        rc = L.clover_generate(self.model._handle(), self.prompt, self.n_prompt, ctypes.byref(self.params),
-                               self.tokens_cb, self.step_cb, None, ctypes.byref(self.stats))
+        rc = L.clover_slot_generate(self.model._handle(), self.prompt, self.n_prompt, ctypes.byref(self.params),
+                                    self.tokens_cb, self.step_cb, None, ctypes.byref(self.stats))
         return int(rc), time.perf_counter() - start
 
     def result_stats(self, wall_s: float) -> Stats:
@@ -281,7 +281,7 @@ class _Call:
         if self.error is not None:
             raise self.error
         if rc < 0:
-            raise EngineError(self.model.last_error() or "clover_generate failed")
+            raise EngineError(self.model.last_error() or "clover_slot_generate failed")
 
 
 class Generation:
@@ -476,6 +476,7 @@ class Model(loader.NativeHandle):
             msg = msg.removeprefix(f"'{self.path}': ")
             raise EngineError(f"cannot load {self.path}: {msg}" + (f": {reasons}" if reasons else ""))
         del keep
+        self._slot_ptr = L.clover_engine_slot(self.ptr, 0)
         self.info = ModelInfo.from_c(L.clover_engine_info(self.ptr).contents)
         self._llama_model = L.clover_engine_model(self.ptr)
         self._vocab = loader.llama().llama_model_get_vocab(self._llama_model)
@@ -488,16 +489,21 @@ class Model(loader.NativeHandle):
 
     # ---------------------------------------------------------------------------------- plumbing
     def _handle(self) -> int:
+        """This Model's slot (a clover_slot_p)."""
+        self._engine()
+        return self._slot_ptr
+
+    def _engine(self) -> int:
+        """The engine (a clover_engine_p): the owning Model's."""
         if not self.ptr or (self._owner is not None and not self._owner.ptr):
             raise EngineError("the model is closed")
-        return self.ptr
+        return (self._owner or self).ptr
 
     # ---------------------------------------------------------------------------------- slots
     @property
     def n_parallel(self) -> int:
         """Slots of the engine (``n_parallel`` at load)."""
-        owner = self._owner or self
-        return int(libclover.lib().clover_engine_n_parallel(owner._handle()))
+        return int(libclover.lib().clover_engine_n_parallel(self._engine()))
 
     def slot(self, i: int) -> "Model":
         """Slot ``i`` (0 is this model): a Model with its own history, prefix cache and generations on the shared
@@ -507,24 +513,23 @@ class Model(loader.NativeHandle):
             return self._owner.slot(i)
         if i == 0:
             return self
-        ptr = libclover.lib().clover_engine_slot(self._handle(), int(i))
+        ptr = libclover.lib().clover_engine_slot(self._engine(), int(i))
         if not ptr:
             raise BadInput(f"slot {i} is out of range: the model has {self.n_parallel} slots")
         view = Model.__new__(Model)
         view.__dict__.update(self.__dict__)
-        view.ptr, view._owner, view._active, view._lock = ptr, self, None, threading.Lock()
+        view.ptr, view._slot_ptr, view._owner, view._active, view._lock = ptr, ptr, self, None, threading.Lock()
         return view
 
     def pass_stats(self) -> tuple[int, int]:
         """(passes, llama_decode rounds) the slots have run: more passes than rounds means passes of several slots
         ran batched together. (0, 0) with one slot."""
         passes, rounds = ctypes.c_int64(), ctypes.c_int64()
-        libclover.lib().clover_engine_pass_stats((self._owner or self)._handle(), ctypes.byref(passes),
-                                                 ctypes.byref(rounds))
+        libclover.lib().clover_engine_pass_stats(self._engine(), ctypes.byref(passes), ctypes.byref(rounds))
         return int(passes.value), int(rounds.value)
 
     def last_error(self) -> str:
-        msg = libclover.lib().clover_engine_last_error(self._handle())
+        msg = libclover.lib().clover_slot_last_error(self._handle())
         return msg.decode("utf-8", "replace") if msg else ""
 
     @property
@@ -535,19 +540,19 @@ class Model(loader.NativeHandle):
 
     @property
     def llama_context(self) -> int:
-        return libclover.lib().clover_engine_context(self._handle())
+        return libclover.lib().clover_engine_context(self._engine())
 
     @property
     def n_ctx(self) -> int:
         """The positions a history may use (``n_ctx`` resolved). llama.cpp's context can be larger: it is made
         at least n_batch long."""
-        return int(libclover.lib().clover_engine_n_ctx(self._handle()))
+        return int(libclover.lib().clover_engine_n_ctx(self._engine()))
 
     @property
     def max_block_size(self) -> int:
         """The largest block size this engine accepts, as the engine resolved it at load (``max_block_size``, or by
         default the largest of clover.block_size and the calibrated sizes)."""
-        return int(libclover.lib().clover_engine_max_block_size(self._handle()))
+        return int(libclover.lib().clover_engine_max_block_size(self._engine()))
 
     @property
     def llama_n_ctx(self) -> int:
@@ -559,32 +564,32 @@ class Model(loader.NativeHandle):
     def pass_costs(self) -> PassCosts | None:
         """The cost table auto mode decides with: measured by the first auto call, or set; None before."""
         c = libclover.clover_pass_costs()
-        return (PassCosts.from_c(c) if libclover.lib().clover_engine_get_costs(self._handle(), ctypes.byref(c)) == 0
+        return (PassCosts.from_c(c) if libclover.lib().clover_slot_get_costs(self._handle(), ctypes.byref(c)) == 0
                 else None)
 
     @pass_costs.setter
     def pass_costs(self, costs: PassCosts) -> None:
         """Fix the table (reproducible auto decisions; tests inject one)."""
         c = costs.to_c()
-        if libclover.lib().clover_engine_set_costs(self._handle(), ctypes.byref(c)) != 0:
+        if libclover.lib().clover_slot_set_costs(self._handle(), ctypes.byref(c)) != 0:
             raise BadInput(self.last_error() or "invalid pass costs")
 
     def measure_pass_costs(self) -> PassCosts:
         """Measure the table now, on the scratch sequence (the history is not touched)."""
         c = libclover.clover_pass_costs()
-        if libclover.lib().clover_engine_measure_costs(self._handle(), ctypes.byref(c)) != 0:
+        if libclover.lib().clover_slot_measure_costs(self._handle(), ctypes.byref(c)) != 0:
             raise EngineError(self.last_error() or "measuring pass costs failed")
         return PassCosts.from_c(c)
 
     @property
     def n_threads(self) -> int:
         """Threads the engine decodes with (``n_threads=0`` resolves to the usable physical cores)."""
-        return int(libclover.lib().clover_engine_n_threads(self._handle()))
+        return int(libclover.lib().clover_engine_n_threads(self._engine()))
 
     @property
     def n_past(self) -> int:
         """Positions committed to the history (the pending token's position); 0 after a reset."""
-        return int(libclover.lib().clover_engine_n_past(self._handle()))
+        return int(libclover.lib().clover_slot_n_past(self._handle()))
 
     # ---------------------------------------------------------------------------------- tokens
     def tokenize(self, text: str, special: bool = True) -> list[int]:
@@ -610,9 +615,10 @@ class Model(loader.NativeHandle):
         raise EngineError("llama_detokenize failed")
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenize(prompt)
-        return [int(t) for t in prompt]
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise BadInput("the prompt is empty; at least one token is needed (the last one is the pending token)")
+        return ids
 
     # ---------------------------------------------------------------------------------- generation
     def generate(self, prompt: str | Sequence[int], params: GenParams | None = None, *,
@@ -658,7 +664,7 @@ class Model(loader.NativeHandle):
     def reset(self) -> None:
         """Forget the history: the next generate starts with a fresh prefill."""
         self.close_active()
-        libclover.lib().clover_engine_reset(self._handle())
+        libclover.lib().clover_slot_reset(self._handle())
 
     # ---------------------------------------------------------------------------------- prefix reuse
     def set_cache(self, ram_mib: float, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> None:
@@ -666,7 +672,7 @@ class Model(loader.NativeHandle):
         each prefill and every ``checkpoint_every`` prefilled tokens (docs/serve.md, "Prefix reuse")."""
         if ram_mib < 0 or checkpoint_every < 0:
             raise BadInput("the cache size and the checkpoint interval must not be negative")
-        libclover.lib().clover_engine_set_cache(self._handle(), int(ram_mib * 2**20), int(checkpoint_every))
+        libclover.lib().clover_slot_set_cache(self._handle(), int(ram_mib * 2**20), int(checkpoint_every))
 
     def reuse_prefix(self, prompt_ids: Sequence[int], checkpoint_at: Sequence[int] = ()) -> int:
         """Keep the longest prefix of the history that ``prompt_ids`` starts with and that a checkpoint can
@@ -676,15 +682,15 @@ class Model(loader.NativeHandle):
         self.close_active()
         h = self._handle()
         ids = (libclover.llama_token * len(prompt_ids))(*prompt_ids)
-        reused = int(libclover.lib().clover_engine_reuse_prefix(h, ids, len(prompt_ids)))
+        reused = int(libclover.lib().clover_slot_reuse_prefix(h, ids, len(prompt_ids)))
         for pos in checkpoint_at:
             if pos > 0:
-                libclover.lib().clover_engine_checkpoint_hint(h, int(pos))
+                libclover.lib().clover_slot_checkpoint_hint(h, int(pos))
         return reused
 
     def cache_info(self) -> CacheInfo:
         c = libclover.clover_cache_info()
-        libclover.lib().clover_engine_cache_info(self._handle(), ctypes.byref(c))
+        libclover.lib().clover_slot_cache_info(self._handle(), ctypes.byref(c))
         return CacheInfo(**{name: int(getattr(c, name)) for name, _ in c._fields_})
 
     # ---------------------------------------------------------------------------------- sessions
@@ -723,7 +729,7 @@ class Model(loader.NativeHandle):
         self.close_active()
         L, C = loader.llama(), libclover.lib()
         h = self._handle()
-        C.clover_engine_reset(h)
+        C.clover_slot_reset(h)
         if not tokens:
             return
         if not state:
@@ -732,12 +738,12 @@ class Model(loader.NativeHandle):
         with self._lock:
             read = int(L.llama_state_seq_set_data(self.llama_context, src, len(state), 0))
             if read != len(state):
-                C.clover_engine_reset(h)
+                C.clover_slot_reset(h)
                 raise EngineError(f"llama.cpp read {read} of the {len(state)} bytes of engine state (a state from "
                                   "another model or context layout?); the engine was reset")
             ids = (libclover.llama_token * len(tokens))(*[int(t) for t in tokens])
-            if C.clover_engine_set_history(h, ids, len(tokens)) != 0:
-                raise EngineError(self.last_error() or "clover_engine_set_history failed")
+            if C.clover_slot_set_history(h, ids, len(tokens)) != 0:
+                raise EngineError(self.last_error() or "clover_slot_set_history failed")
 
     def _free(self, ptr: Any) -> None:
         self.close_active()

@@ -7,11 +7,13 @@
 #   PORTABLE=1 scripts/build_native.sh      # a build for other CPUs (wheels): llama.cpp's release recipe
 #
 # Inputs (all optional):
-#   cpp_patch/clover.patch   a `patch -p1` diff against vendor/llama.cpp (paths like a/src/llama-arch.cpp),
-#                            applied first, after a --dry-run check.
-#   cpp_patch/<dir>/...      every sub-folder of cpp_patch/ mirrors vendor/llama.cpp/ and is copied over it
-#                            after the patch (new files such as cpp_patch/src/models/clover.cpp).
-#                            Top-level files of cpp_patch/ (SDIST_SHA256, clover.patch, notes) are not copied.
+#   cpp_patch/patches/NNNN-*.patch   the patch series: `patch -p1` diffs against vendor/llama.cpp (paths like
+#                            a/src/llama-arch.cpp), one concern each, applied first in name order, each after a
+#                            --dry-run check on the tree the previous ones made (scripts/patch_series.py maintains
+#                            them; docs/native.md, "Changing a patch").
+#   cpp_patch/<dir>/...      every other sub-folder of cpp_patch/ mirrors vendor/llama.cpp/ and is copied over it
+#                            after the patches (new files such as cpp_patch/src/models/clover.cpp).
+#                            Top-level files of cpp_patch/ (SDIST_SHA256, notes) are not copied.
 # Environment:
 #   CLOVER_CACHE (~/.cache/clover)  sdist cache and build folders, outside the clone
 #   GPU=cpu|cuda, TARGETS ("llama llama-quantize clover llama-clover" and llama.cpp's own tools, see below), JOBS (nproc), EXTRA_CMAKE_FLAGS (word-split),
@@ -34,7 +36,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${CLOVER_CACHE:-$HOME/.cache/clover}
 PATCH_DIR=$ROOT/cpp_patch
-PATCH_FILE=$PATCH_DIR/clover.patch
+SERIES_DIR=$PATCH_DIR/patches
 OUT=${CLOVER_NATIVE_OUT:-$ROOT/build/native}
 GPU=${GPU:-cpu}
 # llama.cpp's own tools from the patched tree (docs/llama-cpp-tools.md says what each does with a clover
@@ -113,37 +115,44 @@ build_key() {
     } | sha256sum | cut -c1-16
 }
 
-check_patch() {  # $1 = pristine vendored tree; --dry-run writes nothing
-    [[ -f $PATCH_FILE ]] || return 0
-    local log
-    if ! log=$(patch -p1 --forward --dry-run -d "$1" -i "$PATCH_FILE" 2>&1); then
+# $1 = a patch of the series, $2 = the tree the previous patches made; --dry-run writes nothing, so a patch that
+# does not apply leaves the tree as it was and is named with its rejected hunks
+check_patch() {
+    local log name=${1#"$ROOT"/}
+    if ! log=$(patch -p1 --forward --fuzz=0 --dry-run -d "$2" -i "$1" 2>&1); then
         echo "$log" >&2
-        echo "error: cpp_patch/clover.patch does not apply to the vendored tree; rejected hunks:" >&2
+        echo "error: $name does not apply to the vendored tree with the patches before it; rejected hunks:" >&2
         echo "$log" | awk '/^checking file /{f=$3} /FAILED|Reversed|No file to patch|malformed/{print "  " f ": " $0}' >&2
-        exit 1
+        return 1
     fi
 }
 
-apply_patch() {  # $1 = source tree
-    [[ -f $PATCH_FILE ]] || return 0
-    patch -p1 --forward --no-backup-if-mismatch --quiet -d "$1" -i "$PATCH_FILE"
+apply_series() {  # $1 = source tree: each patch in order, each checked first
+    local p
+    for p in "$SERIES_DIR"/*.patch; do
+        [[ -f $p ]] || continue
+        check_patch "$p" "$1" || return 1
+        patch -p1 --forward --fuzz=0 --no-backup-if-mismatch --quiet -d "$1" -i "$p"
+    done
 }
 
 overlay() {  # $1 = source tree
     local d
     for d in "$PATCH_DIR"/*/; do
-        [[ -d $d ]] && cp -r "$d" "$1/"
+        [[ -d $d && $d != "$SERIES_DIR/" ]] && cp -r "$d" "$1/"
     done
     return 0
 }
 
 prepare_source() {  # $1 = vendored tree, $2 = key dir
     [[ -f $2/.src-ready ]] && return 0
-    check_patch "$1"
     rm -rf "$2/src" "$2/build"
     mkdir -p "$2"
     cp -a "$1" "$2/src"
-    apply_patch "$2/src"
+    if ! apply_series "$2/src"; then
+        rm -rf "$2/src"
+        exit 1
+    fi
     overlay "$2/src"
     touch "$2/.src-ready"
 }

@@ -92,7 +92,7 @@ void llama_model_clover::load_bd_hparams(llama_model_loader & ml) {
     ml.get_key(LLM_KV_CLOVER_HISTORY_READOUT_SCALE, hparams.clover_history_readout_scale, false);
 
     // the mask token: tokenizer.ggml.mask_token_id, else found by name in the vocabulary (the engine does that,
-    // clover_read_model_info); -1 = none, and the block modes are unavailable. A sidecar without the key keeps the
+    // clover_model_info_read); -1 = none, and the block modes are unavailable. A sidecar without the key keeps the
     // trunk's.
     uint32_t mask_id = 0;
     if (ml.get_key(LLM_KV_TOKENIZER_MASK_ID, mask_id, false)) {

@@ -88,7 +88,7 @@ double clover_block_ms(const clover_pass_costs & c, int32_t w) {
 }
 
 // drafts continuing history + pending token: n-gram lookups (n = 3, 2, 1), repeated on the extended sequence
-std::vector<llama_token> clover_ngram_draft(const clover_engine * eng, int32_t max_len) {
+std::vector<llama_token> clover_ngram_draft(const clover_slot * slot, int32_t max_len) {
     auto lookup = [](const std::vector<llama_token> & seq, llama_token last, int32_t len) {
         llama_tokens more;
         for (uint16_t n = 3; n >= 1 && more.empty(); --n) {
@@ -96,12 +96,12 @@ std::vector<llama_token> clover_ngram_draft(const clover_engine * eng, int32_t m
         }
         return more;
     };
-    std::vector<llama_token> draft = lookup(eng->history, eng->pending, max_len);
+    std::vector<llama_token> draft = lookup(slot->history, slot->pending, max_len);
     if (draft.empty() || (int32_t) draft.size() >= max_len) {
         return draft;
     }
-    std::vector<llama_token> seq = eng->history;  // extend: look up again after the drafted tokens
-    seq.push_back(eng->pending);
+    std::vector<llama_token> seq = slot->history;  // extend: look up again after the drafted tokens
+    seq.push_back(slot->pending);
     seq.insert(seq.end(), draft.begin(), draft.end() - 1);
     while ((int32_t) draft.size() < max_len) {
         const llama_tokens more = lookup(seq, draft.back(), max_len - (int32_t) draft.size());
@@ -137,7 +137,7 @@ struct clover_shadow_draft {
 
 // argmax drafts and their confidences from one block pass over [pending, MASK ..] of the given width
 bool clover_block_draft(clover_run & run, int32_t width, std::vector<llama_token> & drafts, std::vector<double> & conf) {
-    clover_engine * eng = run.eng;
+    clover_slot * slot = run.slot;
     std::vector<llama_token> window;
     clover_window(run, std::vector<llama_token>(width, CLOVER_EMPTY), window);
     std::vector<int32_t> rows(width);
@@ -150,12 +150,12 @@ bool clover_block_draft(clover_run & run, int32_t width, std::vector<llama_token
     drafts.resize(width);
     conf.resize(width);
     for (int32_t j = 0; j < width; ++j) {
-        const float * logits = clover_get_row(eng, j);
+        const float * logits = clover_get_row(slot, j);
         if (!logits) {
             return false;
         }
-        drafts[j] = clover_argmax(run.smp, logits, eng->n_vocab);
-        conf[j]   = clover_prob(run.smp, logits, eng->n_vocab, drafts[j], logits[drafts[j]]);
+        drafts[j] = clover_argmax(run.smp, logits, slot->n_vocab);
+        conf[j]   = clover_prob(run.smp, logits, slot->n_vocab, drafts[j], logits[drafts[j]]);
     }
     return true;
 }
@@ -220,12 +220,12 @@ int32_t clover_verify_width(const clover_pass_costs & c, const std::vector<doubl
 } // namespace
 
 bool clover_run_auto(clover_run & run) {
-    clover_engine * eng = run.eng;
-    const clover_pass_costs & c = eng->costs;
+    clover_slot * slot = run.slot;
+    const clover_pass_costs & c = slot->costs;
     clover_auto_state st;
 
     while (run.remaining() > 0) {
-        const int32_t w_max = std::min({ run.block_size, eng->max_block_size, eng->n_ctx - eng->n_past });
+        const int32_t w_max = std::min({ run.block_size, slot->max_block_size, slot->n_ctx - slot->n_past });
         if (w_max < 1) {
             run.stats->stop_reason = CLOVER_STOP_CONTEXT;
             return true;
@@ -235,7 +235,7 @@ bool clover_run_auto(clover_run & run) {
         const double chain_rate = clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(width, remaining)) /
                                   (clover_chain_ms(c, width) + (width == st.width ? 0.0 : c.rebuild_ms));
         // a file without block passes (trunk-only, or no mask token) drafts from n-grams only
-        const int32_t block_w = eng->can_block ? clover_block_width_for(c, st, w_max, remaining, chain_rate) : 0;
+        const int32_t block_w = slot->can_block ? clover_block_width_for(c, st, w_max, remaining, chain_rate) : 0;
 
         std::vector<llama_token> drafts;
         clover_draft_kind kind = width > 1 ? CLOVER_DRAFT_NGRAM : CLOVER_DRAFT_NONE;
@@ -247,10 +247,10 @@ bool clover_run_auto(clover_run & run) {
             width = clover_verify_width(c, conf, remaining);
             kind  = CLOVER_DRAFT_BLOCK;
         } else if (width > 1) {
-            drafts = clover_ngram_draft(eng, width - 1);
-            drafts.resize(width - 1, eng->pending);  // a short draft is padded: the chain keeps its shape
+            drafts = clover_ngram_draft(slot, width - 1);
+            drafts.resize(width - 1, slot->pending);  // a short draft is padded: the chain keeps its shape
         } else if (st.shadow.draft.empty() && w_max > 1) {
-            st.shadow.draft = clover_ngram_draft(eng, std::min(w_max - 1, CLOVER_SHADOW_LEN));
+            st.shadow.draft = clover_ngram_draft(slot, std::min(w_max - 1, CLOVER_SHADOW_LEN));
         }
 
         clover_round round;
@@ -269,7 +269,7 @@ bool clover_run_auto(clover_run & run) {
             st.shadow = {};
             st.width  = width;
         } else {
-            st.shadow.observe(eng->pending, st.chain_rate);  // the ar step's token is the new pending token
+            st.shadow.observe(slot->pending, st.chain_rate);  // the ar step's token is the new pending token
             st.width = 1;
         }
         if (round.hit_eog) {
@@ -289,36 +289,32 @@ namespace {
 
 // passes on the scratch sequence (a copy of the history, removed afterwards): the history is never written
 struct clover_scratch {
-    clover_engine * eng;
+    clover_slot * slot;
     llama_batch     batch;
     int32_t         pos;
 
-    explicit clover_scratch(clover_engine * e) : eng(e), batch(llama_batch_init(e->max_block_size + 8, 0, 1)), pos(e->n_past) {
-        llama_memory_seq_rm(eng->mem, eng->seq_scratch, -1, -1);
-        llama_memory_seq_cp(eng->mem, eng->seq_history, eng->seq_scratch, -1, -1);
+    explicit clover_scratch(clover_slot * s) : slot(s), batch(llama_batch_init(s->max_block_size + 8, 0, 1)), pos(s->n_past) {
+        llama_memory_seq_rm(slot->mem, slot->seq_scratch, -1, -1);
+        llama_memory_seq_cp(slot->mem, slot->seq_history, slot->seq_scratch, -1, -1);
     }
 
     ~clover_scratch() {
         llama_batch_free(batch);
-        llama_memory_seq_rm(eng->mem, eng->seq_scratch, -1, -1);
+        llama_memory_seq_rm(slot->mem, slot->seq_scratch, -1, -1);
     }
 
     // a causal pass of w tokens with all rows, then a rollback keeping its first position (as a verification
     // that accepts nothing); the time of the decode in ms, or < 0 on error
     double causal(llama_token tok, int32_t w) {
-        batch.n_tokens = w;
+        clover_batch_clear(batch);
         for (int32_t j = 0; j < w; ++j) {
-            batch.token[j]     = tok;
-            batch.pos[j]       = pos + j;
-            batch.n_seq_id[j]  = 1;
-            batch.seq_id[j][0] = eng->seq_scratch;
-            batch.logits[j]    = 1;
+            clover_batch_add(batch, tok, pos + j, slot->seq_scratch, true);
         }
         const double t0 = clover_now_ms();
-        const int32_t rc = llama_decode(eng->ctx, batch);
+        const int32_t rc = llama_decode(slot->ctx, batch);
         const double ms = clover_now_ms() - t0;
-        if (rc != 0 || (w > 1 && !llama_memory_seq_rm(eng->mem, eng->seq_scratch, pos + 1, -1))) {
-            eng->last_error = clover_format("a pass failed while measuring pass costs (code %d)", rc);
+        if (rc != 0 || (w > 1 && !llama_memory_seq_rm(slot->mem, slot->seq_scratch, pos + 1, -1))) {
+            slot->last_error = clover_format("a pass failed while measuring pass costs (code %d)", rc);
             return -1.0;
         }
         pos += 1;
@@ -332,8 +328,8 @@ double clover_median(std::vector<double> v) {
 }
 
 // a run of n same-width causal passes: (first pass, median of the rest), both in ms
-bool clover_measure_chain(clover_engine * eng, llama_token tok, int32_t w, int32_t n, double & first, double & steady) {
-    clover_scratch scratch(eng);
+bool clover_measure_chain(clover_slot * slot, llama_token tok, int32_t w, int32_t n, double & first, double & steady) {
+    clover_scratch scratch(slot);
     std::vector<double> rest;
     for (int32_t i = 0; i < n; ++i) {
         const double ms = scratch.causal(tok, w);
@@ -351,21 +347,21 @@ bool clover_measure_chain(clover_engine * eng, llama_token tok, int32_t w, int32
 }
 
 // a block pass of w rows right after a 1-token causal pass (as in auto's loop), in ms
-bool clover_measure_block(clover_engine * eng, llama_token tok, int32_t w, double & ms) {
+bool clover_measure_block(clover_slot * slot, llama_token tok, int32_t w, double & ms) {
     {
-        clover_scratch scratch(eng);
+        clover_scratch scratch(slot);
         if (scratch.causal(tok, 1) < 0) {
             return false;
         }
     }
-    std::vector<llama_token> window(w, eng->info.mask_token_id);
+    std::vector<llama_token> window(w, slot->info.mask_token_id);
     window[0] = tok;
     std::vector<int32_t> rows(w);
     for (int32_t j = 0; j < w; ++j) {
         rows[j] = j;
     }
     const double t0 = clover_now_ms();
-    const bool ok = clover_block(eng, window, rows);
+    const bool ok = clover_block(slot, window, rows);
     ms = clover_now_ms() - t0;
     return ok;
 }
@@ -376,35 +372,35 @@ bool clover_measure_block(clover_engine * eng, llama_token tok, int32_t w, doubl
 // passes; the rebuild cost from their first passes), and block passes of 2 and w_hi rows: 18 passes on the
 // scratch sequence, repeated while the whole takes less than 200 ms (at most 4 times; noise only adds time, so
 // the minimum of the repetitions is kept). A model whose passes take 10 ms or more is measured once.
-bool clover_measure_costs(clover_engine * eng, clover_pass_costs & out) {
-    const int32_t room = eng->n_ctx - eng->n_past;
-    const int32_t w_hi = std::min({ 8, eng->max_block_size, room - 8 });
+bool clover_measure_costs(clover_slot * slot, clover_pass_costs & out) {
+    const int32_t room = slot->n_ctx - slot->n_past;
+    const int32_t w_hi = std::min({ 8, slot->max_block_size, room - 8 });
     if (w_hi < 3) {
-        eng->last_error = clover_format("measuring pass costs needs 11 free positions and max_block_size >= 3 "
-                                        "(free %d, max_block_size %d)", room, eng->max_block_size);
+        slot->last_error = clover_format("measuring pass costs needs 11 free positions and max_block_size >= 3 "
+                                         "(free %d, max_block_size %d)", room, slot->max_block_size);
         return false;
     }
-    const llama_token tok = eng->has_pending ? eng->pending : 0;
+    const llama_token tok = slot->has_pending ? slot->pending : 0;
     double ar = 1e30, c2 = 1e30, cw = 1e30, rebuild = 1e30, b2 = 1e30, bw = 1e30;
     const double t_start = clover_now_ms();
     for (int rep = 0; rep < 4 && (rep < 1 || clover_now_ms() - t_start < 200.0); ++rep) {
         double first = 0.0, steady = 0.0, t = 0.0;
-        if (!clover_measure_chain(eng, tok, 1, 6, first, steady)) { return false; }
+        if (!clover_measure_chain(slot, tok, 1, 6, first, steady)) { return false; }
         ar = std::min(ar, steady);
         double rb = first - steady;
-        if (!clover_measure_chain(eng, tok, 2, 5, first, steady)) { return false; }
+        if (!clover_measure_chain(slot, tok, 2, 5, first, steady)) { return false; }
         c2 = std::min(c2, steady);
         rb = std::min(rb, first - steady);
-        if (!clover_measure_chain(eng, tok, w_hi, 5, first, steady)) { return false; }
+        if (!clover_measure_chain(slot, tok, w_hi, 5, first, steady)) { return false; }
         cw = std::min(cw, steady);
         rebuild = std::min(rebuild, std::min(rb, first - steady));
-        if (!eng->can_block) {  // no block passes to measure: auto never drafts with them on this file
+        if (!slot->can_block) {  // no block passes to measure: auto never drafts with them on this file
             b2 = bw = 0.0;
             continue;
         }
-        if (!clover_measure_block(eng, tok, 2, t)) { return false; }
+        if (!clover_measure_block(slot, tok, 2, t)) { return false; }
         b2 = std::min(b2, t);
-        if (!clover_measure_block(eng, tok, w_hi, t)) { return false; }
+        if (!clover_measure_block(slot, tok, w_hi, t)) { return false; }
         bw = std::min(bw, t);
     }
     out = {};

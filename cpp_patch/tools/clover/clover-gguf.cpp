@@ -1,5 +1,6 @@
 // The GGUF side of the engine: the clover settings read as typed values from a model file, and from a
-// block-diffusion sidecar (spec v2 section 5), with the sidecar's trunk fingerprint.
+// block-diffusion sidecar (spec v2 section 5), with the sidecar's trunk fingerprint; the layer count the offload
+// options are checked against.
 
 #include "clover.h"
 #include "clover-impl.h"
@@ -490,4 +491,28 @@ bool clover_read_info(const char * path, const char * bd_path, clover_model_info
         info.conv_right_kernel = (int32_t) (v - 1);
     }
     return true;
+}
+
+int32_t clover_gguf_n_layer(const char * path, std::string & err) {
+    gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_ptr gctx(gguf_init_from_file(path, gparams));
+    if (!gctx) {
+        err = clover_format("cannot read GGUF file '%s' (missing or not a GGUF file)", path);
+        return -1;
+    }
+    const std::string arch = clover_gguf_arch(gctx.get());
+    if (!clover_check_arch(path, arch, err)) {  // the keys are read under the file's own spelling
+        return -1;
+    }
+    int32_t n = -1;
+    const int64_t id = gguf_find_key(gctx.get(), (arch + ".block_count").c_str());
+    if (id >= 0 && gguf_get_kv_type(gctx.get(), id) == GGUF_TYPE_UINT32) {
+        n = (int32_t) gguf_get_val_u32(gctx.get(), id);
+    } else if (id >= 0 && gguf_get_kv_type(gctx.get(), id) == GGUF_TYPE_INT32) {
+        n = gguf_get_val_i32(gctx.get(), id);
+    }
+    if (n < 0) {
+        err = clover_format("'%s': missing %s.block_count", path, arch.c_str());
+    }
+    return n;
 }

@@ -265,7 +265,7 @@ int32_t clover_imatrix_save(
         if (err && err_size > 0) {
             snprintf(err, err_size, "%s", msg.c_str());
         }
-        return 1;
+        return -1;
     };
     if (im == nullptr || path == nullptr || path[0] == '\0') {
         return set_err("no collector or no output path");

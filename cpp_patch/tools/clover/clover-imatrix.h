@@ -13,6 +13,8 @@
 
 #pragma once
 
+#include "clover.h"  // CLOVER_API
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -24,31 +26,33 @@ extern "C" {
 struct ggml_tensor;
 struct clover_imatrix;
 
-struct clover_imatrix * clover_imatrix_init(void);
-void                    clover_imatrix_free(struct clover_imatrix * im);
+// A new collector, owned by the caller (free it with clover_imatrix_free), or NULL when out of memory.
+CLOVER_API struct clover_imatrix * clover_imatrix_init(void);
+CLOVER_API void                    clover_imatrix_free(struct clover_imatrix * im);
 
 // ggml_backend_sched_eval_callback; user_data is the collector. Always returns true when ask is false,
 // so the scheduler never stops a graph because of the collector (errors are kept, see last_error).
-bool clover_imatrix_eval_cb(struct ggml_tensor * t, bool ask, void * user_data);
+CLOVER_API bool clover_imatrix_eval_cb(struct ggml_tensor * t, bool ask, void * user_data);
 
 // Counts one finished chunk (written as imatrix.chunk_count).
-void    clover_imatrix_end_chunk(struct clover_imatrix * im);
-int32_t clover_imatrix_n_chunks(const struct clover_imatrix * im);
+CLOVER_API void    clover_imatrix_end_chunk(struct clover_imatrix * im);
+CLOVER_API int32_t clover_imatrix_n_chunks(const struct clover_imatrix * im);
 
 // Number of weights seen so far (each becomes an in_sum2/counts tensor pair).
-int32_t clover_imatrix_n_entries(const struct clover_imatrix * im);
+CLOVER_API int32_t clover_imatrix_n_entries(const struct clover_imatrix * im);
 
 // Number of matmul inputs collected so far (callback calls with ask == false that were used).
-int64_t clover_imatrix_n_calls(const struct clover_imatrix * im);
+CLOVER_API int64_t clover_imatrix_n_calls(const struct clover_imatrix * im);
 
 // The first collection error (inconsistent sizes, non-finite values, an unsupported input type), or NULL.
-// After an error the collector stops collecting and refuses to save.
-const char * clover_imatrix_last_error(const struct clover_imatrix * im);
+// After an error the collector stops collecting and refuses to save. Owned by the collector: valid until
+// clover_imatrix_free.
+CLOVER_API const char * clover_imatrix_last_error(const struct clover_imatrix * im);
 
 // Writes `<name>.in_sum2` [n_cols, n_mat] and `<name>.counts` [1, n_mat] (F32) per weight, sorted by name,
 // with general.type = "imatrix", imatrix.datasets = [dataset], imatrix.chunk_count and imatrix.chunk_size.
-// The file is written to path + ".tmp" and renamed over path. Returns 0, or 1 with a message in err.
-int32_t clover_imatrix_save(
+// The file is written to path + ".tmp" and renamed over path. Returns 0, or -1 with a message in err.
+CLOVER_API int32_t clover_imatrix_save(
         const struct clover_imatrix * im,
         const char                  * path,
         const char                  * dataset,

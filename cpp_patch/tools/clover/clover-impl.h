@@ -1,5 +1,16 @@
-// Internals of the Clover decoding engine shared by its translation units (clover.cpp: loading, passes,
-// sampling, ar / diffusion / spec; clover-auto.cpp: auto mode and its cost table). Not part of the C API.
+// Internals of the Clover decoding engine shared by its translation units. Not part of the C API.
+//
+//   clover.cpp           the C API of the engine and its slots (extern "C"), and the deprecated names
+//   clover-params.cpp    the load plan and the load; a generate call's parameter checks, prefill and dispatch
+//   clover-decode.cpp    batches and passes; the ar, diffusion and spec loops
+//   clover-sampling.cpp  distributions and the sampler (spec 4)
+//   clover-auto.cpp      auto mode and its cost table
+//   clover-cache.cpp     the prefix cache (and its clover_slot_* functions)
+//   clover-parallel.cpp  slots sharing one context, their passes batched in rounds
+//   clover-offload.cpp   offload options, the memory plan, the fit checks, devices, RPC servers
+//   clover-gguf.cpp      the clover settings and other header reads of a GGUF
+//   clover-threads.cpp   the default thread count
+//   clover-log.cpp       messages through llama.cpp's log callback
 
 #pragma once
 
@@ -7,6 +18,7 @@
 #include "clover-llama.h"
 #include "clover-log.h"
 #include "llama.h"
+#include "llama-cpp.h"
 
 #include <atomic>
 #include <condition_variable>
@@ -19,20 +31,20 @@
 #include <string>
 #include <vector>
 
-struct clover_engine;
+struct clover_slot;
 
 // A pass one slot waits to run (clover-parallel.cpp): the slot's batch, causal or a block window
 struct clover_pass_req {
-    clover_engine * eng   = nullptr;
-    bool            block = false;
-    bool            done  = false;
-    int32_t         rc    = 0;
+    clover_slot * slot  = nullptr;
+    bool          block = false;
+    bool          done  = false;
+    int32_t       rc    = 0;
 };
 
 // What the slots of one context share when n_parallel > 1: the lock that serializes their use of the context,
 // and the queue where their passes meet. A slot holds `mu` while it runs engine code; it waits on `cv` (and so
-// releases `mu`) only for its pass. A round starts when every slot inside clover_generate has queued a pass and
-// no slot is waiting to take the lock (a generation never yields it otherwise).
+// releases `mu`) only for its pass. A round starts when every slot inside clover_slot_generate has queued a pass
+// and no slot is waiting to take the lock (a generation never yields it otherwise).
 struct clover_shared {
     std::mutex                    mu;
     std::condition_variable       cv;
@@ -56,7 +68,9 @@ struct clover_checkpoint {
     std::vector<uint8_t> state;
 };
 
-struct clover_engine {
+// One history on the engine's context (clover.h's struct clover_slot). The model and the context are the
+// engine's, borrowed.
+struct clover_slot {
     llama_model       * model = nullptr;
     llama_context     * ctx   = nullptr;
     const llama_vocab * vocab = nullptr;
@@ -73,13 +87,11 @@ struct clover_engine {
     llama_seq_id seq_history = 0;
     llama_seq_id seq_scratch = 1;
 
-    // n_parallel > 1: the shared queue and lock (null with one slot); slot 0 owns the model, the context and the
-    // other slots, which borrow them
-    std::shared_ptr<clover_shared>              shared;
-    std::vector<std::unique_ptr<clover_engine>> slots;  // slots 1 .. n_parallel - 1, on slot 0 only
-    std::unique_lock<std::mutex>              * lock = nullptr;  // held while this slot runs engine code
-    std::vector<float>                          rows;      // logits this slot's last pass got in a round
-    std::vector<int32_t>                        row_of;    // batch row -> index in rows, or -1
+    // n_parallel > 1: the queue and lock the slots share (null with one slot)
+    std::shared_ptr<clover_shared>  shared;
+    std::unique_lock<std::mutex>  * lock = nullptr;  // held while this slot runs engine code
+    std::vector<float>              rows;      // logits this slot's last pass got in a round
+    std::vector<int32_t>            row_of;    // batch row -> index in rows, or -1
 
     int32_t n_ctx          = 0;  // logical context size (llama.cpp may pad its own)
     int32_t n_batch        = 0;
@@ -88,7 +100,7 @@ struct clover_engine {
 
     std::vector<llama_token> eog_ids;  // the vocab's end-of-generation set
 
-    // committed history: positions [0, n_past) on seq 0, whose tokens are history; the pending token (the last
+    // committed history: positions [0, n_past) on seq_history, whose tokens are history; the pending token (the last
     // known token, not yet committed: the spec's "seed"; `seed` in this code is only the sampler's RNG seed)
     // sits at n_past
     int32_t                  n_past      = 0;
@@ -96,7 +108,7 @@ struct clover_engine {
     bool                     has_pending = false;
     llama_token              pending     = 0;
 
-    llama_batch batch = {};
+    llama_batch batch = {};  // this slot's passes (owned)
     int32_t     batch_cap = 0;
 
     // prefix cache (clover-cache.cpp): checkpoints along the committed history, sorted by n_past
@@ -104,15 +116,28 @@ struct clover_engine {
     int64_t                        cache_max_bytes  = 0;
     int32_t                        checkpoint_every = 0;
     int32_t                        checkpoint_at    = -1;  // where the last prompt left the previous history
-    std::vector<int32_t>           checkpoint_hints;       // clover_engine_checkpoint_hint
+    std::vector<int32_t>           checkpoint_hints;       // clover_slot_checkpoint_hint
     bool                           rewound          = false;  // cancelled back to a checkpoint: only reuse_prefix continues
     uint64_t                       cache_clock      = 0;
     clover_cache_info              cache_stats      = {};
 
-    bool              has_costs = false;  // auto mode's cost table (clover_engine_set_costs / measured)
+    bool              has_costs = false;  // auto mode's cost table (clover_slot_set_costs / measured)
     clover_pass_costs costs     = {};
 
     std::string last_error;
+
+    clover_slot() = default;
+    ~clover_slot() { llama_batch_free(batch); }
+    clover_slot(const clover_slot &) = delete;
+    clover_slot & operator=(const clover_slot &) = delete;
+};
+
+// clover.h's struct clover_engine: the model and the context, and the slots that use them (declared last, so
+// they go first)
+struct clover_engine {
+    llama_model_ptr                           model;
+    llama_context_ptr                         ctx;
+    std::vector<std::unique_ptr<clover_slot>> slots;  // slot 0 .. n_parallel - 1
 };
 
 struct clover_sampler {
@@ -136,8 +161,9 @@ struct clover_sampler {
     }
 };
 
+// one generate call
 struct clover_run {
-    clover_engine         * eng;
+    clover_slot             * slot;
     const clover_gen_params * params;
     clover_sampler          smp;
     int32_t                 block_size;
@@ -164,34 +190,64 @@ struct clover_round {
     bool    hit_eog    = false;  // a_m is an end-of-generation token
 };
 
+// a target's token and its confidence P(token) at temperature 1
+struct clover_choice {
+    llama_token token;
+    float       conf;
+};
+
 double      clover_now_ms();
 void        clover_histogram_add(int32_t * histogram, int32_t value);
 
-// a block pass reads a scratch copy of the history (seq_scratch); the history (seq_history) is never written
-bool clover_block(clover_engine * eng, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
-const float * clover_get_row(clover_engine * eng, int32_t i);
+// batches and passes (clover-decode.cpp)
+void clover_batch_clear(llama_batch & batch);
+void clover_batch_add(llama_batch & batch, llama_token token, llama_pos pos, llama_seq_id seq, bool logits);
+// a causal pass appends to the history (seq_history); a block pass reads a scratch copy of it (seq_scratch) and
+// never writes the history. `what` names the pass in an error.
+bool clover_causal(clover_slot * slot, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows,
+                   const char * what);
+bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
+const float * clover_get_row(clover_slot * slot, int32_t i);
 
-// distributions (spec 4)
-llama_token   clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab);
-float         clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v);
-
-// one generate call
+// the decoding loops of one generate call (clover-decode.cpp)
 bool    clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
 void    clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window);
 bool    clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round);
+bool    clover_run_ar(clover_run & run);
+bool    clover_run_diffusion(clover_run & run);
+bool    clover_run_spec(clover_run & run);
+
+// distributions and the sampler (spec 4; clover-sampling.cpp)
+llama_token   clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab);
+float         clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v);
+// the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
+clover_choice clover_choose(const clover_slot * slot, clover_sampler & smp, const float * logits);
+// the token of one verified target and whether its draft was accepted (draft < 0: none)
+llama_token   clover_accept(clover_run & run, const float * logits, llama_token draft, bool & accepted);
+// banned and stop ids, temperature, top-k/p and the seeded RNG
+bool          clover_init_sampler(const clover_slot * slot, const clover_gen_params * params, clover_sampler & smp,
+                                  std::string & err);
+
+// a generate call (clover-params.cpp): the run its parameters describe (nothing is touched on failure), the prompt's
+// prefill, and the mode's loop
+bool clover_run_init(clover_slot * slot, const clover_gen_params * params, clover_run & run, const llama_token * prompt,
+                     int32_t n_prompt, std::string & err);
+bool clover_prefill(clover_slot * slot, const llama_token * prompt, int32_t n_prompt, clover_stats * stats);
+bool clover_dispatch(clover_run & run);
 
 // prefix cache (clover-cache.cpp)
-bool    clover_cache_save(clover_engine * eng);                      // a checkpoint at n_past (false: none taken)
-int32_t clover_cache_next_due(const clover_engine * eng);            // the next n_past a prefill checkpoints at, or -1
-void    clover_cache_forget_after(clover_engine * eng, int32_t keep);  // drop checkpoints past the history
-bool    clover_cache_rewind(clover_engine * eng);                    // back to the latest checkpoint
-void    clover_cache_forget_all(clover_engine * eng);                // no checkpoint, hint or rewind left
+bool    clover_cache_save(clover_slot * slot);                       // a checkpoint at n_past (false: none taken)
+int32_t clover_cache_next_due(const clover_slot * slot);             // the next n_past a prefill checkpoints at, or -1
+void    clover_cache_forget_after(clover_slot * slot, int32_t keep);   // drop checkpoints past the history
+bool    clover_cache_rewind(clover_slot * slot);                     // back to the latest checkpoint
+void    clover_cache_forget_all(clover_slot * slot);                 // no checkpoint, hint or rewind left
 
 // slots (clover-parallel.cpp)
-bool clover_make_slots(clover_engine * eng, int32_t n_parallel, int32_t n_ubatch, std::string & err);
-// with a shared context: queue the slot's batch (eng->batch; a block window when `block`) and return after a round
+// with n_parallel > 1: the lock and the queue the engine's slots share, and the batch of their rounds
+void clover_share_context(clover_engine & engine, int32_t n_ubatch);
+// with a shared context: queue the slot's batch (slot->batch; a block window when `block`) and return after a round
 // ran it; its logits are then read with clover_get_row. The caller holds the slot's lock (clover_slot_guard).
-int32_t clover_parallel_pass(clover_engine * eng, bool block);
+int32_t clover_parallel_pass(clover_slot * slot, bool block);
 // run a block window (the batch on seq_scratch) for one slot: copy the history to the scratch sequence, decode
 // without the causal mask, drop the scratch sequence
 int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * history,
@@ -201,13 +257,13 @@ int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch,
 // whose passes a round waits for.
 class clover_slot_guard {
   public:
-    clover_slot_guard(clover_engine * eng, bool generating);
+    clover_slot_guard(clover_slot * slot, bool generating);
     ~clover_slot_guard();
     clover_slot_guard(const clover_slot_guard &) = delete;
     clover_slot_guard & operator=(const clover_slot_guard &) = delete;
 
   private:
-    clover_engine *              eng_;
+    clover_slot *                slot_;
     bool                         generating_;
     std::unique_lock<std::mutex> lock_;
 };
@@ -216,7 +272,7 @@ class clover_slot_guard {
 // still waits for this slot's next pass); no-op with one slot.
 class clover_callback_scope {
   public:
-    explicit clover_callback_scope(clover_engine * eng) : lock_(eng->lock) {
+    explicit clover_callback_scope(clover_slot * slot) : lock_(slot->lock) {
         if (lock_) {
             lock_->unlock();
         }
@@ -235,7 +291,7 @@ class clover_callback_scope {
 
 // auto mode (clover-auto.cpp)
 bool clover_run_auto(clover_run & run);
-bool clover_measure_costs(clover_engine * eng, clover_pass_costs & out);
+bool clover_measure_costs(clover_slot * slot, clover_pass_costs & out);
 
 // offload options (clover-offload.cpp): the llama_model_params fields that -ot, --cpu-moe, --n-cpu-moe, -sm, -mg
 // and -ts set, with the pattern strings they point to; apply() is valid while this object lives
@@ -254,17 +310,35 @@ struct clover_offload {
     void apply(llama_model_params & mp) const;
 };
 
+// everything clover_engine_load hands to llama.cpp, resolved from the engine params and the GGUF header
+// (clover-params.cpp); mparams points into offload, so a plan is not copied
+struct clover_load_plan {
+    clover_model_info    info = {};
+    std::string          bd_path;  // the block-diffusion sidecar, or empty
+    int32_t              max_block = 0;
+    int32_t              n_ctx     = 0;
+    int32_t              n_batch   = 0;
+    int32_t              n_parallel = 1;
+    clover_offload       offload;
+    llama_model_params   mparams = {};
+    llama_context_params cparams = {};
+
+    clover_load_plan() = default;
+    clover_load_plan(const clover_load_plan &) = delete;
+    clover_load_plan & operator=(const clover_load_plan &) = delete;
+};
+
+// the plan of a load with these params; false with a message naming what is wrong
+bool clover_make_load_plan(const char * path, const clover_engine_params & params, clover_load_plan & plan,
+                           std::string & err);
+// the engine of a plan: model, context and slots; nullptr with a message, and nothing left allocated
+std::unique_ptr<clover_engine> clover_engine_make(const char * path, const clover_engine_params & params,
+                                                  clover_load_plan & plan, std::string & err);
+
 // false with a message naming the option (its engine-params field and llama.cpp's flag) when it cannot be satisfied
 bool    clover_offload_resolve(const clover_engine_params & p, int32_t n_layer, clover_offload & out, std::string & err);
-// general.architecture is one of spec v2's spellings (clover_moe, clover-moe, clovermoe); else false and a message
-// (the retired v1 'clover' gets one that names v2)
-bool clover_check_arch(const char * path, const std::string & arch, std::string & err);
-// the clover settings of a model file, and of its block-diffusion sidecar when bd_path is not NULL or empty
-// (clover-gguf.cpp); false with a message naming the file and the key
-bool clover_read_info(const char * path, const char * bd_path, clover_model_info & info, std::string & err);
-
-// <arch>.block_count of a GGUF, or -1 with a message
-int32_t clover_gguf_n_layer(const char * path, std::string & err);
+// the GPU devices (discrete and integrated) of the backend registry
+int32_t clover_n_gpu_devices();
 // false with a message naming -np when the host entry's context and compute buffers exceed its free memory less
 // the margin
 bool    clover_check_host_fit(const std::vector<clover_device_memory> & devs, int32_t margin_mib, int32_t n_parallel,
@@ -272,3 +346,13 @@ bool    clover_check_host_fit(const std::vector<clover_device_memory> & devs, in
 // per-device memory of a load with these params, from llama.cpp's no_alloc dry run; the host entry is last
 bool    clover_plan_memory(const char * path, const llama_model_params & mparams, const llama_context_params & cparams,
                            std::vector<clover_device_memory> & out, std::string & err);
+
+// GGUF headers (clover-gguf.cpp)
+// general.architecture is one of spec v2's spellings (clover_moe, clover-moe, clovermoe); else false and a message
+// (the retired v1 'clover' gets one that names v2)
+bool    clover_check_arch(const char * path, const std::string & arch, std::string & err);
+// the clover settings of a model file, and of its block-diffusion sidecar when bd_path is not NULL or empty;
+// false with a message naming the file and the key
+bool    clover_read_info(const char * path, const char * bd_path, clover_model_info & info, std::string & err);
+// <arch>.block_count of a GGUF, or -1 with a message
+int32_t clover_gguf_n_layer(const char * path, std::string & err);

@@ -9,7 +9,6 @@
 
 #include "common.h"     // LLM_FFN_EXPS_REGEX, llm_ffn_block_regex: --n-cpu-moe's patterns, not a copy of them
 #include "ggml-backend.h"
-#include "gguf.h"
 #include "llama.h"
 #include "../../src/llama-ext.h"  // llama_get_memory_breakdown, llama_model_n_devices (llama.cpp's fit uses them)
 
@@ -55,7 +54,7 @@ static ggml_backend_buffer_type_t clover_cpu_buft() {
     return cpu ? ggml_backend_dev_buffer_type(cpu) : nullptr;
 }
 
-static int32_t clover_n_gpu_devices() {
+int32_t clover_n_gpu_devices() {
     int32_t n = 0;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         const auto type = ggml_backend_dev_type(ggml_backend_dev_get(i));
@@ -182,36 +181,6 @@ void clover_offload::apply(llama_model_params & mp) const {
     mp.split_mode            = split_mode;
     mp.main_gpu              = main_gpu;
     mp.tensor_split          = tensor_split.empty() ? nullptr : tensor_split.data();
-}
-
-int32_t clover_gguf_n_layer(const char * path, std::string & err) {
-    gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-    gguf_context * gctx = gguf_init_from_file(path, gparams);
-    if (!gctx) {
-        err = clover_format("cannot read GGUF file '%s' (missing or not a GGUF file)", path);
-        return -1;
-    }
-    std::string arch;
-    int64_t id = gguf_find_key(gctx, "general.architecture");
-    if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_STRING) {
-        arch = gguf_get_val_str(gctx, id);
-    }
-    if (!clover_check_arch(path, arch, err)) {  // the keys are read under the file's own spelling
-        gguf_free(gctx);
-        return -1;
-    }
-    int32_t n = -1;
-    id = gguf_find_key(gctx, (arch + ".block_count").c_str());
-    if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_UINT32) {
-        n = (int32_t) gguf_get_val_u32(gctx, id);
-    } else if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_INT32) {
-        n = gguf_get_val_i32(gctx, id);
-    }
-    gguf_free(gctx);
-    if (n < 0) {
-        err = clover_format("'%s': missing %s.block_count", path, arch.c_str());
-    }
-    return n;
 }
 
 static void clover_copy_name(char * dst, size_t size, const char * src) {

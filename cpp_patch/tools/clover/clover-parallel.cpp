@@ -2,7 +2,7 @@
 //
 // Slot i owns sequences 2i (history) and 2i + 1 (scratch). Every slot runs the engine's ordinary code on its own
 // thread, under the shared lock. Where a slot would call llama_decode it queues the pass instead and waits; when
-// every slot inside clover_generate has queued one, the oldest pass and the later ones of the same kind (causal or
+// every slot inside clover_slot_generate has queued one, the oldest pass and the later ones of the same kind (causal or
 // block window) and size run as one llama_decode. The unified KV cache keeps the sequences apart (a block window
 // sees its own history and window only), and llama.cpp's equal split puts same-size sequences in one ubatch. So a
 // slot's logits are those of its own pass run alone, up to the floating-point order of a larger batch.
@@ -12,17 +12,17 @@
 #include <algorithm>
 #include <cstring>
 
-clover_slot_guard::clover_slot_guard(clover_engine * eng, bool generating)
-    : eng_(eng), generating_(generating && eng && eng->shared && !eng->lock) {
-    if (!eng || !eng->shared || eng->lock) {  // one slot, or a nested call of the thread that holds the lock
+clover_slot_guard::clover_slot_guard(clover_slot * slot, bool generating)
+    : slot_(slot), generating_(generating && slot && slot->shared && !slot->lock) {
+    if (!slot || !slot->shared || slot->lock) {  // one slot, or a nested call of the thread that holds the lock
         return;
     }
-    eng->shared->n_entering++;
-    lock_ = std::unique_lock<std::mutex>(eng->shared->mu);
-    eng->shared->n_entering--;
-    eng->lock = &lock_;
+    slot->shared->n_entering++;
+    lock_ = std::unique_lock<std::mutex>(slot->shared->mu);
+    slot->shared->n_entering--;
+    slot->lock = &lock_;
     if (generating_) {
-        eng->shared->n_generating++;
+        slot->shared->n_generating++;
     }
 }
 
@@ -31,47 +31,19 @@ clover_slot_guard::~clover_slot_guard() {
         return;
     }
     if (generating_) {
-        eng_->shared->n_generating--;
+        slot_->shared->n_generating--;
     }
-    eng_->shared->cv.notify_all();  // a round may have waited for this slot, or for a slot to take the lock
-    eng_->lock = nullptr;
+    slot_->shared->cv.notify_all();  // a round may have waited for this slot, or for a slot to take the lock
+    slot_->lock = nullptr;
 }
 
-bool clover_make_slots(clover_engine * eng, int32_t n_parallel, int32_t n_ubatch, std::string & err) {
-    if (n_parallel <= 1) {
-        return true;
-    }
+void clover_share_context(clover_engine & engine, int32_t n_ubatch) {
     auto shared = std::make_shared<clover_shared>();
-    shared->batch    = llama_batch_init(std::max(eng->batch_cap, n_ubatch), 0, 1);
+    shared->batch    = llama_batch_init(std::max(engine.slots[0]->batch_cap, n_ubatch), 0, 1);
     shared->n_ubatch = n_ubatch;
-    eng->shared      = shared;
-    for (int32_t i = 1; i < n_parallel; ++i) {
-        auto slot = std::make_unique<clover_engine>();
-        slot->model          = eng->model;
-        slot->ctx            = eng->ctx;
-        slot->vocab          = eng->vocab;
-        slot->mem            = eng->mem;
-        slot->info           = eng->info;
-        slot->can_block      = eng->can_block;
-        slot->block_unavailable = eng->block_unavailable;
-        slot->coreset_top_p  = eng->coreset_top_p;
-        slot->seq_history    = 2 * i;
-        slot->seq_scratch    = 2 * i + 1;
-        slot->shared         = shared;
-        slot->n_ctx          = eng->n_ctx;
-        slot->n_batch        = eng->n_batch;
-        slot->max_block_size = eng->max_block_size;
-        slot->n_vocab        = eng->n_vocab;
-        slot->eog_ids        = eng->eog_ids;
-        slot->batch_cap      = eng->batch_cap;
-        slot->batch          = llama_batch_init(eng->batch_cap, 0, 1);
-        if (!slot->batch.token) {
-            err = "out of memory";
-            return false;
-        }
-        eng->slots.push_back(std::move(slot));
+    for (auto & slot : engine.slots) {
+        slot->shared = shared;
     }
-    return true;
 }
 
 int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * history,
@@ -97,8 +69,8 @@ namespace {
 
 bool clover_same_kind(const clover_pass_req & a, const clover_pass_req & b) {
     // block passes of one round share the model's coreset setting
-    return a.block == b.block && a.eng->batch.n_tokens == b.eng->batch.n_tokens &&
-           (!a.block || a.eng->coreset_top_p == b.eng->coreset_top_p);
+    return a.block == b.block && a.slot->batch.n_tokens == b.slot->batch.n_tokens &&
+           (!a.block || a.slot->coreset_top_p == b.slot->coreset_top_p);
 }
 
 // the oldest pending pass, and the later ones it can share a ubatch with (each slot's tokens whole in it)
@@ -106,7 +78,7 @@ std::vector<clover_pass_req *> clover_take_group(clover_shared & sh) {
     std::vector<clover_pass_req *> group;
     int32_t total = 0;
     for (clover_pass_req * r : sh.pending) {
-        const int32_t n = r->eng->batch.n_tokens;
+        const int32_t n = r->slot->batch.n_tokens;
         if (group.empty() || (clover_same_kind(*group[0], *r) && total + n <= sh.n_ubatch)) {
             group.push_back(r);
             total += n;
@@ -120,14 +92,14 @@ std::vector<clover_pass_req *> clover_take_group(clover_shared & sh) {
 
 // the logits rows each slot asked for, copied out of the context before the next round overwrites them
 bool clover_keep_rows(llama_context * ctx, clover_pass_req & r, int32_t offset) {
-    clover_engine * eng = r.eng;
-    const llama_batch & b = eng->batch;
-    eng->row_of.assign(b.n_tokens, -1);
+    clover_slot * slot = r.slot;
+    const llama_batch & b = slot->batch;
+    slot->row_of.assign(b.n_tokens, -1);
     int32_t n_rows = 0;
     for (int32_t j = 0; j < b.n_tokens; ++j) {
         n_rows += b.logits[j] ? 1 : 0;
     }
-    eng->rows.resize((size_t) n_rows * eng->n_vocab);
+    slot->rows.resize((size_t) n_rows * slot->n_vocab);
     int32_t k = 0;
     for (int32_t j = 0; j < b.n_tokens; ++j) {
         if (!b.logits[j]) {
@@ -137,8 +109,8 @@ bool clover_keep_rows(llama_context * ctx, clover_pass_req & r, int32_t offset) 
         if (!src) {
             return false;
         }
-        std::memcpy(eng->rows.data() + (size_t) k * eng->n_vocab, src, sizeof(float) * eng->n_vocab);
-        eng->row_of[j] = k++;
+        std::memcpy(slot->rows.data() + (size_t) k * slot->n_vocab, src, sizeof(float) * slot->n_vocab);
+        slot->row_of[j] = k++;
     }
     return true;
 }
@@ -146,21 +118,16 @@ bool clover_keep_rows(llama_context * ctx, clover_pass_req & r, int32_t offset) 
 void clover_run_round(clover_shared & sh, llama_context * ctx) {
     std::vector<clover_pass_req *> group = clover_take_group(sh);
     const bool block = group[0]->block;
-    const llama_batch * batch = &group[0]->eng->batch;
+    const llama_batch * batch = &group[0]->slot->batch;
     std::vector<int32_t> offsets(group.size(), 0);
     if (group.size() > 1) {
         llama_batch & all = sh.batch;
-        all.n_tokens = 0;
+        clover_batch_clear(all);
         for (size_t g = 0; g < group.size(); ++g) {
-            const llama_batch & b = group[g]->eng->batch;
+            const llama_batch & b = group[g]->slot->batch;
             offsets[g] = all.n_tokens;
             for (int32_t j = 0; j < b.n_tokens; ++j) {
-                const int32_t i = all.n_tokens++;
-                all.token[i]     = b.token[j];
-                all.pos[i]       = b.pos[j];
-                all.n_seq_id[i]  = 1;
-                all.seq_id[i][0] = b.seq_id[j][0];
-                all.logits[i]    = b.logits[j];
+                clover_batch_add(all, b.token[j], b.pos[j], b.seq_id[j][0], b.logits[j]);
             }
         }
         batch = &all;
@@ -169,10 +136,10 @@ void clover_run_round(clover_shared & sh, llama_context * ctx) {
     if (block) {
         std::vector<llama_seq_id> history, scratch;
         for (clover_pass_req * r : group) {
-            history.push_back(r->eng->seq_history);
-            scratch.push_back(r->eng->seq_scratch);
+            history.push_back(r->slot->seq_history);
+            scratch.push_back(r->slot->seq_scratch);
         }
-        llama_clover_set_coreset_top_p(group[0]->eng->model, group[0]->eng->coreset_top_p);
+        llama_clover_set_coreset_top_p(group[0]->slot->model, group[0]->slot->coreset_top_p);
         rc = clover_block_decode_seqs(ctx, *batch, history.data(), scratch.data(), (int32_t) group.size());
     } else {
         rc = llama_decode(ctx, *batch);
@@ -187,24 +154,24 @@ void clover_run_round(clover_shared & sh, llama_context * ctx) {
 
 }  // namespace
 
-int32_t clover_parallel_pass(clover_engine * eng, bool block) {
-    clover_shared & sh = *eng->shared;
+int32_t clover_parallel_pass(clover_slot * slot, bool block) {
+    clover_shared & sh = *slot->shared;
     clover_pass_req req;
-    req.eng   = eng;
+    req.slot  = slot;
     req.block = block;
     sh.pending.push_back(&req);
-    // A round waits for every slot inside clover_generate (those in a callback included: they come back with
+    // A round waits for every slot inside clover_slot_generate (those in a callback included: they come back with
     // their next pass at once), and lets a slot blocked on the lock take it first: a generation that starts
     // then joins the rounds, and a short call (reuse_prefix, reset) runs between two rounds. A slot that is
     // not generating is not waited for once it holds the lock: its pass runs in the next round.
     while (!req.done) {
         const int32_t n_waited = sh.n_generating + sh.n_entering.load();
         if ((int32_t) sh.pending.size() >= std::max<int32_t>(n_waited, 1)) {
-            clover_run_round(sh, eng->ctx);
+            clover_run_round(sh, slot->ctx);
             sh.cv.notify_all();
             continue;
         }
-        sh.cv.wait(*eng->lock);
+        sh.cv.wait(*slot->lock);
     }
     return req.rc;
 }

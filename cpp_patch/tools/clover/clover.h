@@ -1,12 +1,16 @@
 // Clover decoding engine: ar, LowConfidence block diffusion and self-speculative decoding
 // (shared/clover-spec.md section 4) on top of libllama. A plain C API, so Python binds it with ctypes.
 //
-// One engine owns one model and one llama_context (kv_unified, n_rs_seq = max_block_size - 1) with n_parallel
-// slots (default 1). Slot i owns sequence 2i (the committed history) and 2i + 1 (the scratch sequence of its
-// block passes). Successive clover_generate calls on a slot continue its history (multi-turn chat) until
-// clover_engine_reset. With n_parallel > 1, calls on different slots may run on different threads at once: their
-// passes meet in rounds, and same-kind, same-size passes of several slots run as one llama_decode
-// (clover-parallel.cpp, docs/serve.md "Slots").
+// One engine (struct clover_engine) owns one model and one llama_context (kv_unified, n_rs_seq = max_block_size - 1)
+// and n_parallel slots (struct clover_slot, default 1). Slot i owns sequence 2i (the committed history) and 2i + 1
+// (the scratch sequence of its block passes). Successive clover_slot_generate calls on a slot continue its history
+// (multi-turn chat) until clover_slot_reset. With n_parallel > 1, calls on different slots may run on different
+// threads at once: their passes meet in rounds, and same-kind, same-size passes of several slots run as one
+// llama_decode (clover-parallel.cpp, docs/serve.md "Slots").
+//
+// Names are noun first: clover_engine_* take the engine, clover_slot_* a slot, clover_model_info_* the GGUF's
+// settings. Functions that can fail return -1 (or NULL) and say why: in err (err_size bytes) where they take one,
+// else in clover_slot_last_error.
 
 #pragma once
 
@@ -14,6 +18,28 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+
+#ifdef CLOVER_SHARED
+#    if defined(_WIN32) && !defined(__MINGW32__)
+#        ifdef CLOVER_BUILD
+#            define CLOVER_API __declspec(dllexport)
+#        else
+#            define CLOVER_API __declspec(dllimport)
+#        endif
+#    else
+#        define CLOVER_API __attribute__ ((visibility ("default")))
+#    endif
+#else
+#    define CLOVER_API
+#endif
+
+#ifdef __GNUC__
+#    define CLOVER_DEPRECATED(func, hint) func __attribute__((deprecated(hint)))
+#elif defined(_MSC_VER)
+#    define CLOVER_DEPRECATED(func, hint) __declspec(deprecated(hint)) func
+#else
+#    define CLOVER_DEPRECATED(func, hint) func
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -150,96 +176,117 @@ typedef bool (*clover_tokens_cb)(const llama_token * tokens, int32_t n_tokens, v
 // Return false to cancel.
 typedef bool (*clover_step_cb)(const llama_token * canvas, int32_t n_canvas, void * user_data);
 
-struct clover_engine;
+struct clover_engine;  // a model, its context and its slots: clover_engine_load, clover_engine_free
+struct clover_slot;    // one history on the engine's context: clover_engine_slot; owned by the engine
 
-// The block-pass protocol (spec section 3; docs/native.md, "History protection"): on a context with
-// n_seq_max >= 2 and a unified KV cache, copy the history (sequence 0) to the scratch sequence 1, decode batch
-// (the window, on sequence 1, at the positions after the history) with causal attention off, then remove
-// sequence 1 and turn causal attention back on. The history is never written. Returns llama_decode's code, or -3
-// (nothing done) when the model has no block-diffusion tensors (a trunk-only file). The coreset top_p is the
-// model's current setting (llama_clover_set_coreset_top_p in clover-llama.h; the GGUF's value by default).
-int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch * batch);
-
-// Physical cores this process may run on: its CPU affinity mask with SMT siblings counted once, capped by
-// the cgroup CPU quota; at least 1. The engine's default for decode and batch threads alike.
-int32_t clover_default_n_threads(void);
-
-struct clover_engine_params clover_engine_default_params(void);
-struct clover_gen_params    clover_gen_default_params(void);
+//
+// the GGUF's settings, no engine needed
+//
 
 // Read the clover settings of a GGUF file, and of its block-diffusion sidecar when bd_path is not NULL or "" (the
 // sidecar's keys override the file's; a sidecar of another trunk is refused, naming the fingerprint fields that
 // differ). Returns 0, or -1 with a message in err (err may be NULL).
-int32_t clover_model_info_read(const char * path, const char * bd_path, struct clover_model_info * info, char * err,
-                               size_t err_size);
-// clover_model_info_read without a sidecar
-int32_t clover_read_model_info(const char * path, struct clover_model_info * info, char * err, size_t err_size);
+CLOVER_API int32_t clover_model_info_read(const char * path, const char * bd_path, struct clover_model_info * info,
+                                          char * err, size_t err_size);
 
 // The threshold a call with threshold < 0 uses (spec 4.3): the calibrated threshold for block_size, else the
 // default (clover.diffusion.threshold). The one resolution of it: the engine, llama-clover and clover_cpp call this.
-float clover_info_threshold(const struct clover_model_info * info, int32_t block_size);
+CLOVER_API float clover_model_info_threshold(const struct clover_model_info * info, int32_t block_size);
 
-// Load the model and create the context; NULL on failure (message in err).
-struct clover_engine * clover_engine_load(const char * path, struct clover_engine_params params,
-                                          char * err, size_t err_size);
-void clover_engine_free(struct clover_engine * engine);
+// The block-pass protocol (spec section 3; docs/native.md, "History protection"): on a context with
+// n_seq_max >= 2 and a unified KV cache, copy the history (sequence 0) to the scratch sequence 1, decode batch
+// (the window, on sequence 1, at the positions after the history) with causal attention off, then remove
+// sequence 1 and turn causal attention back on. The history is never written. Returns llama_decode's code, -1
+// for a NULL argument, or -3 (nothing done) when the model has no block-diffusion tensors (a trunk-only file).
+// The coreset top_p is the model's current setting (llama_clover_set_coreset_top_p in clover-llama.h; the GGUF's
+// value by default).
+CLOVER_API int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch * batch);
+
+// Physical cores this process may run on: its CPU affinity mask with SMT siblings counted once, capped by
+// the cgroup CPU quota; at least 1. The engine's default for decode and batch threads alike.
+CLOVER_API int32_t clover_default_n_threads(void);
+
+CLOVER_API struct clover_engine_params clover_engine_default_params(void);
+// mode CLOVER_MODE_AUTO, the GGUF's block size and calibrated threshold, greedy, 64 tokens, the vocab's EOG set
+CLOVER_API struct clover_gen_params    clover_gen_default_params(void);
+
+//
+// the engine
+//
+
+// Load the model and create the context and its slots. Returns the engine, owned by the caller (free it with
+// clover_engine_free), or NULL on failure (message in err).
+CLOVER_API struct clover_engine * clover_engine_load(const char * path, struct clover_engine_params params,
+                                                     char * err, size_t err_size);
+// Frees the engine, its slots, its llama_context and its llama_model. NULL is allowed.
+CLOVER_API void clover_engine_free(struct clover_engine * engine);
 
 // The llama_model_params that clover_engine_load would use for these params, as "key=value" lines (n_gpu_layers,
 // split_mode, main_gpu, tensor_split, one override=<regex>=<buffer type> per override, in llama.cpp's order).
 // Returns 0, or -1 with the message clover_engine_load would give (err). Reads only the GGUF header.
-int32_t clover_engine_describe_offload(const char * path, struct clover_engine_params params,
-                                       char * out, size_t out_size, char * err, size_t err_size);
+CLOVER_API int32_t clover_engine_describe_offload(const char * path, struct clover_engine_params params,
+                                                  char * out, size_t out_size, char * err, size_t err_size);
 // What a load with these params would allocate on each device (llama.cpp's no_alloc dry run: no tensor data is
 // read); the host entry is last. Returns the number of entries written (at most n_out), or -1 (err).
-int32_t clover_engine_plan_memory(const char * path, struct clover_engine_params params,
-                                  struct clover_device_memory * out, int32_t n_out, char * err, size_t err_size);
+CLOVER_API int32_t clover_engine_plan_memory(const char * path, struct clover_engine_params params,
+                                             struct clover_device_memory * out, int32_t n_out, char * err,
+                                             size_t err_size);
 // 0 when every non-host device keeps margin_mib free after its model + context + compute, else -1 and a message
 // with the numbers ("needs X MiB on CUDA0 ..., Y GiB free"). clover_engine_load applies it with fit_margin_mib.
-int32_t clover_check_fit(const struct clover_device_memory * devs, int32_t n_devs, int32_t margin_mib,
-                         char * err, size_t err_size);
+CLOVER_API int32_t clover_check_fit(const struct clover_device_memory * devs, int32_t n_devs, int32_t margin_mib,
+                                    char * err, size_t err_size);
 // llama.cpp's --rpc (common/arg.cpp add_rpc_devices): register a device for every "host:port" of the comma-separated
 // list with the backend registry (ggml-rpc, an rpc-server at that address), so the next loads see them as GPU
 // devices and offload -ngl layers to them (split by -ts, by default by free memory). Registration is for the
 // process; an endpoint already added is skipped. Returns the number of devices added, or -1 with a message (a
 // build without GGML_RPC, an empty entry, an unreachable server).
-int32_t clover_rpc_add_servers(const char * servers, char * err, size_t err_size);
+CLOVER_API int32_t clover_rpc_add_servers(const char * servers, char * err, size_t err_size);
 
-const struct clover_model_info * clover_engine_info(const struct clover_engine * engine);
+// The model's clover settings as the engine resolved them. Borrowed: owned by the engine, valid until
+// clover_engine_free. NULL for a NULL engine.
+CLOVER_API const struct clover_model_info * clover_engine_info(const struct clover_engine * engine);
 
-// Slot i of an engine loaded with n_parallel slots (slot 0 is the engine itself), or NULL when out of range. A slot
-// takes every clover_engine_* and clover_generate call; it is owned (and freed) by the engine. One thread at a
-// time per slot; different slots may be driven from different threads.
-struct clover_engine * clover_engine_slot(struct clover_engine * engine, int32_t i);
-int32_t clover_engine_n_parallel(const struct clover_engine * engine);
+// Slot i of an engine loaded with n_parallel slots (slot 0 is the engine's first slot), or NULL when out of range.
+// Borrowed: owned by the engine, freed by clover_engine_free and valid until then (the same pointer for every call
+// with the same i). One thread at a time per slot; different slots may be driven from different threads.
+CLOVER_API struct clover_slot * clover_engine_slot(struct clover_engine * engine, int32_t i);
+CLOVER_API int32_t clover_engine_n_parallel(const struct clover_engine * engine);
 // Passes run by the engine's slots, and the llama_decode rounds they ran in (n_passes > n_rounds: passes of
 // several slots were batched together). Both 0 with a single slot.
-void    clover_engine_pass_stats(const struct clover_engine * engine, int64_t * n_passes, int64_t * n_rounds);
-struct llama_model   * clover_engine_model  (struct clover_engine * engine);
-struct llama_context * clover_engine_context(struct clover_engine * engine);
+CLOVER_API void    clover_engine_pass_stats(const struct clover_engine * engine, int64_t * n_passes, int64_t * n_rounds);
+// The engine's llama_model and llama_context, for llama.cpp calls (tokenizer, state, sampling of your own).
+// Borrowed: owned by the engine, freed by clover_engine_free and valid until then; never free them yourself.
+CLOVER_API struct llama_model   * clover_engine_model  (struct clover_engine * engine);
+CLOVER_API struct llama_context * clover_engine_context(struct clover_engine * engine);
+// The context size of each slot: the positions a history may use (params.n_ctx / n_parallel resolved; llama.cpp's
+// own context may be larger, as it is made at least n_batch).
+CLOVER_API int32_t clover_engine_n_ctx(const struct clover_engine * engine);
+// the largest block size this engine accepts (max_block_size as resolved at load)
+CLOVER_API int32_t clover_engine_max_block_size(const struct clover_engine * engine);
+// The threads the engine's context decodes with (the resolved n_threads).
+CLOVER_API int32_t clover_engine_n_threads(const struct clover_engine * engine);
+
+//
+// a slot: one history on the engine's context
+//
+
+// Generate a continuation of the prompt on the slot's history. Returns the number of generated tokens
+// (also written to stats), or -1 on error (clover_slot_last_error). After a cancellation the next generate starts
+// fresh, unless clover_slot_reuse_prefix is called first: it can continue from the latest checkpoint.
+CLOVER_API int32_t clover_slot_generate(struct clover_slot * slot, const llama_token * prompt, int32_t n_prompt,
+                                        const struct clover_gen_params * params,
+                                        clover_tokens_cb on_tokens, clover_step_cb on_step, void * user_data,
+                                        struct clover_stats * stats);
 
 // Forget the history: the next generate starts with a fresh prefill.
-void clover_engine_reset(struct clover_engine * engine);
+CLOVER_API void    clover_slot_reset(struct clover_slot * slot);
 // Positions committed to the history so far (the pending token's position), or 0 after a reset.
-int32_t clover_engine_n_past(const struct clover_engine * engine);
-// The engine's context size: the positions a history may use (params.n_ctx resolved; llama.cpp's own context may
-// be larger, as it is made at least n_batch).
-int32_t clover_engine_n_ctx(const struct clover_engine * engine);
-// the largest block size this engine accepts (max_block_size as resolved at load)
-int32_t clover_engine_max_block_size(const struct clover_engine * engine);
-// The threads the engine's context decodes with (the resolved n_threads).
-int32_t clover_engine_n_threads(const struct clover_engine * engine);
+CLOVER_API int32_t clover_slot_n_past(const struct clover_slot * slot);
+// The message of the slot's last failure ("" when none). Owned by the slot: valid until the next call on the slot
+// or clover_engine_free.
+CLOVER_API const char * clover_slot_last_error(const struct clover_slot * slot);
 
-// Generate a continuation of the prompt on the engine's history. Returns the number of generated tokens
-// (also written to stats), or -1 on error (clover_engine_last_error). After a cancellation the next generate starts
-// fresh, unless clover_engine_reuse_prefix is called first: it can continue from the latest checkpoint.
-int32_t clover_generate(struct clover_engine * engine, const llama_token * prompt, int32_t n_prompt,
-                        const struct clover_gen_params * params,
-                        clover_tokens_cb on_tokens, clover_step_cb on_step, void * user_data,
-                        struct clover_stats * stats);
-
-const char * clover_engine_last_error(const struct clover_engine * engine);
-
-// Prefix reuse (docs/serve.md, "Prefix reuse"). The engine keeps checkpoints of the history's recurrent state
+// Prefix reuse (docs/serve.md, "Prefix reuse"). The slot keeps checkpoints of the history's recurrent state
 // (llama_state_seq_get_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) in host memory: at the end of every
 // prefill (where the answer starts) and every checkpoint_every prefilled tokens. Attention KV entries can be
 // cut at any position, the recurrent state only at a checkpoint.
@@ -256,32 +303,75 @@ struct clover_cache_info {
 
 // Budget in bytes for the checkpoints (0 = none, the default) and the prefill interval between two of them
 // (0 = only at the end of each prefill). Checkpoints over the new budget are evicted.
-void    clover_engine_set_cache(struct clover_engine * engine, int64_t max_bytes, int32_t checkpoint_every);
+CLOVER_API void    clover_slot_set_cache(struct clover_slot * slot, int64_t max_bytes, int32_t checkpoint_every);
 // Keep the longest prefix of the committed history that the prompt starts with and whose state can be restored
 // (the whole history when the prompt extends it, else the nearest checkpoint at or before the divergence), and
 // forget the rest. Returns n, the number of prompt tokens the history now holds (at most n_prompt - 1): the
-// caller then generates with prompt + n, n_prompt - n. 0 means a fresh history (the engine was reset).
-int32_t clover_engine_reuse_prefix(struct clover_engine * engine, const llama_token * prompt, int32_t n_prompt);
+// caller then generates with prompt + n, n_prompt - n. 0 means a fresh history (the slot was reset).
+CLOVER_API int32_t clover_slot_reuse_prefix(struct clover_slot * slot, const llama_token * prompt, int32_t n_prompt);
 // Also checkpoint when the next prefill reaches n_past: where the chat template's generation prompt starts, the
-// last position the next turn's prompt shares with this one. Hints are cleared by clover_engine_reuse_prefix.
-void    clover_engine_checkpoint_hint(struct clover_engine * engine, int32_t n_past);
-void    clover_engine_cache_info(const struct clover_engine * engine, struct clover_cache_info * out);
+// last position the next turn's prompt shares with this one. Hints are cleared by clover_slot_reuse_prefix.
+CLOVER_API void    clover_slot_checkpoint_hint(struct clover_slot * slot, int32_t n_past);
+CLOVER_API void    clover_slot_cache_info(const struct clover_slot * slot, struct clover_cache_info * out);
 
-// Sessions (clover-cpp chat's /save and /load): after the caller restored the history's sequence (0) with
-// llama_state_seq_set_data (the full state: KV entries and recurrent state), tell the engine which tokens it now
+// Sessions (clover-cpp chat's /save and /load): after the caller restored the history's sequence with
+// llama_state_seq_set_data (the full state: KV entries and recurrent state), tell the slot which tokens it now
 // holds. The sequence must hold exactly positions [0, n_tokens); the tokens must be in the vocabulary and leave
 // room in the context. Checkpoints are dropped (they described the previous history); the next prompt that
-// extends the tokens prefills only the rest (clover_engine_reuse_prefix). Returns 0, or -1 with last_error,
-// and the engine reset (the restored sequence does not match the tokens).
-int32_t clover_engine_set_history(struct clover_engine * engine, const llama_token * tokens, int32_t n_tokens);
+// extends the tokens prefills only the rest (clover_slot_reuse_prefix). Returns 0, or -1 with last_error,
+// and the slot reset (the restored sequence does not match the tokens).
+CLOVER_API int32_t clover_slot_set_history(struct clover_slot * slot, const llama_token * tokens, int32_t n_tokens);
 
 // Auto mode's cost table. The first auto generate measures it (about a dozen passes on the scratch sequence;
 // the history is not touched) unless one was set; set_costs makes decisions reproducible (tests, a table
 // measured once and saved). measure_costs measures now. Each returns 0, or -1 on error (last_error).
-int32_t clover_engine_measure_costs(struct clover_engine * engine, struct clover_pass_costs * out);
-int32_t clover_engine_set_costs    (struct clover_engine * engine, const struct clover_pass_costs * costs);
+CLOVER_API int32_t clover_slot_measure_costs(struct clover_slot * slot, struct clover_pass_costs * out);
+CLOVER_API int32_t clover_slot_set_costs    (struct clover_slot * slot, const struct clover_pass_costs * costs);
 // 0 and the table, or -1 when none was measured or set yet.
-int32_t clover_engine_get_costs    (const struct clover_engine * engine, struct clover_pass_costs * out);
+CLOVER_API int32_t clover_slot_get_costs    (const struct clover_slot * slot, struct clover_pass_costs * out);
+
+//
+// deprecated names, kept for one release: the clover_engine_* forms act on slot 0
+//
+
+CLOVER_DEPRECATED(CLOVER_API int32_t clover_read_model_info(const char * path, struct clover_model_info * info,
+                                                            char * err, size_t err_size),
+                  "use clover_model_info_read(path, NULL, info, err, err_size)");
+CLOVER_DEPRECATED(CLOVER_API float clover_info_threshold(const struct clover_model_info * info, int32_t block_size),
+                  "use clover_model_info_threshold");
+CLOVER_DEPRECATED(CLOVER_API int32_t clover_generate(struct clover_engine * engine, const llama_token * prompt,
+                                                     int32_t n_prompt, const struct clover_gen_params * params,
+                                                     clover_tokens_cb on_tokens, clover_step_cb on_step,
+                                                     void * user_data, struct clover_stats * stats),
+                  "use clover_slot_generate");
+CLOVER_DEPRECATED(CLOVER_API void clover_engine_reset(struct clover_engine * engine), "use clover_slot_reset");
+CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_n_past(const struct clover_engine * engine),
+                  "use clover_slot_n_past");
+CLOVER_DEPRECATED(CLOVER_API const char * clover_engine_last_error(const struct clover_engine * engine),
+                  "use clover_slot_last_error");
+CLOVER_DEPRECATED(CLOVER_API void clover_engine_set_cache(struct clover_engine * engine, int64_t max_bytes,
+                                                          int32_t checkpoint_every),
+                  "use clover_slot_set_cache");
+CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_reuse_prefix(struct clover_engine * engine,
+                                                                const llama_token * prompt, int32_t n_prompt),
+                  "use clover_slot_reuse_prefix");
+CLOVER_DEPRECATED(CLOVER_API void clover_engine_checkpoint_hint(struct clover_engine * engine, int32_t n_past),
+                  "use clover_slot_checkpoint_hint");
+CLOVER_DEPRECATED(CLOVER_API void clover_engine_cache_info(const struct clover_engine * engine,
+                                                           struct clover_cache_info * out),
+                  "use clover_slot_cache_info");
+CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_set_history(struct clover_engine * engine,
+                                                               const llama_token * tokens, int32_t n_tokens),
+                  "use clover_slot_set_history");
+CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_measure_costs(struct clover_engine * engine,
+                                                                 struct clover_pass_costs * out),
+                  "use clover_slot_measure_costs");
+CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_set_costs(struct clover_engine * engine,
+                                                             const struct clover_pass_costs * costs),
+                  "use clover_slot_set_costs");
+CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_get_costs(const struct clover_engine * engine,
+                                                             struct clover_pass_costs * out),
+                  "use clover_slot_get_costs");
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,6 @@
 // llama-clover: generate with the Clover engine (clover.h) from the command line.
 //
-//   llama-clover -m M.gguf -p TEXT --mode ar|diffusion|spec|auto [--block-size B] [--threshold T] [-n N]
+//   llama-clover -m M.gguf -p TEXT [--mode auto|ar|diffusion|spec] [--block-size B] [--threshold T] [-n N]
 //                [--draft-steps S] [--temp T --top-k K --top-p P -s SEED] [-c N_CTX] [-b N_BATCH] [-t THREADS]
 //                [--json] [-v]
 //
@@ -27,7 +27,7 @@ static void clover_cli_usage(const char * argv0) {
     fprintf(stderr,
         "usage: %s -m MODEL.gguf -p PROMPT [options]\n"
         "  --bd FILE                  block-diffusion sidecar (NAME.bd.gguf) for a trunk-only -m file\n"
-        "  --mode ar|diffusion|spec|auto  decoding mode (default diffusion)\n"
+        "  --mode auto|ar|diffusion|spec  decoding mode (default auto)\n"
         "  --block-size B             block size (default: the GGUF's ARCH.block_size, else 32)\n"
         "  --threshold T              fill threshold in [0, 1] (default: the calibrated one for B)\n"
         "  --coreset-top-p P          block passes' expert coreset top_p in (0, 1] (default: the GGUF's, 1 = off)\n"
@@ -384,7 +384,7 @@ static void clover_cli_print_json(const llama_vocab * vocab, const clover_model_
         text += clover_cli_piece(vocab, t);
     }
     const int32_t block_size = gparams.block_size > 0 ? gparams.block_size : info.block_size;
-    const float   threshold  = gparams.threshold >= 0.0f ? gparams.threshold : clover_info_threshold(&info, block_size);
+    const float   threshold  = gparams.threshold >= 0.0f ? gparams.threshold : clover_model_info_threshold(&info, block_size);
     const int32_t n_out  = (int32_t) tokens.size();
     const int32_t passes = stats.n_block_passes + stats.n_causal_passes;
     const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
@@ -445,9 +445,10 @@ int main(int argc, char ** argv) {
 
     clover_cli_state st = { vocab, {}, !a.json };
     clover_stats stats;
-    if (clover_generate(eng.get(), prompt_ids.data(), (int32_t) prompt_ids.size(), &a.gparams, clover_cli_on_tokens,
-                        nullptr, &st, &stats) < 0) {
-        fprintf(stderr, "error: %s\n", clover_engine_last_error(eng.get()));
+    clover_slot * slot = clover_engine_slot(eng.get(), 0);
+    if (clover_slot_generate(slot, prompt_ids.data(), (int32_t) prompt_ids.size(), &a.gparams, clover_cli_on_tokens,
+                             nullptr, &st, &stats) < 0) {
+        fprintf(stderr, "error: %s\n", clover_slot_last_error(slot));
         return 1;
     }
     const int32_t n_threads = clover_engine_n_threads(eng.get());

@@ -1,0 +1,442 @@
+// Passes and decoding loops of the Clover engine: causal passes on a slot's history, block passes on its scratch
+// sequence, rollback; the ar, diffusion (LowConfidence) and spec loops of shared/clover-spec.md section 4. See
+// docs/decoding.md for the reading of the spec that the PyTorch reference (clover_ref/decode.py) implements; in
+// greedy mode this engine is token-identical to it.
+
+#include "clover-impl.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+double clover_now_ms() {
+    using clock = std::chrono::steady_clock;
+    return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
+}
+
+void clover_histogram_add(int32_t * histogram, int32_t value) {
+    histogram[std::min(std::max(value, 0), CLOVER_HIST_SIZE - 1)]++;
+}
+
+//
+// batches and passes
+//
+
+void clover_batch_clear(llama_batch & batch) {
+    batch.n_tokens = 0;
+}
+
+void clover_batch_add(llama_batch & batch, llama_token token, llama_pos pos, llama_seq_id seq, bool logits) {
+    const int32_t i = batch.n_tokens++;
+    batch.token[i]     = token;
+    batch.pos[i]       = pos;
+    batch.n_seq_id[i]  = 1;
+    batch.seq_id[i][0] = seq;
+    batch.logits[i]    = logits;
+}
+
+// n tokens at positions pos0 .. on one sequence; logits for rows
+static void clover_batch_fill(llama_batch & batch, const llama_token * tokens, int32_t n, llama_pos pos0,
+                              llama_seq_id seq, const std::vector<int32_t> & rows) {
+    clover_batch_clear(batch);
+    for (int32_t i = 0; i < n; ++i) {
+        clover_batch_add(batch, tokens[i], pos0 + i, seq, false);
+    }
+    for (int32_t r : rows) {
+        batch.logits[r] = 1;
+    }
+}
+
+static bool clover_decode(clover_slot * slot, const char * what) {
+    const int32_t rc = slot->shared ? clover_parallel_pass(slot, false) : llama_decode(slot->ctx, slot->batch);
+    if (rc != 0) {
+        slot->last_error = clover_format("llama_decode failed in the %s (code %d)", what, rc);
+        return false;
+    }
+    return true;
+}
+
+// causal pass appending tokens to the history (seq_history) at positions n_past ..; logits for rows
+bool clover_causal(clover_slot * slot, const llama_token * tokens, int32_t n,
+                          const std::vector<int32_t> & rows, const char * what) {
+    if (n > slot->batch_cap) {
+        slot->last_error = clover_format("internal error: a causal pass of %d tokens exceeds the batch (%d)", n, slot->batch_cap);
+        return false;
+    }
+    clover_batch_fill(slot->batch, tokens, n, slot->n_past, slot->seq_history, rows);
+    if (!clover_decode(slot, what)) {
+        return false;
+    }
+    slot->n_past += n;
+    slot->history.insert(slot->history.end(), tokens, tokens + n);
+    return true;
+}
+
+// forget history positions [keep, n_past): the recurrent state rolls back within n_rs_seq positions
+static bool clover_rollback(clover_slot * slot, int32_t keep) {
+    if (keep < slot->n_past && !llama_memory_seq_rm(slot->mem, slot->seq_history, keep, -1)) {
+        slot->last_error = clover_format("rollback of positions %d .. %d refused (n_rs_seq = %u)",
+                keep, slot->n_past - 1, llama_n_rs_seq(slot->ctx));
+        return false;
+    }
+    slot->n_past = std::min(slot->n_past, keep);
+    slot->history.resize(slot->n_past);
+    clover_cache_forget_after(slot, slot->n_past);
+    return true;
+}
+
+// block pass over the window at positions n_past .. on a scratch copy of the history; logits for rows.
+// The history (seq_history) is never written.
+bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
+    const int32_t n = (int32_t) window.size();
+    if (n > slot->max_block_size || n > slot->batch_cap) {
+        slot->last_error = clover_format("internal error: a block window of %d exceeds max_block_size %d", n, slot->max_block_size);
+        return false;
+    }
+    if (!slot->can_block) {
+        slot->last_error = slot->block_unavailable;
+        return false;
+    }
+    clover_batch_fill(slot->batch, window.data(), n, slot->n_past, slot->seq_scratch, rows);
+    if (!slot->shared) {
+        llama_clover_set_coreset_top_p(slot->model, slot->coreset_top_p);
+    }
+    const int32_t rc = slot->shared ? clover_parallel_pass(slot, true)
+                                    : clover_block_decode_seqs(slot->ctx, slot->batch, &slot->seq_history, &slot->seq_scratch, 1);
+    if (rc != 0) {
+        slot->last_error = clover_format("llama_decode failed in the block pass (code %d)", rc);
+        return false;
+    }
+    return true;
+}
+
+// float32 logits of batch row i (NULL with last_error set when llama.cpp has none)
+const float * clover_get_row(clover_slot * slot, int32_t i) {
+    const float * logits = nullptr;
+    if (!slot->shared) {
+        logits = llama_get_logits_ith(slot->ctx, i);
+    } else if (i >= 0 && i < (int32_t) slot->row_of.size() && slot->row_of[i] >= 0) {
+        logits = slot->rows.data() + (size_t) slot->row_of[i] * slot->n_vocab;  // copied out by the round
+    }
+    if (!logits) {
+        slot->last_error = clover_format("llama_get_logits_ith(%d) returned no logits", i);
+    }
+    return logits;
+}
+
+//
+// one generate call
+//
+
+static bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n) {
+    if (n <= 0) {
+        return true;
+    }
+    run.n_out += n;
+    run.stats->n_generated = run.n_out;
+    bool go_on = true;
+    if (run.on_tokens) {
+        clover_callback_scope unlocked(run.slot);
+        go_on = run.on_tokens(tokens, n, run.user_data);
+    }
+    if (!go_on) {
+        run.cancelled = true;
+        return false;
+    }
+    return true;
+}
+
+// window width for the next block: B, or what is left of the context (spec 4.1); 0 ends generation
+static int32_t clover_block_width(clover_run & run) {
+    const int32_t width = std::min(run.block_size, run.slot->n_ctx - run.slot->n_past);
+    if (width < 1) {
+        run.stats->stop_reason = CLOVER_STOP_CONTEXT;
+        return 0;
+    }
+    return width;
+}
+
+bool clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
+    const double t0 = clover_now_ms();
+    const bool ok = clover_block(run.slot, window, rows);
+    run.stats->t_block_ms += clover_now_ms() - t0;
+    run.stats->n_block_passes++;
+    return ok;
+}
+
+static bool clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows, const char * what) {
+    const double t0 = clover_now_ms();
+    const bool ok = clover_causal(run.slot, tokens, n, rows, what);
+    run.stats->t_causal_ms += clover_now_ms() - t0;
+    run.stats->n_causal_passes++;
+    return ok;
+}
+
+void clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window) {
+    const int32_t w = (int32_t) canvas.size();
+    window.resize(w);
+    window[0] = run.slot->pending;
+    for (int32_t j = 0; j + 1 < w; ++j) {
+        window[j + 1] = canvas[j] == CLOVER_EMPTY ? run.slot->info.mask_token_id : canvas[j];
+    }
+}
+
+// one LowConfidence step: a block pass; fill every masked target above the threshold, or the single most
+// confident one (ties to the lowest position). Returns false on error or cancellation.
+static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
+    clover_slot * slot = run.slot;
+    std::vector<int32_t> masked;
+    for (int32_t j = 0; j < (int32_t) canvas.size(); ++j) {
+        if (canvas[j] == CLOVER_EMPTY) {
+            masked.push_back(j);
+        }
+    }
+    std::vector<llama_token> window;
+    clover_window(run, canvas, window);
+    if (!clover_timed_block(run, window, masked)) {
+        return false;
+    }
+    std::vector<clover_choice> choices;
+    choices.reserve(masked.size());
+    for (int32_t j : masked) {
+        const float * logits = clover_get_row(slot, j);
+        if (!logits) {
+            return false;
+        }
+        choices.push_back(clover_choose(slot, run.smp, logits));
+    }
+    const float threshold = run.threshold;
+    bool any = false;
+    for (size_t i = 0; i < masked.size(); ++i) {
+        if (choices[i].conf > threshold) {
+            canvas[masked[i]] = choices[i].token;
+            any = true;
+        }
+    }
+    if (!any && !masked.empty()) {
+        size_t best = 0;
+        for (size_t i = 1; i < masked.size(); ++i) {
+            if (choices[i].conf > choices[best].conf) {
+                best = i;
+            }
+        }
+        canvas[masked[best]] = choices[best].token;
+    }
+    if (run.on_step) {
+        std::vector<llama_token> view(canvas.size());
+        for (size_t j = 0; j < canvas.size(); ++j) {
+            view[j] = canvas[j] == CLOVER_EMPTY ? slot->info.mask_token_id : canvas[j];
+        }
+        bool go_on = true;
+        {
+            clover_callback_scope unlocked(slot);
+            go_on = run.on_step(view.data(), (int32_t) view.size(), run.user_data);
+        }
+        if (!go_on) {
+            run.cancelled = true;
+            return false;
+        }
+    }
+    return true;
+}
+
+// min(K, R) of spec 4.1, and the 1-based offset of the end-of-generation target that set K (0 if none)
+static int32_t clover_produced_limit(const clover_run & run, const std::vector<llama_token> & canvas, int32_t & eog_at) {
+    eog_at = 0;
+    const int32_t remaining = run.remaining();
+    for (int32_t j = 1; j <= (int32_t) canvas.size(); ++j) {
+        const llama_token t = canvas[j - 1];
+        if (t == CLOVER_EMPTY) {
+            break;
+        }
+        if (run.is_stop(t)) {
+            eog_at = j;
+            return std::min(j, remaining);
+        }
+    }
+    return std::min((int32_t) canvas.size(), remaining);
+}
+
+bool clover_run_ar(clover_run & run) {
+    while (run.remaining() > 0) {
+        if (run.slot->n_past >= run.slot->n_ctx) {
+            run.stats->stop_reason = CLOVER_STOP_CONTEXT;
+            return true;
+        }
+        clover_round round;
+        if (!clover_verify(run, nullptr, 0, 1, round)) {  // a width-1 verification without drafts: an ar step
+            return false;
+        }
+        if (round.hit_eog) {
+            run.stats->stop_reason = CLOVER_STOP_EOG;
+            return true;
+        }
+    }
+    run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    return true;
+}
+
+bool clover_run_diffusion(clover_run & run) {
+    clover_slot * slot = run.slot;
+    while (run.remaining() > 0) {
+        const int32_t width = clover_block_width(run);
+        if (width == 0) {
+            return true;
+        }
+        std::vector<llama_token> canvas(width, CLOVER_EMPTY);
+        int32_t steps  = 0;
+        int32_t limit  = 0;
+        int32_t eog_at = 0;
+        while (true) {
+            limit = clover_produced_limit(run, canvas, eog_at);
+            bool filled = true;
+            for (int32_t j = 0; j < limit; ++j) {
+                filled = filled && canvas[j] != CLOVER_EMPTY;
+            }
+            if (filled) {
+                break;
+            }
+            if (!clover_step(run, canvas)) {
+                return false;
+            }
+            steps++;
+        }
+        clover_histogram_add(run.stats->steps_per_block, steps);
+
+        // commit: causal pass over [pending, produced[:-1]]; the last produced token becomes the pending token
+        std::vector<llama_token> commit(limit);
+        commit[0] = slot->pending;
+        for (int32_t j = 0; j + 1 < limit; ++j) {
+            commit[j + 1] = canvas[j];
+        }
+        if (!clover_timed_causal(run, commit.data(), limit, {}, "commit pass")) {
+            return false;
+        }
+        slot->pending = canvas[limit - 1];
+        if (eog_at == limit) {
+            if (!clover_emit(run, canvas.data(), limit - 1)) {
+                return false;
+            }
+            run.stats->stop_reason = CLOVER_STOP_EOG;
+            return true;
+        }
+        if (!clover_emit(run, canvas.data(), limit)) {
+            return false;
+        }
+    }
+    run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    return true;
+}
+
+// draft: draft_steps LowConfidence steps, then one block pass where every still-masked target takes argmax P
+static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_token> & canvas) {
+    clover_slot * slot = run.slot;
+    canvas.assign(width, CLOVER_EMPTY);
+    for (int32_t s = 0; s < run.params->draft_steps; ++s) {
+        if (std::find(canvas.begin(), canvas.end(), CLOVER_EMPTY) == canvas.end()) {
+            break;
+        }
+        if (!clover_step(run, canvas)) {
+            return false;
+        }
+    }
+    std::vector<int32_t> masked;
+    for (int32_t j = 0; j < width; ++j) {
+        if (canvas[j] == CLOVER_EMPTY) {
+            masked.push_back(j);
+        }
+    }
+    if (masked.empty()) {
+        return true;
+    }
+    std::vector<llama_token> window;
+    clover_window(run, canvas, window);
+    if (!clover_timed_block(run, window, masked)) {
+        return false;
+    }
+    for (int32_t j : masked) {
+        const float * logits = clover_get_row(slot, j);
+        if (!logits) {
+            return false;
+        }
+        canvas[j] = clover_argmax(run.smp, logits, slot->n_vocab);
+    }
+    return true;
+}
+
+// Verification and acceptance (spec 4.2, steps 2-4): one causal pass over [pending, drafts[0 .. width-2]] with all
+// width rows; output a_j is compared with draft d_j (j <= n_drafts; a missing draft is never accepted, so all
+// drafts accepted gives a_{n_drafts+1} as a free token). m = min(c+1, width, R, first end-of-generation); emits
+// a_1 .. a_m but an end-of-generation token, keeps history through p+m-1, and a_m becomes the pending token. With
+// width 1 and no draft this is exactly an ar step.
+bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round) {
+    clover_slot * slot = run.slot;
+    const int32_t p = slot->n_past;
+    std::vector<llama_token> inputs(width);
+    std::vector<int32_t>     rows(width);
+    inputs[0] = slot->pending;
+    for (int32_t j = 0; j < width; ++j) {
+        rows[j] = j;
+        if (j + 1 < width) {
+            inputs[j + 1] = drafts[j];
+        }
+    }
+    if (!clover_timed_causal(run, inputs.data(), width, rows, width == 1 ? "ar step" : "verification pass")) {
+        return false;
+    }
+    round = {};
+    std::vector<llama_token> out;
+    llama_token next_pending = slot->pending;
+    for (int32_t j = 1; j <= width; ++j) {
+        const float * logits = clover_get_row(slot, j - 1);
+        if (!logits) {
+            return false;
+        }
+        bool accepted = false;
+        const llama_token token = clover_accept(run, logits, j <= n_drafts ? drafts[j - 1] : -1, accepted);
+        round.m           = j;
+        round.n_accepted += accepted ? 1 : 0;
+        next_pending         = token;
+        if (run.is_stop(token)) {
+            round.hit_eog = true;
+            break;
+        }
+        out.push_back(token);
+        if (!accepted || j == width || (int32_t) out.size() == run.remaining()) {
+            break;
+        }
+    }
+    round.n_compared = std::min(round.m, n_drafts);
+
+    // keep history through p+m-1, roll back p+m .. p+width-1; a_{p+m} is the next pending token
+    if (!clover_rollback(slot, p + round.m)) {
+        return false;
+    }
+    slot->pending = next_pending;
+    return clover_emit(run, out.data(), (int32_t) out.size());
+}
+
+bool clover_run_spec(clover_run & run) {
+    std::vector<llama_token> drafts;
+    while (run.remaining() > 0) {
+        const int32_t width = clover_block_width(run);
+        if (width == 0) {
+            return true;
+        }
+        if (!clover_draft(run, width, drafts)) {
+            return false;
+        }
+        clover_round round;
+        if (!clover_verify(run, drafts.data(), width, width, round)) {
+            return false;
+        }
+        clover_histogram_add(run.stats->accepted_lengths, round.m);
+        if (round.hit_eog) {
+            run.stats->stop_reason = CLOVER_STOP_EOG;
+            return true;
+        }
+    }
+    run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    return true;
+}
