@@ -23,8 +23,9 @@ from typing import Any, TextIO
 
 from clover_common.errors import BadInput
 
-from . import session
+from . import options, session
 from .chat_template import ChatTemplate, TemplateError, load_template
+from .gen_params import MODES, GenParams
 from .model import EngineError, Generation, Model, Stats
 from .loader import NativeError
 from .output_parser import OutputParser, TextEvent, opens_reasoning
@@ -43,23 +44,19 @@ HELP = """commands:
   /exit, /quit, Ctrl-D    leave
 Ctrl-C stops the answer being generated; the chat goes on."""
 
-MODES = ("ar", "diffusion", "spec", "auto")
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 
 
 @dataclass(frozen=True)
 class Settings:
-    mode: str = "auto"
-    block_size: int | None = None
-    threshold: float | None = None
-    coreset_top_p: float | None = None  # None: the GGUF's (spec 3.3)
+    """A chat's settings: the generation parameters of its turns (max_tokens caps each answer; ``stop_ids=()``
+    is --ignore-eos) and whether thinking is on. /mode, /block, /threshold and /think change them."""
+
+    gen: GenParams = GenParams(max_tokens=1024)
     enable_thinking: bool = True
-    max_tokens: int = 1024
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    ignore_eos: bool = False
+
+    def with_gen(self, **fields: Any) -> "Settings":
+        return replace(self, gen=self.gen.replace(**fields))
 
 
 class Style:
@@ -173,7 +170,7 @@ class ChatApp:
         self.say(self.style.bold(f"clover-cpp chat: {name}") + self.style.dim(
             f" (n_ctx {self.model.n_ctx}, B {info.block_size}, max B {self.max_block_size}, "
             f"threshold {info.threshold:.3g})"))
-        self.say(self.style.dim(f"mode {s.mode}, thinking {'on' if s.enable_thinking else 'off'}. /help lists the "
+        self.say(self.style.dim(f"mode {s.gen.mode}, thinking {'on' if s.enable_thinking else 'off'}. /help lists the "
                                 "commands; Ctrl-C stops an answer; Ctrl-D or /exit quits."))
 
     def loop(self, read: Callable[[str], str] = input) -> int:
@@ -219,8 +216,8 @@ class ChatApp:
                 self.fail(f"usage: /mode {'|'.join(MODES)}")
             else:
                 if arg:
-                    self.settings = replace(s, mode=arg)
-                self.say(self.style.dim(f"mode {self.settings.mode}"))
+                    self.settings = s.with_gen(mode=arg)
+                self.say(self.style.dim(f"mode {self.settings.gen.mode}"))
         elif name == "/block":
             self._set_block(arg)
         elif name == "/threshold":
@@ -242,8 +239,8 @@ class ChatApp:
     def _set_block(self, arg: str) -> None:
         if arg in ("default", ""):
             if arg:
-                self.settings = replace(self.settings, block_size=None)
-            self.say(self.style.dim(f"block size {self.settings.block_size or self.model.info.block_size}"))
+                self.settings = self.settings.with_gen(block_size=None)
+            self.say(self.style.dim(f"block size {self.settings.gen.block_size or self.model.info.block_size}"))
             return
         try:
             b = int(arg)
@@ -252,13 +249,13 @@ class ChatApp:
         if not 1 <= b <= self.max_block_size:
             self.fail(f"/block takes an integer in 1..{self.max_block_size} (start with --max-block-size for more)")
             return
-        self.settings = replace(self.settings, block_size=b)
+        self.settings = self.settings.with_gen(block_size=b)
         self.say(self.style.dim(f"block size {b}, threshold {self._threshold_text()}"))
 
     def _set_threshold(self, arg: str) -> None:
         if arg in ("default", ""):
             if arg:
-                self.settings = replace(self.settings, threshold=None)
+                self.settings = self.settings.with_gen(threshold=None)
             self.say(self.style.dim(f"threshold {self._threshold_text()}"))
             return
         try:
@@ -268,7 +265,7 @@ class ChatApp:
         if not 0.0 <= t <= 1.0:
             self.fail("/threshold takes a number in [0, 1], or 'default'")
             return
-        self.settings = replace(self.settings, threshold=t)
+        self.settings = self.settings.with_gen(threshold=t)
         self.say(self.style.dim(f"threshold {t:g}"))
 
     # ------------------------------------------------------------------------------ sessions
@@ -308,7 +305,7 @@ class ChatApp:
             "format": session.FORMAT_VERSION, "clover_version": session.toolkit_version(),
             "model": self.model_identity(),
             "engine": {"n_ctx": self.model.n_ctx, "max_block_size": self.max_block_size},
-            "chat": {"mode": s.mode, "block_size": s.block_size, "threshold": s.threshold,
+            "chat": {"mode": s.gen.mode, "block_size": s.gen.block_size, "threshold": s.gen.threshold,
                      "thinking": s.enable_thinking, "system": self.system},
             "messages": self.messages, "tokens": tokens, "n_past": len(tokens),
         }
@@ -334,7 +331,7 @@ class ChatApp:
         block, note = st["block_size"], ""
         if block is not None and block > self.max_block_size:
             note = f"; its block size {block} exceeds --max-block-size {self.max_block_size}, kept the current one"
-            block = self.settings.block_size
+            block = self.settings.gen.block_size
         try:
             self.model.restore_history(sess.tokens, sess.state)
         except EngineError as exc:  # the engine was reset; the current conversation stays (its next turn prefills)
@@ -342,16 +339,16 @@ class ChatApp:
             return
         self.messages = sess.messages
         self.system = st["system"]
-        self.settings = replace(self.settings, mode=st["mode"], block_size=block, threshold=st["threshold"],
+        self.settings = replace(self.settings.with_gen(mode=st["mode"], block_size=block, threshold=st["threshold"]),
                                 enable_thinking=st["thinking"])
         self.say(self.style.dim(
             f"loaded {path}: {len(self.messages)} messages, {len(sess.tokens)} tokens of history restored "
             f"(mode {st['mode']}, thinking {'on' if st['thinking'] else 'off'}{note})"))
 
     def _threshold_text(self) -> str:
-        if self.settings.threshold is not None:
-            return f"{self.settings.threshold:g}"
-        b = self.settings.block_size or self.model.info.block_size
+        if self.settings.gen.threshold is not None:
+            return f"{self.settings.gen.threshold:g}"
+        b = self.settings.gen.block_size or self.model.info.block_size
         return f"{self.model.info.threshold_for(b):.3g} (calibrated for B = {b})"
 
     def fail(self, message: str) -> None:
@@ -387,7 +384,7 @@ class ChatApp:
         try:
             hint = self.template.generation_prompt_start(self.model.tokenize, self.messages, None,
                                                          s.enable_thinking, prompt, ids)
-            turn = self._generate(text, ids, min(s.max_tokens, room), opens_reasoning(prompt), hint)
+            turn = self._generate(text, ids, min(s.gen.max_tokens, room), opens_reasoning(prompt), hint)
         except (ValueError, NativeError) as exc:
             self.messages.pop()
             self.fail(" ".join(str(exc).split()))
@@ -412,14 +409,10 @@ class ChatApp:
 
     def _generate(self, user_text: str, ids: list[int], max_tokens: int, in_reasoning: bool,
                   checkpoint_hint: int = 0) -> Turn:
-        visual = self.visual and self.settings.mode != "ar"
+        visual = self.visual and self.settings.gen.mode != "ar"
         # the previous turns' prompt, up to where their answer started
         reused = self.model.reuse_prefix(ids, checkpoint_at=[checkpoint_hint])
-        s = self.settings
-        run = self.model.generate(ids[reused:], mode=s.mode, block_size=s.block_size, threshold=s.threshold,
-                                  max_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                  seed=s.seed, stop_ids=[] if s.ignore_eos else None, steps=visual,
-                                  coreset_top_p=s.coreset_top_p)
+        run = self.model.generate(ids[reused:], self.settings.gen, max_tokens=max_tokens, steps=visual)
         printer = AnswerPrinter(self.out, self.style, self.show_reasoning)
         pipeline = TextPipeline(lambda t: self.model.detokenize(t, special=False),
                                 parser=OutputParser(in_reasoning, parse_tools=False))
@@ -468,7 +461,7 @@ class ChatApp:
             shown = "".join(self.style.dim("_") if t == mask
                             else self.style.canvas(self.model.detokenize([t], special=False)) for t in canvas)
         s = self.settings
-        head = f"[{s.mode} B={s.block_size or self.model.info.block_size}] step {step}, {len(tokens)} tokens"
+        head = f"[{s.gen.mode} B={s.gen.block_size or self.model.info.block_size}] step {step}, {len(tokens)} tokens"
         self.out.write(CLEAR + self.style.bold("> ") + user_text + "\n" + text + shown + "\n\n"
                        + self.style.dim(head) + "\n")
         self.out.flush()
@@ -489,28 +482,20 @@ def cancel_on_sigint(run: Generation) -> Iterator[None]:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from .cli import model_kwargs
-
-    model = Model(args.model, **model_kwargs(args), cache_ram_mib=args.cache_ram,  # prefix reuse (docs/serve.md)
-                  checkpoint_every=args.checkpoint_every)
+    settings = Settings(options.gen_params(args, stop_ids=() if args.ignore_eos else None),
+                        enable_thinking=args.think == "on")
+    model = options.open_model(args)  # with the prefix cache of --cache-ram (docs/serve.md)
     try:
         template = load_template(model.llama_model, args.model, args.chat_template)
         if template is None:
             raise BadInput(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")
-        max_block = model.max_block_size  # the engine's resolution of --max-block-size
-        if args.block_size is not None and args.block_size > max_block:
-            raise BadInput(f"--block-size {args.block_size} exceeds --max-block-size {max_block}")
         try:
             import readline  # noqa: F401 - line editing and history for input()
         except ImportError:
             pass
-        settings = Settings(mode=args.mode, block_size=args.block_size, threshold=args.threshold,
-                            coreset_top_p=args.coreset_top_p, enable_thinking=args.think == "on",
-                            max_tokens=args.max_tokens,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
-        app = ChatApp(model, template, settings, max_block, sys.stdout, Style(use_color(args.color, sys.stdout)),
-                      show_reasoning=args.reasoning == "show", visual=args.visual, system=args.system)
+        app = ChatApp(model, template, settings, model.max_block_size, sys.stdout,
+                      Style(use_color(args.color, sys.stdout)), show_reasoning=args.reasoning == "show",
+                      visual=args.visual, system=args.system)
         return app.loop()
     finally:
         model.close()

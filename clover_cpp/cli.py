@@ -10,7 +10,7 @@
     clover-cpp imatrix -m F16.gguf -f CALIB.txt [-o imatrix.gguf] [--chunk-size 512] [--chunks N]
                        [--block-size B] [--no-masked] [--seed S] [-t N] [-ngl N]       (clover_cpp/imatrix.py)
     clover-cpp chat -m MODEL.gguf [--mode M] [--think on|off] [--visual] ...   (clover_cpp/chat.py)
-    clover-cpp serve -m MODEL.gguf [--host H] [--port P] ...                   (clover_cpp/server.py)
+    clover-cpp serve -m MODEL.gguf [--host H] [--port P] ...                   (clover_cpp/serve/)
 
 Bad input prints exactly one line (``clover-cpp: error: ...``) and exits with status 2.
 """
@@ -27,14 +27,10 @@ from clover_common import cli_runner
 from clover_common.cli_runner import OneLineParser
 from clover_common.errors import BadInput
 
-from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY
-from .offload import add_offload_args, offload_from_args
+from . import options
+from .options import BD_HELP, at_least
 
 PROG = "clover-cpp"
-BD_HELP = ("block-diffusion sidecar (NAME.bd.gguf, from clover-convert --bd-sidecar or --bd-only) for a trunk-only "
-           "-m file, such as llama.cpp's Clover GGUFs; the block modes need it (docs/gguf-format.md)")
-CORESET_HELP = ("the block expert coreset's top_p in (0, 1] for block passes (spec 3.3; default: the GGUF's; "
-                "1 = per-row routing)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,23 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     gen = sub.add_parser("generate", help="continue a prompt with the native engine")
-    gen.add_argument("-m", "--model", required=True, help="Clover GGUF file")
-    gen.add_argument("--bd", metavar="FILE", default=None, help=BD_HELP)
+    options.add_model_args(gen)
     gen.add_argument("-p", "--prompt", required=True)
-    gen.add_argument("--mode", choices=["ar", "diffusion", "spec", "auto"], default="auto",
-                     help="auto (default): lossless, faster than ar where drafts are accepted; "
-                          "diffusion changes the output")
-    gen.add_argument("--block-size", type=int, default=None)
-    gen.add_argument("--threshold", type=float, default=None)
-    gen.add_argument("--coreset-top-p", type=float, default=None, metavar="P", help=CORESET_HELP)
-    gen.add_argument("--draft-steps", type=int, default=0)
-    _add_temperature(gen)
-    gen.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=64)
-    _add_sampling_args(gen, seed_default=0)
-    gen.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
-    gen.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
-    gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
-    add_offload_args(gen)
+    options.add_generation_args(gen, max_tokens=64, max_tokens_help="tokens to generate (default 64)", seed=0,
+                                draft_steps=True)
     gen.add_argument("--json", action="store_true",
                      help="print text, token ids and stats as one JSON object (docs/generate-output.schema.json)")
 
@@ -80,50 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, seed_default: int | None) -> None:
-    """--top-k, --top-p and -s/--seed with llama.cpp's names (generate, chat, serve)."""
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("-s", "--seed", type=int, default=seed_default)
-
-
-def _add_temperature(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0, help="0 = greedy")
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Loading and decoding options shared by chat and serve."""
-    p.add_argument("-m", "--model", required=True, help="Clover GGUF file")
-    p.add_argument("--bd", metavar="FILE", default=None, help=BD_HELP)
-    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
-    p.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
-    add_offload_args(p)
-    p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn/request may use "
-                   "(0 = the largest of the model's block size and calibrated sizes)")
-    p.add_argument("--mode", choices=["ar", "diffusion", "spec", "auto"], default="auto",
-                   help="auto (default): lossless, faster than ar where drafts are accepted; "
-                        "diffusion changes the output")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
-    p.add_argument("--coreset-top-p", type=float, default=None, metavar="P", help=CORESET_HELP)
-    _add_temperature(p)
-    p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
-    p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
-    p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
-                   help="host memory for the prefix-reuse checkpoints of the recurrent state "
-                        f"(default {DEFAULT_CACHE_RAM_MIB}; 0 = only reuse a prompt that extends the history)")
-    p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
-                   help=f"also checkpoint every N prefilled tokens (default {DEFAULT_CHECKPOINT_EVERY}; 0 = only "
-                        "where each prompt ends and where it left the previous history)")
-
-
 def _add_chat(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's chat template")
-    _add_engine_args(chat)
-    chat.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=1024,
-                      help="most tokens per answer")
-    _add_sampling_args(chat, seed_default=0)
+    options.add_engine_args(chat)
+    options.add_generation_args(chat, max_tokens=1024, max_tokens_help="most tokens per answer", seed=0)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--reasoning", choices=["show", "hide"], default="show",
                       help="show the <think> reasoning dimmed, or hide it")
@@ -134,7 +77,10 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/serve.md)")
-    _add_engine_args(serve)
+    options.add_engine_args(serve)
+    # llama-server's sampling options: defaults for what a request leaves out
+    options.add_generation_args(serve, max_tokens=None, seed=None, max_tokens_help="max_tokens of a chat request "
+                                "that sets none (default: what the context leaves)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
     serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
@@ -158,64 +104,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                      help="most requests waiting for the engine (default 64; more: 429)")
     lim.add_argument("--template-timeout", type=float, default=10.0, metavar="S",
                      help="seconds to render the chat template and tokenize one request (default 10)")
-    # llama-server's sampling options: defaults for what a request leaves out
-    serve.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=None,
-                       help="max_tokens of a chat request that sets none (default: what the context leaves)")
-    _add_sampling_args(serve, seed_default=None)
-
-
-def _check(args: argparse.Namespace) -> None:
-    _check_files(args)
-    if args.block_size is not None and args.block_size < 1:
-        raise BadInput(f"--block-size must be at least 1, got {args.block_size}")
-    if args.max_tokens < 0:
-        raise BadInput(f"-n/--max-tokens must be >= 0, got {args.max_tokens}")
-    if args.draft_steps < 0:
-        raise BadInput(f"--draft-steps must be >= 0, got {args.draft_steps}")
-    _check_threshold(args)
-    if args.temperature < 0:
-        raise BadInput(f"--temperature must be >= 0, got {args.temperature}")
-    _check_top(args)
-
-
-def _check_threshold(args: argparse.Namespace) -> None:
-    """--threshold (generate, chat, serve): a probability; left out, the calibrated one for B. --coreset-top-p: in
-    (0, 1]; left out, the GGUF's."""
-    if args.threshold is not None and not 0.0 <= args.threshold <= 1.0:
-        raise BadInput(f"--threshold must be in [0, 1], got {args.threshold}")
-    if args.coreset_top_p is not None and not 0.0 < args.coreset_top_p <= 1.0:  # NaN fails too
-        raise BadInput(f"--coreset-top-p must be in (0, 1], got {args.coreset_top_p}")
-
-
-def _check_top(args: argparse.Namespace) -> None:
-    """--top-p, --top-k and -s/--seed (generate, chat and serve)."""
-    if args.seed is not None and not 0 <= args.seed < 2**32:
-        raise BadInput(f"-s/--seed must be in [0, 2^32), got {args.seed}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise BadInput(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise BadInput(f"--top-k must be >= 0, got {args.top_k}")
-
-
-def _at_least(*checks: tuple[str, int | None, int]) -> None:
-    """(flag, value, lowest allowed) triples; a None value is an option left at its default."""
-    for flag, value, low in checks:
-        if value is not None and value < low:
-            raise BadInput(f"{flag} must be at least {low}, got {value}")
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .model import Model
-
-    _check(args)
-    with Model(args.model, **model_kwargs(args)) as model:
+    options.check_model_args(args)
+    params = options.gen_params(args)
+    with options.open_model(args) as model:
         prompt_ids = model.tokenize(args.prompt)
         if not prompt_ids:
             raise BadInput("the prompt is empty after tokenization (--prompt)")
-        gen = model.generate(prompt_ids, mode=args.mode, block_size=args.block_size, threshold=args.threshold,
-                             draft_steps=args.draft_steps, max_tokens=args.max_tokens,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                             coreset_top_p=args.coreset_top_p)
+        gen = model.generate(prompt_ids, params)
         start = time.perf_counter()
         if args.json:
             tokens = gen.wait()
@@ -267,7 +165,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
     from . import libclover, loader, bindings
     from .imatrix import collect
 
-    _at_least(("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
+    at_least(("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
               ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
               ("-ngl/--n-gpu-layers", args.n_gpu_layers, -1), ("--seed", args.seed, 0))
     for flag, path in (("-m/--model", args.model), ("-f/--file", args.file), ("--bd", args.bd)):
@@ -309,52 +207,22 @@ def run_imatrix(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_kwargs(args: argparse.Namespace) -> dict:
-    """Model(path, **these) for generate, chat and serve: loading options, offload (llama.cpp's flags) included."""
-    kwargs = {"n_ctx": args.ctx_size, "n_threads": args.threads, "n_gpu_layers": args.n_gpu_layers,
-              "offload": offload_from_args(args), "bd_path": args.bd}
-    if getattr(args, "max_block_size", 0):
-        kwargs["max_block_size"] = args.max_block_size
-    return kwargs
-
-
-def _check_files(args: argparse.Namespace) -> None:
-    """-m and --bd name existing files."""
-    if not os.path.isfile(args.model):
-        raise BadInput(f"{args.model}: no such file")
-    if args.bd is not None and not os.path.isfile(args.bd):
-        raise BadInput(f"{args.bd}: no such file (--bd)")
-
-
-def _check_engine_args(args: argparse.Namespace) -> None:
-    """Checks for _add_engine_args (chat and serve)."""
-    _check_files(args)
-    _at_least(("-c/--ctx-size", args.ctx_size, 0), ("--max-block-size", args.max_block_size, 0),
-              ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
-              ("--cache-ram", args.cache_ram, 0), ("--checkpoint-every", args.checkpoint_every, 0))
-    _check_threshold(args)
-    if args.temperature < 0:
-        raise BadInput(f"--temperature must be >= 0, got {args.temperature}")
-    if args.chat_template and not os.path.isfile(args.chat_template):
-        raise BadInput(f"{args.chat_template}: no such file (--chat-template)")
-
-
 def run_chat_command(args: argparse.Namespace) -> int:
     """The interactive chat (clover_cpp/chat.py)."""
-    _check_engine_args(args)
-    _at_least(("-n/--max-tokens", args.max_tokens, 1))
-    _check_top(args)
+    options.check_model_args(args)
+    at_least(("-n/--max-tokens", args.max_tokens, 1))
     from .chat import run_chat
 
     return run_chat(args)
 
 
 def run_serve_command(args: argparse.Namespace) -> int:
-    """The OpenAI-compatible server (clover_cpp/server.py)."""
-    _check_engine_args(args)
+    """The OpenAI-compatible server (clover_cpp/serve/)."""
+    options.check_model_args(args)
+    options.gen_params(args)  # the defaults a request may take are checked before the model loads
     if not 0 <= args.port <= 65535:
         raise BadInput(f"--port must be in 0..65535, got {args.port}")
-    _at_least(("--max-body-bytes", args.max_body_bytes, 0), ("--max-messages", args.max_messages, 0),
+    at_least(("--max-body-bytes", args.max_body_bytes, 0), ("--max-messages", args.max_messages, 0),
               ("--max-prompt-chars", args.max_prompt_chars, 0), ("--max-queue", args.max_queue, 0),
               ("-np/--parallel", args.parallel, 1))
     if not args.template_timeout >= 0:
@@ -376,9 +244,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
         if bad:
             raise BadInput(f"{args.api_key_file}: line {bad[0]} is not a printable ASCII key (--api-key-file)")
         args.api_key += keys
-    _at_least(("-n/--n-predict", args.max_tokens, 1))
-    _check_top(args)
-    from .server import run_serve
+    at_least(("-n/--n-predict", args.max_tokens, 1))
+    from .serve.startup import run_serve
 
     return run_serve(args)
 

@@ -13,22 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from clover_common.errors import BadInput
 
-MODES = ("auto", "ar", "diffusion", "spec")
+MODES = ("ar", "diffusion", "spec", "auto")
 DEFAULT_MODE = "auto"  # lossless, and faster than ar where drafts are accepted (docs/decoding.md)
 
 
 class GenParamError(BadInput):
-    """A generation parameter out of its range; ``field`` names it."""
+    """A generation parameter out of its range: ``field`` must ``rule``, and is ``value``."""
 
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        super().__init__(message)
+    def __init__(self, field: str, rule: str, value: Any, message: str | None = None) -> None:
+        self.field, self.rule, self.value = field, rule, value
+        super().__init__(message or f"{field} {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -59,27 +58,23 @@ class GenParams:
         self._check()
 
     def _check(self) -> None:
-        def bad(field: str, rule: str) -> GenParamError:
-            return GenParamError(field, f"{field} {rule}, got {getattr(self, field)!r}")
-
         if self.mode not in MODES:
-            raise GenParamError("mode", f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.block_size is not None and self.block_size < 1:
-            raise bad("block_size", "must be at least 1")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:  # NaN fails too
-            raise bad("threshold", "must be in [0, 1]")
-        if self.coreset_top_p is not None and not 0.0 < self.coreset_top_p <= 1.0:
-            raise bad("coreset_top_p", "must be in (0, 1]")
-        if self.draft_steps < 0:
-            raise bad("draft_steps", "must be >= 0")
-        if self.max_tokens < 0:
-            raise bad("max_tokens", "must be >= 0")
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise bad("temperature", "must be a finite number >= 0")
-        if self.top_k < 0:
-            raise bad("top_k", "must be >= 0 (0 = off)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1] (1 = off)")
+            raise GenParamError("mode", f"must be one of {', '.join(MODES)}", self.mode,
+                                f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        rules = (
+            ("block_size", self.block_size is None or self.block_size >= 1, "must be at least 1"),
+            ("threshold", self.threshold is None or 0.0 <= self.threshold <= 1.0, "must be in [0, 1]"),  # NaN fails
+            ("coreset_top_p", self.coreset_top_p is None or 0.0 < self.coreset_top_p <= 1.0, "must be in (0, 1]"),
+            ("draft_steps", self.draft_steps >= 0, "must be >= 0"),
+            ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
+            ("temperature", self.temperature >= 0.0 and math.isfinite(self.temperature),
+             "must be a finite number >= 0"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1] (1 = off)"),
+        )
+        for field, ok, rule in rules:
+            if not ok:
+                raise GenParamError(field, rule, getattr(self, field))
 
     def replace(self, **changes: Any) -> "GenParams":
         """A copy with some fields changed (checked again)."""
@@ -98,7 +93,3 @@ def merge(params: GenParams | None, overrides: dict[str, Any]) -> GenParams:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     base = params or GenParams()
     return base.replace(**overrides) if overrides else base
-
-
-def token_tuple(ids: Sequence[int] | None) -> tuple[int, ...] | None:
-    return None if ids is None else tuple(int(t) for t in ids)

@@ -47,6 +47,7 @@ class App:
     def __init__(self, gguf: Path, n_ctx: int = 1024) -> None:
         from clover_cpp import Model
         from clover_cpp.chat import ChatApp, Settings
+        from clover_cpp.gen_params import GenParams
         from clover_cpp.chat_template import load_template
 
         self.model = Model(gguf, n_ctx=n_ctx, n_threads=1, cache_ram_mib=64)
@@ -61,7 +62,7 @@ class App:
                 return turn
 
         self.app = Recording(self.model, load_template(self.model.llama_model, str(gguf), None),
-                             Settings(mode="ar", max_tokens=12), self.model.max_block_size, self.out)
+                             Settings(GenParams(mode="ar", max_tokens=12)), self.model.max_block_size, self.out)
 
     def said(self, line: str) -> str:
         """Run a line (a message or a /command); returns what the app printed."""

@@ -192,12 +192,13 @@ def test_serve_defaults_fill_what_a_request_leaves_out() -> None:
     default max_tokens is capped by what the context leaves."""
     from types import SimpleNamespace
 
-    from clover_cpp.openai_schema import CloverFields
-    from clover_cpp.prepare import Defaults, Preparer
+    from clover_cpp.gen_params import GenParams
+    from clover_cpp.serve.prepare import Defaults, Preparer
+    from clover_cpp.serve.schema import CloverFields
 
     model = SimpleNamespace(n_ctx=100, info=SimpleNamespace(n_vocab=3072, mask_token_id=3007))  # what _params reads
     prep = Preparer(model, None, "m", 8,  # type: ignore[arg-type]
-                    Defaults(temperature=0.8, max_tokens=10, top_k=40, top_p=0.5, seed=7))
+                    Defaults(GenParams(temperature=0.8, top_k=40, top_p=0.5), max_tokens=10, seed=7))
     p = prep._params(CloverFields(model="m"), 5, None, "messages")  # noqa: SLF001
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (10, 0.8, 40, 0.5, 7)
     p = prep._params(CloverFields(model="m", top_k=0, top_p=1.0, seed=1), 95, None, "messages")  # noqa: SLF001

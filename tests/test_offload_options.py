@@ -19,7 +19,8 @@ import pytest
 from native_support import REPO_ROOT, clover_convert, require_engine
 
 from clover_cpp import libclover
-from clover_cpp.cli import build_parser, model_kwargs
+from clover_cpp.cli import build_parser
+from clover_cpp.options import model_kwargs
 from clover_cpp.offload import LLM_FFN_EXPS_REGEX, Offload, device_bytes, ffn_exps_block_regex
 
 

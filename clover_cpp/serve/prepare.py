@@ -11,29 +11,23 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from .chat_template import ChatTemplate, TemplateError
-from .model import Model
-from .openai_schema import APIError, ChatCompletionRequest, ChatMessage, CloverFields, CompletionRequest, invalid
-from .output_parser import opens_reasoning
-from .worker import GenParams
+from ..chat_template import ChatTemplate, TemplateError
+from ..model import Model
+from .schema import APIError, ChatCompletionRequest, ChatMessage, CloverFields, CompletionRequest, invalid
+from ..output_parser import opens_reasoning
+from ..gen_params import GenParams
 
 MAX_STOP_STRINGS = 4
 
 
 @dataclass(frozen=True)
 class Defaults:
-    """Server-wide defaults for what a request leaves out."""
+    """Server-wide defaults for what a request leaves out: the generation parameters of the command line, and
+    llama-server's -n and -s/--seed, where None means what the context leaves and a random seed per request."""
 
-    mode: str = "diffusion"
-    block_size: int | None = None
-    threshold: float | None = None
-    coreset_top_p: float | None = None  # --coreset-top-p; None: the GGUF's
-    temperature: float = 0.0
+    gen: GenParams = GenParams()
     enable_thinking: bool = True
-    # llama-server's -n, --top-k, --top-p and -s/--seed: None = what the context leaves, off, off, random
     max_tokens: int | None = None
-    top_k: int = 0
-    top_p: float = 1.0
     seed: int | None = None
 
 
@@ -46,6 +40,7 @@ class Prepared:
     parse_tools: bool = False
     echo_text: str = ""
     checkpoint_hint: int = 0  # where the generation prompt starts: the next turn's prompt shares what lies before
+    cache_prompt: bool = True  # reuse the slot's history prefix (llama-server's request field of that name)
 
 
 class Preparer:
@@ -96,7 +91,8 @@ class Preparer:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         if req.n != 1:
             raise invalid("only n = 1 is supported", "n", "unsupported_value")
-        block = req.block_size or self.defaults.block_size
+        d = self.defaults
+        block = req.block_size or d.gen.block_size
         if block is not None and block > self.max_block_size:
             raise invalid(f"block_size {block} exceeds the server's largest block size {self.max_block_size} "
                           f"(start it with --max-block-size)", "block_size")
@@ -106,25 +102,23 @@ class Preparer:
                            f"{param} has {n_prompt} tokens, which leaves no room for a completion.",
                            param=param, code="context_length_exceeded")
         if max_tokens is None:
-            max_tokens = room if self.defaults.max_tokens is None else min(self.defaults.max_tokens, room)
+            max_tokens = room if d.max_tokens is None else min(d.max_tokens, room)
         elif max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {self.n_ctx} tokens. However, you "
                            f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {param}, {max_tokens} "
                            f"in the completion). Please reduce the {param} or the completion length.",
                            param="max_tokens", code="context_length_exceeded")
-        temperature = self.defaults.temperature if req.temperature is None else req.temperature
-        seed = req.seed if req.seed is not None else self.defaults.seed
+        temperature = d.gen.temperature if req.temperature is None else req.temperature
+        seed = req.seed if req.seed is not None else d.seed
         if seed is None:
             seed = secrets.randbits(32) if temperature > 0 else 0
-        threshold = req.threshold if req.threshold is not None else self.defaults.threshold
-        return GenParams(mode=req.mode or self.defaults.mode, block_size=block, threshold=threshold,
-                         max_tokens=max_tokens, temperature=temperature,
-                         top_k=self.defaults.top_k if req.top_k is None else req.top_k,
-                         top_p=self.defaults.top_p if req.top_p is None else req.top_p, seed=seed,
-                         stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias),
-                         cache_prompt=req.cache_prompt,
-                         coreset_top_p=req.coreset_top_p if req.coreset_top_p is not None else
-                         self.defaults.coreset_top_p)
+        return d.gen.replace(
+            mode=req.mode or d.gen.mode, block_size=block,
+            threshold=req.threshold if req.threshold is not None else d.gen.threshold,
+            coreset_top_p=req.coreset_top_p if req.coreset_top_p is not None else d.gen.coreset_top_p,
+            max_tokens=max_tokens, temperature=temperature, top_k=d.gen.top_k if req.top_k is None else req.top_k,
+            top_p=d.gen.top_p if req.top_p is None else req.top_p, seed=seed,
+            stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias))
 
     def _check_chars(self, n_chars: int, param: str, what: str) -> None:
         """--max-prompt-chars, checked before tokenizing (a token holds a few characters: a prompt far beyond the
@@ -179,7 +173,8 @@ class Preparer:
         params = self._params(req, len(ids), max_tokens, "messages")
         hint = self.template.generation_prompt_start(lambda t: self.model.tokenize(t, special=True), messages,
                                                      tools, thinking, text, ids)
-        return Prepared(ids, params, self._stops(req.stop), start_in_reasoning=opens_reasoning(text),
+        return Prepared(ids, params, self._stops(req.stop), cache_prompt=req.cache_prompt,
+                        start_in_reasoning=opens_reasoning(text),
                         parse_tools=bool(tools) and choice != "none", checkpoint_hint=hint)
 
     # ------------------------------------------------------------------------------ completions
@@ -211,7 +206,8 @@ class Preparer:
                               "prompt")
             echo = self.model.detokenize(ids)
         params = self._params(req, len(ids), req.max_tokens, "prompt")
-        return Prepared(ids, params, self._stops(req.stop), echo_text=echo if req.echo else "")
+        return Prepared(ids, params, self._stops(req.stop), echo_text=echo if req.echo else "",
+                        cache_prompt=req.cache_prompt)
 
 
 def check_unicode(value: Any, path: str = "") -> None:

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .model import Stats
-from .output_parser import ToolCall
+from ..model import Stats
+from ..output_parser import ToolCall
 
 MODES = ("ar", "diffusion", "spec", "auto")
 

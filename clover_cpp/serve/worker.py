@@ -5,7 +5,7 @@ on its own slot (history and scratch sequence), and the engine batches their pas
 A job takes the free slot whose last conversation shares the longest prefix with its prompt (llama-server's
 slot choice by prompt similarity), keeps the longest prefix of that slot's history that its prompt starts with
 and that a checkpoint can restore (``Model.reuse_prefix``; docs/serve.md, "Prefix reuse"), and prefills the
-rest, so two requests never interleave a history. ``GenParams.cache_prompt=False`` starts from a fresh history.
+rest, so two requests never interleave a history. ``cache_prompt=False`` starts from a fresh history.
 Committed blocks travel to the asyncio side through an ``asyncio.Queue``. ``Job.cancel()`` makes the engine
 stop at its next callback (a committed block, or a LowConfidence step in diffusion/spec); a job
 cancelled while still waiting never starts.
@@ -19,26 +19,10 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-from .model import Model, Stats
-
-
-@dataclass(frozen=True)
-class GenParams:
-    mode: str
-    block_size: int | None
-    threshold: float | None
-    max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] | None = None  # None: the vocabulary's end-of-generation tokens
-    banned_ids: tuple[int, ...] = ()
-    cache_prompt: bool = True  # reuse the history's prefix (llama-server's request field of that name)
-    coreset_top_p: float | None = None  # block passes' coreset (spec 3.3); None: the GGUF's
+from ..gen_params import GenParams
+from ..model import Model, Stats
 
 
 _DONE = object()
@@ -48,11 +32,13 @@ class Job:
     """A queued or running generation. Await ``next_block()`` until it returns None."""
 
     def __init__(self, prompt_ids: list[int], params: GenParams, loop: asyncio.AbstractEventLoop,
-                 checkpoint_hint: int = 0) -> None:
-        """``checkpoint_hint``: where the chat template's generation prompt starts (0 = unknown)."""
+                 checkpoint_hint: int = 0, cache_prompt: bool = True) -> None:
+        """``checkpoint_hint``: where the chat template's generation prompt starts (0 = unknown).
+        ``cache_prompt``: reuse the slot's history prefix (llama-server's request field of that name)."""
         self.prompt_ids = prompt_ids
         self.params = params
         self.checkpoint_hint = checkpoint_hint
+        self.cache_prompt = cache_prompt
         self.stats: Stats | None = None
         self.cached_tokens = 0  # prompt tokens taken from the engine's history instead of prefilled
         self.generated: list[int] = []
@@ -95,17 +81,11 @@ class Job:
         try:
             if self._cancel.is_set():
                 return
-            p = self.params
-            if not p.cache_prompt:
+            if not self.cache_prompt:
                 model.reset()  # reuse_prefix then finds nothing to keep, and only sets the checkpoint hint
             self.cached_tokens = model.reuse_prefix(self.prompt_ids, checkpoint_at=[self.checkpoint_hint])
-            result = model.run(self.prompt_ids[self.cached_tokens:], mode=p.mode, block_size=p.block_size,
-                               threshold=p.threshold,
-                               max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                               seed=p.seed, stop_ids=None if p.stop_ids is None else list(p.stop_ids),
-                               banned_ids=list(p.banned_ids) or None,
-                               on_tokens=self._on_tokens, coreset_top_p=p.coreset_top_p,
-                               on_step=None if p.mode == "ar" else self._on_step)
+            result = model.run(self.prompt_ids[self.cached_tokens:], self.params, on_tokens=self._on_tokens,
+                               on_step=None if self.params.mode == "ar" else self._on_step)
             self.stats = result.stats
         except BaseException as exc:  # noqa: BLE001 - reported to the request, the worker lives on
             self.error = exc
@@ -157,8 +137,9 @@ class EngineWorker:
         self.recent: deque[dict[str, Any]] = deque(maxlen=16)  # the latest finished jobs, newest last
         self.prefix_cache: dict[str, int] = self._cache_info()  # as of the last job
 
-    def submit(self, prompt_ids: list[int], params: GenParams, checkpoint_hint: int = 0) -> Job:
-        job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_hint)
+    def submit(self, prompt_ids: list[int], params: GenParams, checkpoint_hint: int = 0,
+               cache_prompt: bool = True) -> Job:
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_hint, cache_prompt)
         self._jobs.append(job)
         self._executor.submit(self._run, job)
         return job

@@ -1,0 +1,142 @@
+"""The options of ``clover-cpp generate``, ``chat`` and ``serve``, and what they open: the one home of the engine,
+offload and generation arguments (llama.cpp's names and meanings where llama.cpp has the option).
+
+- ``add_model_args``: the GGUF, its sidecar, the context, threads and llama.cpp's offload flags;
+  ``add_engine_args`` adds what chat and serve keep across turns (largest block size, prefix cache, template).
+- ``add_generation_args``: mode, block settings and sampling.
+- ``check_model_args`` / ``gen_params``: each value is checked once, here or by ``GenParams``, whose errors are
+  turned into the option's name.
+- ``open_model``: the ``Model`` generate, chat and serve run on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from clover_common.errors import BadInput
+
+from .gen_params import DEFAULT_MODE, MODES, GenParamError, GenParams
+from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY, Model
+from .offload import add_offload_args, offload_from_args
+
+BD_HELP = ("block-diffusion sidecar (NAME.bd.gguf, from clover-convert --bd-sidecar or --bd-only) for a trunk-only "
+           "-m file, such as llama.cpp's Clover GGUFs; the block modes need it (docs/gguf-format.md)")
+CORESET_HELP = ("the block expert coreset's top_p in (0, 1] for block passes (spec 3.3; default: the GGUF's; "
+                "1 = per-row routing)")
+# the option that sets each GenParams field, for the messages of GenParamError
+FLAGS = {"mode": "--mode", "block_size": "--block-size", "threshold": "--threshold",
+         "coreset_top_p": "--coreset-top-p", "draft_steps": "--draft-steps", "max_tokens": "-n/--max-tokens",
+         "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "seed": "-s/--seed"}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and where it runs (generate, chat, serve)."""
+    p.add_argument("-m", "--model", required=True, help="Clover GGUF file")
+    p.add_argument("--bd", metavar="FILE", default=None, help=BD_HELP)
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
+    p.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    add_offload_args(p)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """add_model_args, and what a chat or a server keeps across turns."""
+    add_model_args(p)
+    p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn/request may use "
+                   "(0 = the largest of the model's block size and calibrated sizes)")
+    p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
+    p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
+                   help="host memory for the prefix-reuse checkpoints of the recurrent state "
+                        f"(default {DEFAULT_CACHE_RAM_MIB}; 0 = only reuse a prompt that extends the history)")
+    p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
+                   help=f"also checkpoint every N prefilled tokens (default {DEFAULT_CHECKPOINT_EVERY}; 0 = only "
+                        "where each prompt ends and where it left the previous history)")
+
+
+def add_generation_args(p: argparse.ArgumentParser, *, max_tokens: int | None, max_tokens_help: str,
+                        seed: int | None, draft_steps: bool = False) -> None:
+    """Mode, block settings and sampling, with llama.cpp's names for the common ones (--temp, -s/--seed,
+    -n/--n-predict, --top-k, --top-p). ``max_tokens`` and ``seed`` are the command's defaults."""
+    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
+                   help=f"{DEFAULT_MODE} (default): lossless, faster than ar where drafts are accepted; "
+                        "diffusion changes the output")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
+    p.add_argument("--coreset-top-p", type=float, default=None, metavar="P", help=CORESET_HELP)
+    if draft_steps:
+        p.add_argument("--draft-steps", type=int, default=0)
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=max_tokens,
+                   help=max_tokens_help)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("-s", "--seed", type=int, default=seed)
+
+
+def at_least(*checks: tuple[str, int | float | None, int]) -> None:
+    """(flag, value, lowest allowed) triples; a None value is an option left at its default."""
+    for flag, value, low in checks:
+        if value is not None and value < low:
+            raise BadInput(f"{flag} must be at least {low}, got {value}")
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """-m and --bd name existing files; -c, -t and the engine options are not negative."""
+    if not os.path.isfile(args.model):
+        raise BadInput(f"{args.model}: no such file")
+    if args.bd is not None and not os.path.isfile(args.bd):
+        raise BadInput(f"{args.bd}: no such file (--bd)")
+    at_least(("-c/--ctx-size", args.ctx_size, 0), ("-t/--threads", args.threads, 0),
+             ("--max-block-size", getattr(args, "max_block_size", None), 0),
+             ("--cache-ram", getattr(args, "cache_ram", None), 0),
+             ("--checkpoint-every", getattr(args, "checkpoint_every", None), 0))
+    template = getattr(args, "chat_template", None)
+    if template and not os.path.isfile(template):
+        raise BadInput(f"{template}: no such file (--chat-template)")
+
+
+def gen_params(args: argparse.Namespace, **fields: Any) -> GenParams:
+    """The GenParams the options ask for (``fields`` replace some: a command's own max_tokens or seed); a bad value
+    is a BadInput naming the option."""
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise BadInput(f"-s/--seed must be in [0, 2^32), got {args.seed}")
+    values: dict[str, Any] = {"mode": args.mode, "block_size": args.block_size, "threshold": args.threshold,
+                              "coreset_top_p": args.coreset_top_p, "temperature": args.temperature,
+                              "top_k": args.top_k, "top_p": args.top_p,
+                              "draft_steps": getattr(args, "draft_steps", 0)}
+    if args.max_tokens is not None:
+        values["max_tokens"] = args.max_tokens
+    if args.seed is not None:
+        values["seed"] = args.seed
+    values.update(fields)
+    try:
+        return GenParams(**values)
+    except GenParamError as exc:
+        raise BadInput(f"{FLAGS[exc.field]} {exc.rule}, got {exc.value}") from None
+
+
+def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's load arguments (``engine_params``): context, threads, offload (llama.cpp's flags), sidecar and,
+    for chat and serve, the largest block size."""
+    kwargs: dict[str, Any] = {"n_ctx": args.ctx_size, "n_threads": args.threads, "n_gpu_layers": args.n_gpu_layers,
+                              "offload": offload_from_args(args), "bd_path": args.bd}
+    if getattr(args, "max_block_size", 0):
+        kwargs["max_block_size"] = args.max_block_size
+    return kwargs
+
+
+def open_model(args: argparse.Namespace, **extra: Any) -> Model:
+    """The Model for generate, chat and serve: ``model_kwargs``, the prefix cache of chat and serve, and ``extra``
+    (slots). With --max-block-size (chat, serve), a --block-size above the engine's largest is refused here;
+    generate leaves that to the engine."""
+    kwargs = model_kwargs(args)
+    if hasattr(args, "cache_ram"):
+        kwargs |= {"cache_ram_mib": args.cache_ram, "checkpoint_every": args.checkpoint_every}
+    model = Model(args.model, **kwargs, **extra)
+    if hasattr(args, "max_block_size") and args.block_size is not None and args.block_size > model.max_block_size:
+        model.close()
+        raise BadInput(f"--block-size {args.block_size} exceeds --max-block-size {model.max_block_size}")
+    return model

@@ -1,0 +1,121 @@
+"""Streamed answers (server-sent events): the chunks of a chat completion (content, reasoning and tool-call deltas)
+and of a text completion, a job's events as they come, and the finish, usage and [DONE] chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any, Callable
+
+from ..output_parser import Event, TextEvent, ToolCallEvent
+from ..text_stream import TextPipeline
+from .prepare import Prepared
+from .schema import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, completion_chunk, error_body,
+                     finish_reason, new_id, now, tool_call_dict, usage)
+from .service import CloverService, event_batches, raise_job_error
+from .worker import Job
+
+
+def _sse(payload: dict[str, Any] | str) -> dict[str, str]:
+    return {"data": payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}
+
+
+def _job_error_body(job: Job) -> dict[str, Any]:
+    try:
+        raise_job_error(job)
+    except APIError as err:
+        return err.body()
+    return error_body("generation failed", "server_error")
+
+
+class ChatChunks:
+    """The chunks of a streamed chat completion (chat.completion.chunk): deltas of content, reasoning and
+    tool calls."""
+
+    def __init__(self, svc: CloverService, req: ChatCompletionRequest, prep: Prepared) -> None:
+        self.cid, self.created, self.model = new_id("chatcmpl"), now(), svc.model_id
+        self.req, self.prep, self.n_calls = req, prep, 0
+
+    def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, extra: dict[str, Any] | None = None,
+              usage_block: dict[str, Any] | None = None) -> dict[str, str]:
+        return _sse(chat_chunk(self.cid, self.created, self.model, delta, finish, extra, usage_block))
+
+    def opening(self) -> list[dict[str, str]]:
+        first = {"prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids else None
+        return [self.chunk({"role": "assistant", "content": ""}, extra=first)]
+
+    def events(self, events: list[Event]) -> list[dict[str, str]]:
+        out = []
+        for ev in events:
+            if isinstance(ev, ToolCallEvent):
+                out.append(self.chunk({"tool_calls": [tool_call_dict(ev.call, self.n_calls)]}))
+                self.n_calls += 1
+            elif ev.channel == "reasoning":
+                out.append(self.chunk({"reasoning_content": ev.text}))
+            else:
+                out.append(self.chunk({"content": ev.text}))
+        return out
+
+    def finish(self, job: Job, pipeline: TextPipeline, tokens: list[int]) -> dict[str, str]:
+        extra = {"token_ids": tokens} if self.req.return_token_ids else None
+        return self.chunk({}, finish_reason(job.stats, pipeline.stopped, self.n_calls > 0), extra)
+
+    def usage(self, block: dict[str, Any]) -> dict[str, str]:
+        return self.chunk(None, usage_block=block)
+
+
+class CompletionChunks:
+    """The chunks of a streamed text completion (text_completion)."""
+
+    def __init__(self, svc: CloverService, req: CompletionRequest, prep: Prepared) -> None:
+        self.cid, self.created, self.model = new_id("cmpl"), now(), svc.model_id
+        self.req, self.prep = req, prep
+
+    def chunk(self, text: str | None, finish: str | None = None, extra: dict[str, Any] | None = None,
+              usage_block: dict[str, Any] | None = None) -> dict[str, str]:
+        return _sse(completion_chunk(self.cid, self.created, self.model, text, finish, extra, usage_block))
+
+    def opening(self) -> list[dict[str, str]]:
+        return [self.chunk(self.prep.echo_text)] if self.prep.echo_text else []
+
+    def events(self, events: list[Event]) -> list[dict[str, str]]:
+        return [self.chunk(ev.text) for ev in events if isinstance(ev, TextEvent)]
+
+    def finish(self, job: Job, pipeline: TextPipeline, tokens: list[int]) -> dict[str, str]:
+        extra = {"token_ids": tokens, "prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids else None
+        return self.chunk("", finish_reason(job.stats, pipeline.stopped, False), extra)
+
+    def usage(self, block: dict[str, Any]) -> dict[str, str]:
+        return self.chunk(None, usage_block=block)
+
+
+async def _stream(svc: CloverService, prep: Prepared, chat: bool, include_usage: bool,
+                  chunks: ChatChunks | CompletionChunks) -> AsyncIterator[dict[str, str]]:
+    """A streamed answer: queued when the stream starts (not before), events as they come, then the finish
+    chunk, the usage chunk when asked for, and [DONE]; an engine error ends the stream with an error body."""
+    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint, prep.cache_prompt)
+    pipeline = svc.pipeline(prep, chat=chat)
+    tokens: list[int] = []
+    try:
+        for c in chunks.opening():
+            yield c
+        async with aclosing(event_batches(job, pipeline, tokens)) as batches:
+            async for batch in batches:
+                for c in chunks.events(batch):
+                    yield c
+        if job.error is not None:
+            yield _sse(_job_error_body(job))
+            return
+        yield chunks.finish(job, pipeline, tokens)
+        if include_usage:
+            yield chunks.usage(usage(len(prep.prompt_ids), job.stats, job.cached_tokens))
+        yield _sse("[DONE]")
+    finally:
+        job.cancel()  # a disconnect lands here (the task is cancelled): stop the engine
+
+
+def streamer(svc: CloverService, req: Any, chat: bool, chunks: Callable[..., ChatChunks | CompletionChunks]
+              ) -> Callable[[Prepared], AsyncIterator[dict[str, str]]]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return lambda prep: _stream(svc, prep, chat, include_usage, chunks(svc, req, prep))
