@@ -67,9 +67,9 @@ demo: setup $(DEMO_GGUF)
 # (AMX, repacked weights) bring (bench_cpu_bufts.py). bench/bench_convert.py is separate (it streams a 5 GB
 # checkpoint).
 bench: setup
-	$(BIN)/python bench/bench_engine.py
-	$(BIN)/python bench/bench_speed.py
-	$(BIN)/python bench/bench_cpu_bufts.py
+	$(BIN)/python -m bench.bench_engine
+	$(BIN)/python -m bench.bench_speed
+	$(BIN)/python -m bench.bench_cpu_bufts
 
 clean:
 	rm -rf build

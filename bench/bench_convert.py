@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark clover-convert against llama.cpp's convert_hf_to_gguf.py. Not a unit test.
 
-    .venv/bin/python bench/bench_convert.py [--layers 2] [--workdir build/bench-convert] [--keep] [--onepass]
+    .venv/bin/python -m bench.bench_convert [--layers 2] [--workdir build/bench-convert] [--keep] [--onepass]
 
 1. Streams a random ``35b-shape --layers N`` checkpoint (real 35B-A3B layer dims: 256 experts, vocab
    248320; about 5.3 GB in BF16 for N = 2) to disk, with the Clover tensors in a shard of their own.

@@ -1,7 +1,7 @@
 """The block expert coreset (spec v2 3.3): what each coreset_top_p does to the coreset's size, diffusion's TPF
 and its tokens, the native block pass's time, and what router shapes do to the size at 35B scale.
 
-    .venv/bin/python bench/bench_coreset.py [--model models/clover-demo] [--prompts 12] [--tokens 48]
+    .venv/bin/python -m bench.bench_coreset [--model models/clover-demo] [--prompts 12] [--tokens 48]
         [--workdir build/bench-35b] [--no-slice]
 
 1. On a trained model (the demo), greedy diffusion over held-out code at B = 8 and 32 for each top_p:
@@ -180,8 +180,7 @@ def native_figures(model_dir: Path, prompts: list[list[int]], n_tokens: int, wor
         raise SystemExit(done.stderr)
     files = {"demo Q4_K_M": demo}
     if with_slice:
-        sys.path.insert(0, str(REPO / "tests"))
-        from predict_35b import slice_gguf
+        from bench.predict_35b import slice_gguf
 
         files["35b-shape 4-layer slice Q4_K_M"] = slice_gguf(workdir, 4)
     return {"block_ms": {name: block_pass_ms(path, TOP_PS) for name, path in files.items()},

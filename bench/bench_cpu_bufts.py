@@ -2,7 +2,7 @@
 """What the CPU's extra buffer types bring: prefill and decode speed of quantized models with and without
 them, side by side in one run. Not a unit test.
 
-    .venv/bin/python bench/bench_cpu_bufts.py [--workdir build/bench-bufts] [--types Q8_0,Q4_K_M] [--reps 3]
+    .venv/bin/python -m bench.bench_cpu_bufts [--workdir build/bench-bufts] [--types Q8_0,Q4_K_M] [--reps 3]
 
 At load llama.cpp moves quantized weights into AMX tiles (CPUs with AMX-INT8) or repacked interleaved
 layouts (CPU_REPACK, e.g. Q4_0/Q4_K with AVX2); ``use_extra_bufts=False`` (llama.cpp's --no-repack) keeps
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 RESULTS = REPO / "bench" / "results"
 
 
@@ -33,7 +32,7 @@ def log(msg: str) -> None:
 
 def f16_models(work: Path) -> dict[str, Path]:
     from clover_ref.factory import init_checkpoint
-    from native_support import clover_convert
+    from tests.support.native import clover_convert
 
     out = {}
     demo = work / "demo-f16.gguf"
@@ -64,8 +63,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     from clover_cpp import cpu, bindings
-    from extra_bufts_probe import buffer_types
-    from native_support import quantize
+    from tests.support.extra_bufts_probe import buffer_types
+    from tests.support.native import quantize
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     text = (REPO / "clover_ref" / "decode.py").read_text()

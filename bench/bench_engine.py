@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the native Clover decoding engine (docs/decoding.md). Not a unit test.
 
-    .venv/bin/python bench/bench_engine.py [--workdir build/bench-engine] [--models tiny,mid] [--threads N]
+    .venv/bin/python -m bench.bench_engine [--workdir build/bench-engine] [--models tiny,mid] [--threads N]
 
 For the `tiny` and `mid` random checkpoints (seed 0), at f32 and q8_0 (llama-quantize):
 - prefill tok/s of the engine (a 128-token prompt);
@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # native_support / convert_support helpers (twin, converters)
 RESULTS = REPO / "bench" / "results"
 
 DECODE_TOKENS = {"tiny": 128, "mid": 32}
@@ -49,8 +48,8 @@ def log(msg: str) -> None:
 def prepare(name: str, work: Path, stock: bool = True) -> dict[str, Path]:
     """Checkpoint, clover GGUFs (f32, q8_0) and (with ``stock``) the stock twin GGUFs (f32, q8_0)."""
     from clover_ref.factory import init_checkpoint
-    from native_support import clover_convert, quantize
-    from convert_support import make_qwen_twin, vendored_convert
+    from tests.support.native import clover_convert, quantize
+    from tests.support.convert import make_qwen_twin, vendored_convert
 
     d = work / name
     ckpt = d / "checkpoint"

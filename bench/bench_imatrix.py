@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does masked calibration help? (docs/quantize.md). Not a unit test.
 
-    .venv/bin/python bench/bench_imatrix.py [--workdir build/bench-imatrix] [--chunks 24]
+    .venv/bin/python -m bench.bench_imatrix [--workdir build/bench-imatrix] [--chunks 24]
 
 On the shipped trained model (models/clover-demo, f16): importance matrices from `clover-cpp imatrix`
 with and without masked block windows (--no-masked), over the same training-split calibration text; then
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.support.native import causal_and_block_logits, kl_top1
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # native_support: the logit walk and KL shared with tests/test_quantize.py
-from native_support import causal_and_block_logits, kl_top1  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 WINDOW = 16
 

@@ -2,7 +2,7 @@
 """An imatrix without a full-precision GGUF: collected on a Q8_0 made in one pass, against one collected on
 the bf16 GGUF. Not a unit test.
 
-    .venv/bin/python bench/bench_imatrix_onepass.py [--workdir build/bench-imatrix-onepass] [--chunks 24]
+    .venv/bin/python -m bench.bench_imatrix_onepass [--workdir build/bench-imatrix-onepass] [--chunks 24]
 
 On the shipped trained model (models/clover-demo): `clover-convert --outtype bf16` (the reference) and
 `clover-convert --outtype Q8_0` (one pass); `clover-cpp imatrix` over the same training-split text on each;
@@ -17,11 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.bench_imatrix import WINDOW, eval_windows, parse_args, save_kl_table
+from tests.support.native import causal_and_block_logits, kl_top1
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
-from bench_imatrix import WINDOW, eval_windows, parse_args, save_kl_table  # noqa: E402
-from native_support import causal_and_block_logits, kl_top1  # noqa: E402
 
 DEMO = REPO / "models" / "clover-demo"
 

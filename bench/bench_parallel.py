@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Aggregate decode speed of concurrent clients over `clover-cpp serve -np N`, and the server's memory.
 
-    .venv/bin/python bench/bench_parallel.py [--models mid-Q8_0,demo] [--clients 1,2,4,8] [--modes ar,auto]
+    .venv/bin/python -m bench.bench_parallel [--models mid-Q8_0,demo] [--clients 1,2,4,8] [--modes ar,auto]
                                              [--tokens 64] [--rss-requests 300] [--workdir build/bench-parallel]
 
 1. The bound. What batching can give is set by what a pass of N rows costs against a one-row step: a causal
@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
 RESULTS = REPO / "bench" / "results"
 PROMPTS = ["Write a function that {} a list.", "Explain how {} works in Python.", "Give a loop that {} numbers.",
            "Describe a class that {} items.", "Show a test that {} strings.", "Sketch a parser that {} files.",
@@ -46,7 +44,7 @@ def log(msg: str) -> None:
 
 def model_path(name: str, work: Path) -> Path:
     """mid-Q8_0 (made like bench_serve's) or demo (the shipped model at Q4_K_M, as `make demo` makes it)."""
-    from native_support import clover_convert, quantize
+    from tests.support.native import clover_convert, quantize
 
     if name == "demo":
         out = work / "clover-demo-Q4_K_M.gguf"
@@ -55,7 +53,7 @@ def model_path(name: str, work: Path) -> Path:
             f16 = clover_convert(REPO / "models" / "clover-demo", work / "clover-demo-f16.gguf", "f16")
             quantize(f16, out, "Q4_K_M")
         return out
-    from bench_serve import make_model
+    from bench.bench_serve import make_model
 
     preset, quant = name.split("-")
     shared = REPO / "build" / "bench-serve" / f"{preset}-{quant}.gguf"
@@ -87,7 +85,7 @@ def bound(gguf: Path, clients: list[int]) -> dict[str, Any]:
 
 class Server:
     def __init__(self, gguf: Path, n_parallel: int, n_ctx: int, log_path: Path) -> None:
-        from chat_support import cli_command
+        from tests.support.chat import cli_command
 
         with open(log_path, "w") as out:
             self.proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What llama.cpp's RPC backend costs per pass: local against two rpc-servers on localhost. Not a unit test.
 
-    .venv/bin/python bench/bench_rpc.py [--workdir build/bench-rpc] [--runs 3]
+    .venv/bin/python -m bench.bench_rpc [--workdir build/bench-rpc] [--runs 3]
 
 The demo model (models/clover-demo, f16 GGUF) is loaded once locally (all layers on the CPU) and once with
 `--rpc` to two `rpc-server -H 127.0.0.1 -t 1` processes (-ngl 99: the layers split between them, the input
@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.native import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from native_support import free_port  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PROMPT = "import os\nimport sys\n\n\ndef walk(root):\n    \"\"\"Yield every file below root.\"\"\"\n"
@@ -102,7 +102,7 @@ def main() -> int:
         return 0
 
     from clover_cpp import loader
-    from native_support import clover_convert
+    from tests.support.native import clover_convert
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     gguf = args.workdir / "clover-demo-f16.gguf"

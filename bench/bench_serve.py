@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time to first token of a growing chat over `clover-cpp serve`, with and without prefix reuse.
 
-    .venv/bin/python bench/bench_serve.py [--preset mid] [--quant Q8_0] [--turns 10] [--workdir build/bench-serve]
+    .venv/bin/python -m bench.bench_serve [--preset mid] [--quant Q8_0] [--turns 10] [--workdir build/bench-serve]
 
 One server (the `mid` preset quantized to Q8_0: Qwen3.5-35B-A3B's per-layer dims, 4 layers), driven by the
 official openai client, greedy `ar`. A conversation of --turns turns, each user turn about 300 tokens and
@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 RESULTS = REPO / "bench" / "results"
 WORDS = ("the of and to in is for on with as by at from that this are be or an it not value data model "
          "function return list index file error state cache token layer block expert router attention "
@@ -40,7 +39,7 @@ def log(msg: str) -> None:
 
 def make_model(work: Path, preset: str, quant: str) -> Path:
     from clover_ref.factory import init_checkpoint
-    from native_support import clover_convert, quantize
+    from tests.support.native import clover_convert, quantize
 
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"{preset}-{quant}.gguf"
@@ -54,7 +53,7 @@ def make_model(work: Path, preset: str, quant: str) -> Path:
 
 
 def start_server(gguf: Path, n_ctx: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    from chat_support import cli_command
+    from tests.support.chat import cli_command
 
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),

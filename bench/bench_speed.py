@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode speed of every mode, side by side, with the defaults a user gets. Not a unit test.
 
-    .venv/bin/python bench/bench_speed.py [--workdir build/bench-speed] [--runs 3] [--prompts 12] [--quick]
+    .venv/bin/python -m bench.bench_speed [--workdir build/bench-speed] [--runs 3] [--prompts 12] [--quick]
 
 - The trained demo model (models/clover-demo) at f16, Q8_0 and Q4_K_M: ar, spec at B = 2, 4, 8, 16, 32,
   diffusion at B = 4, 8, 16, 32 (threshold 0.9) and auto, on held-out standard-library code (the prompts
@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 RESULTS = REPO / "bench" / "results"
 
 DEMO_CONFIGS = ([("ar", None)] + [("spec", b) for b in (2, 4, 8, 16, 32)] + [("diffusion", b) for b in (4, 8, 16, 32)]
@@ -56,7 +55,7 @@ def held_out_prompts(n: int, length: int = 48) -> list[list[int]]:
 def models(work: Path, quick: bool) -> dict[str, tuple[Path, list[tuple[str, int | None]], int]]:
     """name -> (GGUF, configurations, new tokens per prompt)."""
     from clover_ref.factory import init_checkpoint
-    from native_support import clover_convert, quantize
+    from tests.support.native import clover_convert, quantize
 
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, tuple[Path, list[tuple[str, int | None]], int]] = {}

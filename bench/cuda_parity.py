@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The same GGUF on the GPU and on the CPU of one build: how far apart are the logits? (scripts/device_check.sh)
 
-    python bench/cuda_parity.py GGUF --label LABEL --out DIR [--engine]
+    python -m bench.cuda_parity GGUF --label LABEL --out DIR [--engine]
 
 Run once per environment variant (NVIDIA_TF32_OVERRIDE, GGML_CUDA_DISABLE_TF32, GGML_CUDA_PDL, ... are read
 once per process). The CPU logits are computed on the first call and cached in DIR. Cases follow
@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # native_support
 PROMPTS = (1, 7, 64, 300)
 BLOCK_POSITIONS = (0, 37, 300)
 ENGINE_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -84,7 +83,7 @@ def engine_tokens(path: Path, n_gpu_layers: int) -> dict[str, list[int]]:
 
 def compare(gpu: dict[str, np.ndarray], cpu: dict[str, np.ndarray]) -> dict[str, Any]:
     """Per case the native parity tests' metric (native_support.parity at 1e-3) and a hash of the GPU logits."""
-    from native_support import parity
+    from tests.support.native import parity
 
     return {k: parity(g, cpu[k], 1e-3) | {"sha256": hashlib.sha256(np.ascontiguousarray(g).tobytes()).hexdigest()[:16]}
             for k, g in gpu.items()}

@@ -1,6 +1,6 @@
 """Quality of a trained Clover on held-out standard-library code (the model card's figures; not a test).
 
-    .venv/bin/python bench/eval_demo_model.py MODEL_DIR [--prompts 96] [--tokens 64]
+    .venv/bin/python -m bench.eval_demo_model MODEL_DIR [--prompts 96] [--tokens 64]
 
 Causal perplexity comes from the PyTorch reference; decoding figures from the native engine on an f32
 GGUF converted from MODEL_DIR: for diffusion at tau 0.9 and 0.95 with B = 8, 16, 32, TPF (tokens per

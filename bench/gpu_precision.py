@@ -2,7 +2,7 @@
 """Does the GPU's arithmetic explain the CUDA parity gap? The reference, with and without emulated CUDA
 rounding (clover_ref.precision), under the native parity tests' protocol. No GPU needed.
 
-    .venv/bin/python bench/gpu_precision.py [--models tiny mid demo] [--presets ...] [--workdir build/gpu-precision]
+    .venv/bin/python -m bench.gpu_precision [--models tiny mid demo] [--presets ...] [--workdir build/gpu-precision]
 
 For each model and arithmetic preset: the max |logit difference| against the exact reference of the
 causal passes of tests/test_native_clover.py (prompts of 1, 7, 64 and 300 tokens in one pass with
@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 RESULTS = REPO / "bench" / "results"
 REF_TOL = 1e-3  # tests/test_native_clover.py
 N_IDS = 340
@@ -104,7 +103,7 @@ def token_by_token(model: Any, ids: list[int]) -> np.ndarray:
 
 
 def block_logits(model: Any, ids: list[int], mask: int) -> dict[str, np.ndarray]:
-    from native_support import block_window
+    from tests.support.native import block_window
 
     out = {}
     for p in BLOCK_POSITIONS:
@@ -119,8 +118,8 @@ def block_logits(model: Any, ids: list[int], mask: int) -> dict[str, np.ndarray]
 
 
 def diff(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
-    """The native parity tests' metric (native_support.parity), and how many tolerances the difference is."""
-    from native_support import parity
+    """The native parity tests' metric (tests.support.native.parity), and how many tolerances the difference is."""
+    from tests.support.native import parity
 
     m = parity(got, ref, REF_TOL)
     return m | {"over_tol": m["max_abs_diff"] / m["tol"]}

@@ -1,6 +1,6 @@
 """Print the reference's causal-mode distance to transformers as a Markdown table (not a test).
 
-    .venv/bin/python bench/parity_report.py [--presets tiny mid] [--lengths 1 9 200]
+    .venv/bin/python -m bench.parity_report [--presets tiny mid] [--lengths 1 9 200]
 
 The tests assert the bound; this script reports the measured numbers for the README.
 """
@@ -8,17 +8,15 @@ The tests assert the bound; this script reports the measured numbers for the REA
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_reference_parity import load_transformers, prompt  # noqa: E402
+from tests.reference.test_reference_parity import load_transformers, prompt
 
-from clover_ref.checkpoint import load_model  # noqa: E402
-from clover_ref.factory import init_checkpoint  # noqa: E402
+from clover_ref.checkpoint import load_model
+from clover_ref.factory import init_checkpoint
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The full-size quantization plan of Clover-35B-A3B (docs/quantize.md). Not a unit test.
 
-    .venv/bin/python bench/plan_35b.py [--workdir build/plan-35b] [--ctx 32768] [--parallel N] [--skip-memory]
+    .venv/bin/python -m bench.plan_35b [--workdir build/plan-35b] [--ctx 32768] [--parallel N] [--skip-memory]
 
 1. Writes the 35b-shape config and tokenizer (`clover-ref init --config-only`: the real 35B-A3B dims, 40
    layers, 256 experts, vocab 248320) and, from the converter's `--dry-run --skeleton`, a bf16 GGUF with

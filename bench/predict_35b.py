@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A prediction, not a measurement: decode speed of the full Clover-35B-A3B (Q4_K_M) per mode.
 
-    .venv/bin/python bench/predict_35b.py [--workdir build/bench-35b] [--keep]
+    .venv/bin/python -m bench.predict_35b [--workdir build/bench-35b] [--keep]
 
 Inputs, both measured here:
 1. **Pass cost against width on real-dims layers.** A random `35b-shape --layers 4` checkpoint (3 Gated
@@ -36,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
 RESULTS = REPO / "bench" / "results"
 WIDTHS = (1, 2, 3, 4, 6, 8)
 BLOCK_WIDTHS = (4, 8, 16, 32)
@@ -54,7 +52,7 @@ def log(msg: str) -> None:
 def slice_gguf(work: Path, layers: int) -> Path:
     """A Q4_K_M GGUF of a random 35b-shape checkpoint with `layers` layers (the bf16 files are removed)."""
     from clover_ref.factory import init_checkpoint_streaming
-    from native_support import clover_convert, quantize
+    from tests.support.native import clover_convert, quantize
 
     out = work / f"35b-{layers}L-Q4_K_M.gguf"
     if out.exists():
@@ -110,9 +108,9 @@ def chain_tokens_per_pass(prompts: int = 24) -> dict[int, float]:
     held-out code, replayed against the n-gram drafts auto would verify (padded drafts included)."""
     import tempfile
 
-    from bench_speed import held_out_prompts
+    from bench.bench_speed import held_out_prompts
     from clover_cpp import Model
-    from native_support import clover_convert
+    from tests.support.native import clover_convert
 
     with tempfile.TemporaryDirectory() as tmp:
         gguf = clover_convert(REPO / "models" / "clover-demo", Path(tmp) / "demo.gguf", "f16")

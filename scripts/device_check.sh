@@ -79,7 +79,7 @@ probe() {  # probe LABEL GGUF [ENV=V ...] [-- extra args]
     while [[ $# -gt 0 && $1 != -- ]]; do envs+=("$1"); shift; done
     [[ ${1:-} == -- ]] && { shift; extra=("$@"); }
     (( $(left) > 20 )) || { t "skip $label $gguf (time)"; return; }
-    env "${envs[@]}" timeout 120 python3 bench/cuda_parity.py "$M/$gguf" --label "$label" --out "$P" \
+    env "${envs[@]}" timeout 120 python3 -m bench.cuda_parity "$M/$gguf" --label "$label" --out "$P" \
         --n-gpu-layers $NGL "${extra[@]}" || t "probe $label $gguf rc=$?"
 }
 STRICT=(GGML_CUDA_DISABLE_TF32=1 GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32)
@@ -117,7 +117,7 @@ fi
 
 # -- 4. engine benchmark
 if (( $(left) > 30 )); then
-    timeout $(( $(left) - 5 )) python3 bench/bench_engine.py --n-gpu-layers $NGL --skip-stock --skip-reference \
+    timeout $(( $(left) - 5 )) python3 -m bench.bench_engine --n-gpu-layers $NGL --skip-stock --skip-reference \
         --threads "$(nproc)" --name bench_engine_cuda --workdir /tmp/be > "$OUT/bench.log" 2>&1
     t "bench rc=$?"; tail -30 "$OUT/bench.log"
     cp bench/results/bench_engine_cuda.* "$OUT/" 2>/dev/null

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from clover_ref.factory import init_checkpoint
+from tests.support.native import require_native
 
 # Tests send SIGINT to child processes (Ctrl-C in the chat, interrupted conversions). A shell without job
 # control starts a background job (`make test &`, nohup) with SIGINT ignored, every child would inherit that,
@@ -48,6 +49,14 @@ def mid_model(mid_checkpoint: Path):
 
 # ------------------------------------------------------------------------------------ run-wide reporting
 _NOTES: list[str] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked ``native`` need the native build: without it they skip, or fail under CLOVER_REQUIRE_NATIVE=1,
+    before any fixture builds a GGUF for them."""
+    if item.get_closest_marker("native") is not None:
+        require_native()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

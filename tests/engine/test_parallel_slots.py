@@ -1,0 +1,125 @@
+"""Slots (docs/serve.md, "Slots"): several generations on one context, their passes batched into shared
+llama_decode rounds. Each slot's output must equal what the same calls give on a single-slot engine (greedy;
+the near-tie rule of the engine tests), and the passes must really have been batched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.engine import Ledger, run_concurrently
+from tests.support.native import clover_convert
+
+# (mode, options): every decoding mode, two slots in ar so that same-size passes meet in a round
+CASES = [("ar", {}), ("ar", {}), ("diffusion", {"block_size": 8, "threshold": 0.006}), ("spec", {"block_size": 8}),
+         ("auto", {})]
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Point:\n    def __init__(self, x, y):\n",
+           "for i in range(10):\n", "# sort a list\n"]
+FOLLOW_UPS = ["\n# now the tests\n", "\ndef main():\n", "\n    def norm(self):\n", "\nprint('done')\n", "\nx = 1\n"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("slots") / "tiny-f32.gguf", "f32")
+
+
+def _conversation(model: Any, i: int) -> list[tuple[list[int], list[int]]]:
+    """Two turns on one slot: a prompt, then a follow-up continuing the same history. (context, tokens) per turn."""
+    mode, opts = CASES[i]
+    model.reset()
+    turns = []
+    context: list[int] = []
+    for text in (PROMPTS[i], FOLLOW_UPS[i]):
+        ids = model.tokenize(text)
+        context += ids
+        got = list(model.run(ids, mode=mode, max_tokens=24, stop_ids=[], **opts).tokens)
+        turns.append((list(context), got))
+        context += got
+    return turns
+
+
+@pytest.mark.native
+def test_slots_equal_their_solo_runs_and_batch_their_passes(tiny_gguf: Path, tiny_model: Any) -> None:
+    from clover_cpp.model import Model
+
+    with Model(tiny_gguf, n_ctx=1024) as solo:
+        want = [_conversation(solo, i) for i in range(len(CASES))]
+        assert solo.n_parallel == 1 and solo.pass_stats() == (0, 0)
+
+    with Model(tiny_gguf, n_ctx=1024 * len(CASES), n_parallel=len(CASES)) as model:
+        assert model.n_parallel == len(CASES) and model.n_ctx == 1024  # -c is divided among the slots
+        got = run_concurrently(lambda i: _conversation(model.slot(i), i), len(CASES))
+        passes, rounds = model.pass_stats()
+
+    ledger = Ledger()
+    for i, (mode, _) in enumerate(CASES):
+        assert not isinstance(got[i], BaseException), f"slot {i} ({mode}): {got[i]!r}"
+        for turn, ((_, toks), (context, want_toks)) in enumerate(zip(got[i], want[i])):
+            ledger.check(f"slot{i}/{mode}/turn{turn}", toks, want_toks, tiny_model, context)
+            if toks != want_toks:  # diverged at a near-tie: the follow-up continues a different history
+                break
+    assert len(ledger.near_ties) <= 1, ledger.near_ties
+    # every slot ran its passes through the rounds, and slots met in them
+    assert passes > rounds > 0, (passes, rounds)
+
+
+@pytest.mark.native
+def test_slot_handles_and_single_slot_only_features(tiny_gguf: Path) -> None:
+    from clover_cpp.model import EngineError, Model
+
+    with Model(tiny_gguf, n_ctx=512, n_parallel=2) as model:
+        assert model.slot(0) is model and model.slot(1).n_parallel == 2
+        with pytest.raises(ValueError, match="slot 2 is out of range"):
+            model.slot(2)
+        with pytest.raises(EngineError, match="one slot"):
+            model.history_state()
+        second = model.slot(1)
+    with pytest.raises(EngineError, match="closed"):
+        second.n_past  # noqa: B018 - the owner is closed: the view must not touch freed memory
+    with pytest.raises(ValueError, match="n_parallel"):
+        Model(tiny_gguf, n_parallel=0)
+
+
+@pytest.mark.native
+def test_slots_that_do_not_fit_host_memory_are_refused_with_the_numbers(tiny_gguf: Path) -> None:
+    """The context of N slots is checked against the host's available memory at load (llama.cpp's no_alloc dry
+    run), here made to fail by a margin larger than any machine."""
+    from clover_cpp.model import EngineError, Model
+    from clover_cpp.offload import Offload
+
+    with pytest.raises(EngineError, match=r"2 slots do not fit host memory: their context needs \d+ MiB "
+                                          r"\(KV cache and recurrent state \d+, compute \d+ MiB\)"):
+        Model(tiny_gguf, n_parallel=2, offload=Offload(fit_target_mib=2**30))
+    with Model(tiny_gguf, n_parallel=1, offload=Offload(fit_target_mib=2**30)) as one:  # one slot: no host check
+        assert one.n_parallel == 1
+
+
+def test_slots_with_the_block_coreset_equal_their_solo_runs(tiny_checkpoint: Path, tiny_model: Any,
+                                                            tmp_path: Path) -> None:
+    """spec 3.3 in a batched pass: one coreset per sequence's window. Two diffusion slots of a GGUF whose
+    coreset_top_p is 0.5 decode concurrently, their block passes batched, as each does alone."""
+    from clover_cpp.model import Model
+
+    gguf = clover_convert(tiny_checkpoint, tmp_path / "tiny-core05.gguf", "f32", "--coreset-top-p", "0.5")
+
+    def diffusion(model: Any, i: int) -> tuple[list[int], list[int]]:
+        model.reset()
+        ids = model.tokenize(PROMPTS[i])
+        return ids, list(model.run(ids, mode="diffusion", block_size=8, threshold=0.006, max_tokens=24,
+                                   stop_ids=[]).tokens)
+
+    with Model(gguf, n_ctx=1024) as solo:
+        assert abs(solo.info.coreset_top_p - 0.5) < 1e-7
+        want = [diffusion(solo, i) for i in range(2)]
+    with Model(gguf, n_ctx=2048, n_parallel=2) as model:
+        got = run_concurrently(lambda i: diffusion(model.slot(i), i), 2)
+        passes, rounds = model.pass_stats()
+    ledger = Ledger()
+    for i in range(2):
+        assert not isinstance(got[i], BaseException), f"slot {i}: {got[i]!r}"
+        context, want_tokens = want[i]
+        ledger.check(f"coreset-slot{i}", got[i][1], want_tokens, tiny_model, context)
+    ledger.assert_budget()
+    assert passes > rounds, f"no block pass was batched ({passes} passes in {rounds} rounds)"

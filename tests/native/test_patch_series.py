@@ -1,0 +1,39 @@
+"""The llama.cpp patch series (cpp_patch/patches/, docs/native.md "Changing a patch"): every patch has its header,
+the series applies in order to the pristine vendored tree without fuzz, the upstream candidates apply to it alone,
+and the tree the native build compiled is exactly the pristine tree plus the series."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+from scripts import patch_series
+
+from clover_cpp import cpu, loader
+
+UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-rollback", "model-load-hparams-errors"}
+
+
+@pytest.mark.native
+def test_series_applies_and_matches_the_build() -> None:
+    info = cpu.read_build_info(loader.lib_dir().parent)
+    assert info, "build/native/BUILD_INFO missing (make native writes it)"
+    pristine = Path(info["sdist"]) / "vendor" / "llama.cpp"
+    built = Path(info["build_dir"]).parent / "src"
+    touched = patch_series.check(pristine, built)
+    assert "src/llama-memory-recurrent.cpp" in touched
+
+
+def test_headers_and_standalone_patches() -> None:
+    names = {}
+    for p in patch_series.series():
+        header, diff = patch_series.split_patch(p.read_text())
+        subject, blank = header.splitlines()[:2]
+        assert subject and not blank, f"{p.name}: a subject line, then a blank line"
+        assert all(k in header for k in ("Why:", "What:", "Tested")), f"{p.name}: why, what and how it was tested"
+        tr = patch_series.trailers(header)
+        assert p.name.endswith(f"-{tr['patch-name']}.patch"), p.name
+        names[tr["patch-name"]] = tr.get("standalone") == "yes"
+    assert {n for n, alone in names.items() if alone} == UPSTREAM_CANDIDATES
