@@ -224,7 +224,7 @@ def available() -> tuple[bool, str]:
         return False, f"{lib_path()} not found (the engine is built by `make native`)"
     try:
         lib()
-    except Exception as exc:  # noqa: BLE001 - reported as a reason
+    except Exception as exc:
         return False, f"cannot load {lib_path()}: {exc}"
     return True, ""
 

@@ -51,7 +51,7 @@ class NativeError(CloverError, RuntimeError):
 def installed_lib_dir() -> Path | None:
     """``llama_cpp/lib`` of an installed wheel of this project (setup.py puts libclover there), else None. Found
     without importing llama_cpp, which would bind its library path."""
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
     try:
         spec = importlib.util.find_spec("llama_cpp")
@@ -93,7 +93,7 @@ def native_available() -> tuple[bool, str]:
         return False, f"native library not found in {d} (run `make native`)"
     try:
         llama()
-    except Exception as exc:  # noqa: BLE001 - reported to the caller as a reason
+    except Exception as exc:
         return False, f"cannot load the native library from {d}: {exc}"
     return True, ""
 
@@ -140,7 +140,7 @@ def llama() -> ModuleType:
     os.environ["LLAMA_CPP_LIB_PATH"] = str(d)
     _preload_libstdcxx()
     try:
-        import llama_cpp  # noqa: PLC0415 - must follow LLAMA_CPP_LIB_PATH
+        import llama_cpp
     except ImportError as exc:
         raise NativeError(f"llama-cpp-python is not installed (make native): {exc}") from exc
 
@@ -246,5 +246,5 @@ class NativeHandle:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:
             pass

@@ -253,7 +253,7 @@ class _Call:
             if self.cancel.is_set():
                 return False
             return bool(self.user_on_tokens([int(ptr[i]) for i in range(n)]))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:
             self.error = exc
             return False
 
@@ -263,7 +263,7 @@ class _Call:
                 return False
             assert self.user_on_step is not None
             return self.user_on_step([int(ptr[i]) for i in range(n)]) is not False
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self.error = exc
             return False
 
@@ -332,7 +332,7 @@ class Generation:
         rc, wall = -1, 0.0
         try:
             rc, wall = self._call.run()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._call.error = exc
         finally:
             self._rc = rc
@@ -409,7 +409,7 @@ class Generation:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

@@ -323,7 +323,7 @@ def _call_in_thread(fn: Callable[..., None], *args: Any) -> None:
     def run() -> None:
         try:
             fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        except BaseException as exc:
             box["error"] = exc
 
     global _native_thread

@@ -109,7 +109,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def require_torch() -> None:
     """clover-ref runs the PyTorch reference; the base install (convert, quantize, cpp) comes without torch."""
     try:
-        import torch  # noqa: F401, PLC0415
+        import torch  # noqa: F401
     except ImportError:
         raise CloverError("clover-ref needs PyTorch, which the base install leaves out: "
                          "pip install 'clover-toolkit[reference]'") from None

@@ -5,7 +5,8 @@
         [--tree VENDORED_LLAMA_CPP] [--tokenizer-pre qwen35] [-- EXTRA CONVERTER ARGS]
 
 Needs a Python with torch, numpy, safetensors and transformers (the project venv, .venv/bin/python).
-- The vendored tree's own gguf-py is put first on sys.path (the PyPI gguf wheel differs; see docs/gotchas).
+- The vendored tree's own gguf-py is put first on sys.path: the PyPI gguf 0.19.0 wheel is not the gguf-py of the
+  vendored tree (it lacks writer helpers the converter calls and cannot quantize K-quants).
 - `--no-mtp` is always passed: our checkpoints have no MTP tensors and the converter asserts otherwise.
 - The converter refuses BPE tokenizers whose pre-tokenizer hash it does not know. Our test checkpoints
   use a tiny BPE tokenizer with Qwen3.5's regex, so TextModel.get_vocab_base_pre (conversion/base.py,

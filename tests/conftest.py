@@ -81,6 +81,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _NOTES.extend(str(v) for k, v in report.user_properties if k == "note")
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     for note in dict.fromkeys(_NOTES):
         terminalreporter.write_line(f"note: {note}")

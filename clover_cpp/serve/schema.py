@@ -26,7 +26,7 @@ MODES = ("ar", "diffusion", "spec", "auto")
 class APIError(Exception):
     """An error answered with an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",  # noqa: A002
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
@@ -39,7 +39,7 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     def clean(text: str | None) -> str | None:  # a lone surrogate from the request must not break the answer
         return None if text is None else text.encode("utf-8", "replace").decode("utf-8")

@@ -103,7 +103,7 @@ async def run_with_timeout(fn: Callable[[], T], timeout_s: float) -> T:
             outcome: tuple[bool, Any] = (True, result)
         except _Abandoned:
             return
-        except BaseException as exc:  # noqa: BLE001 - handed to the request
+        except BaseException as exc:
             outcome = (False, exc)
         try:
             loop.call_soon_threadsafe(settle, *outcome)

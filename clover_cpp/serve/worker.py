@@ -87,7 +87,7 @@ class Job:
             result = model.run(self.prompt_ids[self.cached_tokens:], self.params, on_tokens=self._on_tokens,
                                on_step=None if self.params.mode == "ar" else self._on_step)
             self.stats = result.stats
-        except BaseException as exc:  # noqa: BLE001 - reported to the request, the worker lives on
+        except BaseException as exc:
             self.error = exc
         finally:
             self.finished = True

@@ -69,7 +69,7 @@ def _classify(m_expect: tuple[str, ...], may_load: bool, res: dict, prog: str) -
 
 
 def _report(kind: str, items: list[tuple[str, tuple[str, ...], bool, str]], results: dict[str, dict], prog: str,
-            record_property, notes: dict[str, str] | None = None) -> None:  # noqa: ANN001
+            record_property, notes: dict[str, str] | None = None) -> None:
     counts: collections.Counter[str] = collections.Counter()
     bad = []
     for name, expect, may_load, path in items:
@@ -113,7 +113,7 @@ def _dir_listing(d: Path) -> set[str]:
 
 
 @pytest.mark.native
-def test_gguf_mutants_generate(tiny_gguf: Path, tmp_path: Path, record_property) -> None:  # noqa: ANN001
+def test_gguf_mutants_generate(tiny_gguf: Path, tmp_path: Path, record_property) -> None:
     """clover-cpp generate (load, then 4 tokens in auto mode) on every GGUF mutant."""
     root = tmp_path / "mutants"
     root.mkdir()
@@ -126,7 +126,7 @@ def test_gguf_mutants_generate(tiny_gguf: Path, tmp_path: Path, record_property)
 
 
 @pytest.mark.native
-def test_gguf_mutants_quantize(tiny_gguf: Path, tmp_path: Path, record_property) -> None:  # noqa: ANN001
+def test_gguf_mutants_quantize(tiny_gguf: Path, tmp_path: Path, record_property) -> None:
     """clover-quantize refuses what the engine refuses, and leaves no output or temporary file."""
     root = tmp_path / "mutants"
     root.mkdir()
@@ -141,7 +141,7 @@ def test_gguf_mutants_quantize(tiny_gguf: Path, tmp_path: Path, record_property)
     _report("clover-quantize on GGUF mutants", items, results, "clover-quantize", record_property, notes)
 
 
-def test_checkpoint_mutants_convert(tiny_checkpoint: Path, tmp_path: Path, record_property) -> None:  # noqa: ANN001
+def test_checkpoint_mutants_convert(tiny_checkpoint: Path, tmp_path: Path, record_property) -> None:
     """clover-convert on broken checkpoints: one line naming the file and the field or tensor, no output."""
     root = tmp_path / "mutants"
     root.mkdir()

@@ -77,7 +77,7 @@ def test_slot_handles_and_single_slot_only_features(tiny_gguf: Path) -> None:
             model.history_state()
         second = model.slot(1)
     with pytest.raises(EngineError, match="closed"):
-        second.n_past  # noqa: B018 - the owner is closed: the view must not touch freed memory
+        second.n_past
     with pytest.raises(ValueError, match="n_parallel"):
         Model(tiny_gguf, n_parallel=0)
 

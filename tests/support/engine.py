@@ -238,7 +238,7 @@ def run_concurrently(fn: Callable[[int], Any], n: int, timeout: float = 300) -> 
         try:
             barrier.wait(timeout=60)
             results[i] = fn(i)
-        except BaseException as exc:  # noqa: BLE001 - returned to the caller
+        except BaseException as exc:
             results[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]

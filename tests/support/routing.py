@@ -206,7 +206,7 @@ class NativeRouterMargins:
                 probs = np.ctypeslib.as_array(ggml.ggml_get_data_f32(tensor), shape=(n,)).reshape(rows, n // rows)
                 top = -np.sort(-probs, axis=-1)
                 self._calls.append((int(layer.group(1)), top[:, top_k - 1] - top[:, top_k]))
-            except Exception as exc:  # noqa: BLE001 - reported by end_pass
+            except Exception as exc:
                 self._error = exc
             return True
 

@@ -28,7 +28,7 @@ def load_schema(path: Path) -> dict[str, Any]:
 
 def validate(instance: Any, schema: dict[str, Any]) -> list[str]:
     try:
-        import jsonschema  # noqa: PLC0415 - optional
+        import jsonschema
     except ImportError:
         errors: list[str] = []
         _check(instance, schema, schema, "$", errors)

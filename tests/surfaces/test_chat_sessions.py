@@ -242,7 +242,7 @@ def test_save_that_cannot_write_leaves_nothing_behind(apps: Any, gguf: Path, tmp
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
-def Chat(gguf: Path, *args: str) -> ChatProcess:  # noqa: N802 - reads like the class it makes
+def Chat(gguf: Path, *args: str) -> ChatProcess:
     return ChatProcess(gguf, "--mode", "ar", "-n", "12", *args)
 
 

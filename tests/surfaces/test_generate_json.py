@@ -139,8 +139,8 @@ def test_clover_cpp_takes_llama_cpp_names(tiny_gguf: Path) -> None:
                                   "--max-tokens", "9"])
         assert (long.temperature, long.seed, long.max_tokens) == (0.5, 7, 9), command
     for command in ("generate", "chat", "serve"):  # no option is defined twice
-        sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001
-        strings = [s for a in sub._actions for s in a.option_strings]  # noqa: SLF001
+        sub = parser._subparsers._group_actions[0].choices[command]
+        strings = [s for a in sub._actions for s in a.option_strings]
         assert len(strings) == len(set(strings)), command
     # and they work end to end
     a = _json([sys.executable, "-m", "clover_cpp.cli", "generate", "-m", str(tiny_gguf), "-p", PROMPT, "--mode",
@@ -203,12 +203,12 @@ def test_serve_defaults_fill_what_a_request_leaves_out() -> None:
     model = SimpleNamespace(n_ctx=100, info=SimpleNamespace(n_vocab=3072, mask_token_id=3007))  # what _params reads
     prep = Preparer(model, None, "m", 8,  # type: ignore[arg-type]
                     Defaults(GenParams(temperature=0.8, top_k=40, top_p=0.5), max_tokens=10, seed=7))
-    p = prep._params(CloverFields(model="m"), 5, None, "messages")  # noqa: SLF001
+    p = prep._params(CloverFields(model="m"), 5, None, "messages")
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (10, 0.8, 40, 0.5, 7)
-    p = prep._params(CloverFields(model="m", top_k=0, top_p=1.0, seed=1), 95, None, "messages")  # noqa: SLF001
+    p = prep._params(CloverFields(model="m", top_k=0, top_p=1.0, seed=1), 95, None, "messages")
     assert (p.max_tokens, p.top_k, p.top_p, p.seed) == (5, 0, 1.0, 1)
-    p = prep._params(CloverFields(model="m"), 5, 3, "messages")  # noqa: SLF001
+    p = prep._params(CloverFields(model="m"), 5, 3, "messages")
     assert p.max_tokens == 3
     plain = Preparer(model, None, "m", 8, Defaults())  # type: ignore[arg-type]
-    p = plain._params(CloverFields(model="m"), 5, None, "messages")  # noqa: SLF001
+    p = plain._params(CloverFields(model="m"), 5, None, "messages")
     assert (p.max_tokens, p.top_k, p.top_p, p.seed) == (95, 0, 1.0, 0)
