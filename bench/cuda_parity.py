@@ -5,7 +5,7 @@
 
 Run once per environment variant (NVIDIA_TF32_OVERRIDE, GGML_CUDA_DISABLE_TF32, GGML_CUDA_PDL, ... are read
 once per process). The CPU logits are computed on the first call and cached in DIR. Cases follow
-tests/test_native_clover.py: causal prompts of 1, 7, 64 and 300 tokens in one pass (n_ubatch 64), 24
+tests/native/test_native_clover.py: causal prompts of 1, 7, 64 and 300 tokens in one pass (n_ubatch 64), 24
 single-token steps after a 64-token prefill, and for clover files block passes (masked windows of 4 and B
 at positions 0, 37 and 300). ``--engine`` also compares greedy ar/spec/auto tokens of the engine.
 

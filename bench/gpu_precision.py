@@ -5,7 +5,7 @@ rounding (clover_ref.precision), under the native parity tests' protocol. No GPU
     .venv/bin/python -m bench.gpu_precision [--models tiny mid demo] [--presets ...] [--workdir build/gpu-precision]
 
 For each model and arithmetic preset: the max |logit difference| against the exact reference of the
-causal passes of tests/test_native_clover.py (prompts of 1, 7, 64 and 300 tokens in one pass with
+causal passes of tests/native/test_native_clover.py (prompts of 1, 7, 64 and 300 tokens in one pass with
 n_ubatch 64, 24 single-token steps after a 64-token prefill) and of its block passes (positions 0, 1, 37
 and 300; B = 1, 4, 8, 32; three canvases), next to the tolerance the tests use and the H200 figures of
 bench/results/cuda_tests.md. Then the MoE routing near-ties of those prompts: the gap between the k-th
@@ -31,7 +31,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-REF_TOL = 1e-3  # tests/test_native_clover.py
+REF_TOL = 1e-3  # tests/native/test_native_clover.py
 N_IDS = 340
 PROMPTS = (1, 7, 64, 300)
 BLOCK_POSITIONS = (0, 1, 37, 300)

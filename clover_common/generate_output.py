@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 HIST_LAST = 64  # CLOVER_HIST_SIZE - 1 in clover.h
@@ -22,13 +23,18 @@ STATS_KEYS = ("mode", "block_size", "threshold", "prompt_tokens", "generated_tok
               "decode_tok_per_s", "steps_per_block", "accepted_lengths", "stop_reason")
 
 
-class PassCounts:
-    """The pass counts of a generation and its TPF, as every Stats class defines them (the reference's and the
-    engine's); a mixin for dataclasses with ``generated_tokens``, ``block_passes`` and ``causal_passes``."""
+@dataclass
+class RunStats:
+    """What the stats of every generation hold, the reference's (clover_ref.decode.GenerationStats) and the
+    engine's (clover_cpp.model.Stats), and the TPF both compute from them; each adds its own fields."""
 
-    generated_tokens: int
-    block_passes: int
-    causal_passes: int  # decode-time causal passes: ar steps, commits, verifications
+    mode: str
+    block_size: int
+    threshold: float
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    block_passes: int = 0
+    causal_passes: int = 0  # decode-time causal passes: ar steps, commits, verifications
 
     @property
     def passes(self) -> int:

@@ -237,36 +237,34 @@ class ChatApp:
         return True
 
     def _set_block(self, arg: str) -> None:
-        if arg in ("default", ""):
-            if arg:
-                self.settings = self.settings.with_gen(block_size=None)
-            self.say(self.style.dim(f"block size {self.settings.gen.block_size or self.model.info.block_size}"))
-            return
-        try:
-            b = int(arg)
-        except ValueError:
-            b = 0
-        if not 1 <= b <= self.max_block_size:
-            self.fail(f"/block takes an integer in 1..{self.max_block_size} (start with --max-block-size for more)")
-            return
-        self.settings = self.settings.with_gen(block_size=b)
-        self.say(self.style.dim(f"block size {b}, threshold {self._threshold_text()}"))
+        max_block = self.max_block_size
+        self._set_gen("block_size", arg, int, lambda b: 1 <= b <= max_block,
+                      f"/block takes an integer in 1..{max_block} (start with --max-block-size for more)",
+                      lambda given: f"block size {self.settings.gen.block_size or self.model.info.block_size}"
+                                    + (f", threshold {self._threshold_text()}" if given else ""))
 
     def _set_threshold(self, arg: str) -> None:
-        if arg in ("default", ""):
-            if arg:
-                self.settings = self.settings.with_gen(threshold=None)
-            self.say(self.style.dim(f"threshold {self._threshold_text()}"))
-            return
-        try:
-            t = float(arg)
-        except ValueError:
-            t = -1.0
-        if not 0.0 <= t <= 1.0:
-            self.fail("/threshold takes a number in [0, 1], or 'default'")
-            return
-        self.settings = self.settings.with_gen(threshold=t)
-        self.say(self.style.dim(f"threshold {t:g}"))
+        self._set_gen("threshold", arg, float, lambda t: 0.0 <= t <= 1.0,
+                      "/threshold takes a number in [0, 1], or 'default'",
+                      lambda _given: f"threshold {self._threshold_text()}")
+
+    def _set_gen(self, field: str, arg: str, parse: Callable[[str], Any], ok: Callable[[Any], bool], usage: str,
+                 shown: Callable[[bool], str]) -> None:
+        """/block and /threshold: a value ``ok`` accepts sets the field, 'default' restores the GGUF's, nothing shows
+        it; anything else prints ``usage``. ``shown(given)`` says the setting after a change or a look."""
+        given = arg not in ("default", "")
+        if given:
+            try:
+                value = parse(arg)
+            except ValueError:
+                value = None
+            if value is None or not ok(value):
+                self.fail(usage)
+                return
+            self.settings = self.settings.with_gen(**{field: value})
+        elif arg:
+            self.settings = self.settings.with_gen(**{field: None})
+        self.say(self.style.dim(shown(given)))
 
     # ------------------------------------------------------------------------------ sessions
     def model_identity(self) -> dict[str, Any]:

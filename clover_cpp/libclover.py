@@ -220,13 +220,7 @@ def available() -> tuple[bool, str]:
     ok, reason = loader.native_available()
     if not ok:
         return ok, reason
-    if not lib_path().exists():
-        return False, f"{lib_path()} not found (the engine is built by `make native`)"
-    try:
-        lib()
-    except Exception as exc:
-        return False, f"cannot load {lib_path()}: {exc}"
-    return True, ""
+    return loader.loadable(lib_path(), lib, f"{lib_path()} not found (the engine is built by `make native`)")
 
 
 def lib() -> ctypes.CDLL:

@@ -86,16 +86,23 @@ def _load_backend_modules(llama_cpp: ModuleType, d: Path) -> None:
         lib.ggml_backend_load_all_from_path(str(d).encode())
 
 
+def loadable(path: Path, load: Callable[[], Any], missing: str) -> tuple[bool, str]:
+    """(True, "") when ``path`` exists and ``load()`` succeeds, else (False, the reason): ``missing`` when the
+    file is not there, or what loading raised."""
+    if not path.exists():
+        return False, missing
+    try:
+        load()
+    except Exception as exc:
+        return False, f"cannot load {path}: {exc}"
+    return True, ""
+
+
 def native_available() -> tuple[bool, str]:
     """(True, "") when the native library and the Python bindings can be used, else (False, reason)."""
     d = lib_dir()
-    if not (d / "libllama.so").exists() and not (d / "libllama.dylib").exists():
-        return False, f"native library not found in {d} (run `make native`)"
-    try:
-        llama()
-    except Exception as exc:
-        return False, f"cannot load the native library from {d}: {exc}"
-    return True, ""
+    lib = d / ("libllama.dylib" if sys.platform == "darwin" else "libllama.so")
+    return loadable(lib, llama, f"native library not found in {d} (run `make native`)")
 
 
 def _preload_libstdcxx() -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clover_common.generate_output import PassCounts
+from clover_common.generate_output import RunStats
 from clover_common.errors import BadInput
 
 from . import libclover, loader, bindings
@@ -119,17 +119,10 @@ class PassCosts:
 
 
 @dataclass
-class Stats(PassCounts):
+class Stats(RunStats):
     """What one generate call did. Histograms are lists indexed by value (``steps_per_block[s]`` = number
     of blocks that took s steps); bin 64 holds everything larger."""
 
-    mode: str
-    block_size: int
-    threshold: float
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    block_passes: int = 0
-    causal_passes: int = 0
     prefill_ms: float = 0.0
     block_ms: float = 0.0
     causal_ms: float = 0.0

@@ -16,7 +16,7 @@ import torch
 
 from .coreset import check_top_p
 from clover_common.errors import BadInput
-from clover_common.generate_output import PassCounts
+from clover_common.generate_output import RunStats
 from .model import CloverModel
 from .sampling import Sampler, SamplingParams
 
@@ -24,15 +24,8 @@ MODES = ("ar", "diffusion", "spec")
 
 
 @dataclass
-class GenerationStats(PassCounts):
-    mode: str
-    block_size: int
-    threshold: float
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
+class GenerationStats(RunStats):
     prefill_passes: int = 0
-    block_passes: int = 0
-    causal_passes: int = 0  # decode-time causal passes: ar steps, commits, verifications
     steps_per_block: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     stop_reason: str = ""

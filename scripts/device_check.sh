@@ -14,7 +14,7 @@
 #     Models: tiny, the stock qwen35moe twin of tiny (the yardstick), the trained demo model (with engine
 #     tokens), and mid.
 #  2. test-backend-ops on CUDA0 for the ops of the recurrent layers.
-#  3. the native parity tests under strict FP32 (tests/test_native_clover.py, tests/test_engine.py).
+#  3. the native parity tests under strict FP32 (tests/native/test_native_clover.py, tests/engine/test_engine.py).
 #  4. the engine benchmark (block pass against AR step inside the engine's loops).
 set -u
 cd "$(dirname "$0")/.."
@@ -110,7 +110,7 @@ fi
 # -- 3. native parity tests under strict FP32, then as shipped
 if (( $(left) > 60 )); then
     env "${STRICT[@]}" CLOVER_N_GPU_LAYERS=$NGL timeout $(( $(left) - 45 )) python3 -m pytest -q -p no:cacheprovider \
-        -o addopts="" tests/test_native_clover.py tests/test_engine.py -k "not stock_qwen35moe and not mid" -W ignore \
+        -o addopts="" tests/native/test_native_clover.py tests/engine/test_engine.py -k "not stock_qwen35moe and not mid" -W ignore \
         > "$OUT/tests-strict.log" 2>&1
     t "tests (strict) rc=$?"; tail -25 "$OUT/tests-strict.log"
 fi

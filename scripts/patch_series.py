@@ -15,7 +15,7 @@ a blank line and ``git diff`` of the commit. The file name is NNNN (the commit's
 A header ends with trailers: ``Patch-name: <short-name>`` and, for a patch that applies to the pristine tree by
 itself (an upstream candidate), ``Standalone: yes``. ``check`` applies the series in order to a copy of the files
 it touches (``patch --dry-run`` first, naming the patch that fails) and each standalone patch alone to the
-pristine tree; tests/test_patch_series.py runs it.
+pristine tree; tests/native/test_patch_series.py runs it.
 """
 from __future__ import annotations
 

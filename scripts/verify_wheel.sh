@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install a wheel of this project into a fresh venv and run the base commands on the demo model, as a user
-# would after `pip install .` (docs/install.md, "What was run here"). The steps of tests/test_wheel.py, by hand,
+# would after `pip install .` (docs/install.md, "What was run here"). The steps of tests/surfaces/test_wheel.py, by hand,
 # for a wheel built beforehand:
 #
 #   python3 -m pip wheel --no-deps -w /tmp/wheels .      # about 40 minutes cold on 2 cores

@@ -133,11 +133,11 @@ async def _watch_disconnect(job: Job, request: Request) -> bool:
 
 
 async def event_batches(job: Job, pipeline: TextPipeline, tokens: list[int]) -> AsyncIterator[list[Event]]:
-    """The pipeline's events for each generated block, then its final flush. Appends every generated token
-    to ``tokens``; once the pipeline has stopped (a stop sequence), cancels the job and waits for it."""
-    while (block := await job.next_block()) is not None:
-        tokens += block
-        yield pipeline.feed(block)
+    """The pipeline's events for each commit, then its final flush. Appends every generated token to ``tokens``;
+    once the pipeline has stopped (a stop sequence), cancels the job and waits for it."""
+    while (chunk := await job.next_chunk()) is not None:
+        tokens += chunk
+        yield pipeline.feed(chunk)
         if pipeline.stopped:
             job.cancel()
             await job.wait()

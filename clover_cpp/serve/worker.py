@@ -29,7 +29,7 @@ _DONE = object()
 
 
 class Job:
-    """A queued or running generation. Await ``next_block()`` until it returns None."""
+    """A queued or running generation. Await ``next_chunk()`` until it returns None."""
 
     def __init__(self, prompt_ids: list[int], params: GenParams, loop: asyncio.AbstractEventLoop,
                  checkpoint_hint: int = 0, cache_prompt: bool = True) -> None:
@@ -94,8 +94,8 @@ class Job:
             self._put(_DONE)
 
     # ---------------------------------------------------------------------- asyncio side
-    async def next_block(self) -> list[int] | None:
-        """The next committed block, or None when the job is over (check ``error``)."""
+    async def next_chunk(self) -> list[int] | None:
+        """The next committed tokens (one commit), or None when the job is over (check ``error``)."""
         if self._drained:
             return None
         item = await self._queue.get()
@@ -106,7 +106,7 @@ class Job:
 
     async def wait(self) -> None:
         """Drop the remaining blocks and wait for the job to end."""
-        while await self.next_block() is not None:
+        while await self.next_chunk() is not None:
             pass
 
 

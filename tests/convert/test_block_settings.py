@@ -1,6 +1,6 @@
 """The block-diffusion settings of a checkpoint (spec v2 section 2.2, clover_common.block_settings): the names tried in
 order, generation_config.json, the mask token found by name when exactly one candidate exists, and
-clover-convert's --mask-token, --block-size and --threshold. Bad cases are in tests/test_convert_errors.py."""
+clover-convert's --mask-token, --block-size and --threshold. Bad cases are in tests/convert/test_convert_errors.py."""
 
 from __future__ import annotations
 

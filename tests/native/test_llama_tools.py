@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.native import (REPO_ROOT, clover_convert, free_port, native_tool, record, stop_process)
+from tests.support.native import (REPO_ROOT, free_port, native_tool, record, stop_process)
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -33,11 +33,6 @@ PPL_CHUNKS = 4
 PPL_REL_TOL = 0.01
 CHAT_TOKENS = 32
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
-
-
-@pytest.fixture(scope="module")
-def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(DEMO, tmp_path_factory.mktemp("llama-tools") / "clover-demo-f32.gguf", "f32")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT, clover_convert, free_port, native_tool, stop_process
+from tests.support.native import REPO_ROOT, free_port, native_tool, stop_process
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -61,11 +61,6 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
         except OSError:
             assert time.monotonic() < deadline, f"rpc-server not listening in 60 s:\n{log.read_text()[-2000:]}"
             time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(DEMO, tmp_path_factory.mktemp("rpc") / "clover-demo-f32.gguf", "f32")
 
 
 @pytest.fixture(scope="module")

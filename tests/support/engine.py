@@ -1,4 +1,4 @@
-"""Helpers for the native engine tests (tests/test_engine.py): a tracing reference session and the
+"""Helpers for the native engine tests (tests/engine/test_engine.py): a tracing reference session and the
 near-tie rule (docs/decoding.md).
 
 Native and reference logits differ by float rounding, so a token comparison may diverge only where the
@@ -25,7 +25,7 @@ from clover_ref.decode import Session
 from clover_ref.sampling import Sampler, SamplingParams
 from tests.support.routing import recording_router_probs, routing_near_ties
 
-REF_TOL = 1e-3  # the parity tolerance of the cpp_patch issue (tests/test_native_clover.py)
+REF_TOL = 1e-3  # the parity tolerance of the cpp_patch issue (tests/native/test_native_clover.py)
 # A trained model's sharper attention carries the CPU's flash-attention rounding further: ggml's CPU kernel takes
 # Q in f16 and accumulates P.V in f16 (F16 V), a few f16 roundings (unit 2^-11) per output. On the demo model the
 # engine's causal logits sit 2.1e-3 (relative) from the reference with flash attention on (llama.cpp's auto, the

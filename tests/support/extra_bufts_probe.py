@@ -1,5 +1,5 @@
 """Run one quantized GGUF with and without the CPU extra buffer types (AMX tiles, repacked weight layouts)
-and write what each gives, for tests/test_extra_bufts.py, which runs this in a subprocess so that a native
+and write what each gives, for tests/native/test_extra_bufts.py, which runs this in a subprocess so that a native
 crash is that test's failure with a message, not a dead test session.
 
     python -m tests.support.extra_bufts_probe QUANTIZED.gguf F16.gguf OUT_DIR      (from the repository root)

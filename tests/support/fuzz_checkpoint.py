@@ -1,4 +1,4 @@
-"""Seeded checkpoint mutants for the fuzz tests (tests/test_fuzz.py): broken config.json values, JSON that nests
+"""Seeded checkpoint mutants for the fuzz tests (tests/convert/test_fuzz.py): broken config.json values, JSON that nests
 too deeply, symlink loops, and safetensors headers and data that lie (overlapping, out-of-order or out-of-file
 data_offsets, wrong dtypes and shapes, NaN weights). Each mutant is a copy of a tiny checkpoint with one
 defect, and names what clover-convert's one-line error mentions (any of ``expect``)."""

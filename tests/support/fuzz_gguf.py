@@ -1,4 +1,4 @@
-"""Seeded GGUF mutants for the fuzz tests (tests/test_fuzz.py), and the runner that loads them.
+"""Seeded GGUF mutants for the fuzz tests (tests/convert/test_fuzz.py), and the runner that loads them.
 
 A GGUF file is parsed into a small editable model (header, key/values with their GGUF types, tensor infos with
 their data) and written back with the offsets recomputed, so a mutant can change a value, a type or a shape

@@ -12,7 +12,7 @@ logits move by far more than the parity tolerance (0.1 against 0.0044, seen on A
   may be in another row, since rows of a block pass mix in later layers.
 - So a decisive window must match the reference itself, and no row ever gets a looser tolerance: only an
   alternative routing, each one that a backend's rounding could pick. A genuine error (a wrong expert
-  weight, a wrong tap) matches no variant and fails (tests/test_native_clover.py injects one).
+  weight, a wrong tap) matches no variant and fails (tests/native/test_native_clover.py injects one).
 
 The reference's routing is ``SparseMoe.route`` (clover_ref/model.py). With the block coreset of spec 3.3
 (top_p < 1) there are two more places where backends may round apart, and ``routing_near_ties`` finds them:

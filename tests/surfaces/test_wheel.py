@@ -4,7 +4,7 @@ Slow (marker `slow`) and opt-in (CLOVER_TEST_WHEEL=1; otherwise skipped with tha
 build is the portable one (GGML_NATIVE=OFF, GGML_BACKEND_DL=ON, GGML_CPU_ALL_VARIANTS=ON: ggml's CPU backend once
 per x86 level), a build folder of its own in $CLOVER_CACHE; ccache makes a rebuild fast, but the first one
 compiles everything with other flags than `make native` (docs/install.md has the time). Run it with
-`CLOVER_TEST_WHEEL=1 pytest -m slow tests/test_wheel.py`.
+`CLOVER_TEST_WHEEL=1 pytest -m slow tests/surfaces/test_wheel.py`.
 
 The wheel is installed into a new venv (its dependencies from the package index, no torch), with no
 PYTHONPATH, LLAMA_CPP_LIB_PATH or CLOVER_NATIVE_LIB: `clover-convert` makes the demo GGUF, `clover-cpp generate`

@@ -188,15 +188,17 @@ static std::string clover_gguf_arch(const gguf_context * gctx) {
     return id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_STRING ? gguf_get_val_str(gctx, id) : "";
 }
 
-// a GGUF header (no tensor data), checked against the file's size; nullptr with err set
-static gguf_ptr clover_gguf_open(const char * path, std::string & err) {
+// a clover GGUF's header (no tensor data), checked against the file's size, and its architecture (one of spec v2's
+// spellings); nullptr with err set
+static gguf_ptr clover_gguf_open(const char * path, std::string & arch, std::string & err) {
     gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
     gguf_ptr gctx(gguf_init_from_file(path, gparams));
     if (!gctx) {
         err = clover_gguf_open_error(path);
         return nullptr;
     }
-    if (!clover_check_data_size(path, gctx.get(), err)) {
+    arch = clover_gguf_arch(gctx.get());
+    if (!clover_check_data_size(path, gctx.get(), err) || !clover_check_arch(path, arch, err)) {
         return nullptr;
     }
     return gctx;
@@ -406,12 +408,9 @@ static bool clover_read_sidecar(const gguf_context * trunk, const char * path, c
                 path, bd_path);
         return false;
     }
-    gguf_ptr side = clover_gguf_open(bd_path, err);
+    std::string arch;
+    gguf_ptr side = clover_gguf_open(bd_path, arch, err);
     if (!side) {
-        return false;
-    }
-    const std::string arch = clover_gguf_arch(side.get());
-    if (!clover_check_arch(bd_path, arch, err)) {
         return false;
     }
     const std::string fp_key = arch + ".bd.trunk_fingerprint";
@@ -455,12 +454,9 @@ bool clover_read_info(const char * path, const char * bd_path, clover_model_info
         err = "no model path given";
         return false;
     }
-    gguf_ptr gctx = clover_gguf_open(path, err);
+    std::string arch;
+    gguf_ptr gctx = clover_gguf_open(path, arch, err);
     if (!gctx) {
-        return false;
-    }
-    const std::string arch = clover_gguf_arch(gctx.get());
-    if (!clover_check_arch(path, arch, err)) {
         return false;
     }
     // the block-diffusion keys are optional (llama.cpp's converter writes none): spec 2.2's defaults
@@ -494,25 +490,12 @@ bool clover_read_info(const char * path, const char * bd_path, clover_model_info
 }
 
 int32_t clover_gguf_n_layer(const char * path, std::string & err) {
-    gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-    gguf_ptr gctx(gguf_init_from_file(path, gparams));
-    if (!gctx) {
-        err = clover_format("cannot read GGUF file '%s' (missing or not a GGUF file)", path);
-        return -1;
-    }
-    const std::string arch = clover_gguf_arch(gctx.get());
-    if (!clover_check_arch(path, arch, err)) {  // the keys are read under the file's own spelling
-        return -1;
-    }
-    int32_t n = -1;
-    const int64_t id = gguf_find_key(gctx.get(), (arch + ".block_count").c_str());
-    if (id >= 0 && gguf_get_kv_type(gctx.get(), id) == GGUF_TYPE_UINT32) {
-        n = (int32_t) gguf_get_val_u32(gctx.get(), id);
-    } else if (id >= 0 && gguf_get_kv_type(gctx.get(), id) == GGUF_TYPE_INT32) {
-        n = gguf_get_val_i32(gctx.get(), id);
-    }
-    if (n < 0) {
+    std::string arch;
+    gguf_ptr gctx = clover_gguf_open(path, arch, err);  // the keys are read under the file's own spelling
+    int64_t n = -1;
+    if (gctx && (!clover_gguf_int(gctx.get(), (arch + ".block_count").c_str(), n) || n < 0 || n > INT32_MAX)) {
         err = clover_format("'%s': missing %s.block_count", path, arch.c_str());
+        n = -1;
     }
-    return n;
+    return gctx ? (int32_t) n : -1;
 }

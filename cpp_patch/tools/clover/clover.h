@@ -170,7 +170,7 @@ struct clover_stats {
     struct clover_pass_costs costs;   // auto: the cost table the decisions used (zeros otherwise)
 };
 
-// Committed tokens, once per committed block (ar: per token). Return false to cancel.
+// Committed tokens, once per commit (a diffusion block, an accepted draft; ar: per token). Return false to cancel.
 typedef bool (*clover_tokens_cb)(const llama_token * tokens, int32_t n_tokens, void * user_data);
 // The canvas after each LowConfidence step: n_canvas targets, mask_token_id where still masked.
 // Return false to cancel.
