@@ -252,9 +252,9 @@ def test_block_rows_subset(tiny: Bundle) -> None:
 def test_near_tie_rule_still_fails_a_genuine_error(mid: Bundle, tmp_path: Path) -> None:
     """The routing near-tie rule (tests/support/routing.py) cannot excuse a real error. The window of the
     AVX-512 failure (p = 1, B = 32, filled; several of its rows are near-ties,
-    tests/reference/test_routing_near_ties.py) runs on a copy of mid's f32 GGUF in which one expert's down projection in the last layer is scaled so
-    that a decisive row's logits move by about 0.1 (25x the tolerance). Every near-tied flip is tried, and
-    the check still fails, naming that row as decisive."""
+    tests/reference/test_routing_near_ties.py) runs on a copy of mid's f32 GGUF in which one expert's down
+    projection in the last layer is scaled so that a decisive row's logits move by about 0.1 (25x the
+    tolerance). Every near-tied flip is tried, and the check still fails, naming that row as decisive."""
     import gguf
     from clover_cpp import bindings
 
