@@ -409,7 +409,7 @@ class Generation:
 def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n_gpu_layers: int | None = None,
                   n_batch: int = 0, use_extra_bufts: bool = True, offload: Offload | None = None,
                   n_parallel: int = 1, bd_path: str | os.PathLike[str] | None = None,
-                  ) -> tuple[libclover.clover_engine_params, list[bytes]]:
+                  graph_cache: int | None = None) -> tuple[libclover.clover_engine_params, list[bytes]]:
     """The clover_engine_params Model(...) loads with (Model's arguments), and the strings they point to (keep them
     alive until the load returns)."""
     params = libclover.lib().clover_engine_default_params()
@@ -434,6 +434,10 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
     if bd_path is not None:
         keep.append(os.fsencode(bd_path))
         params.bd_path = keep[-1]
+    if graph_cache is None:  # $CLOVER_GRAPH_CACHE, as $CLOVER_THREADS: a benchmark's switch
+        graph_cache = loader.env_int("CLOVER_GRAPH_CACHE", -1)
+    if graph_cache >= 0:
+        params.n_graph_cache = int(graph_cache)
     return params, keep
 
 
@@ -444,8 +448,11 @@ class Model(loader.NativeHandle):
                  n_gpu_layers: int | None = None, n_batch: int = 0, use_extra_bufts: bool = True,
                  offload: Offload | None = None, cache_ram_mib: float = 0,
                  checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, n_parallel: int = 1,
-                 bd_path: str | os.PathLike[str] | None = None) -> None:
+                 bd_path: str | os.PathLike[str] | None = None, graph_cache: int | None = None) -> None:
         """``bd_path``: a block-diffusion sidecar (``NAME.bd.gguf``, spec 5) for a trunk-only ``path``.
+        ``graph_cache``: compute graphs kept besides the last one, so that the modes' alternating pass shapes are
+        built once (None = $CLOVER_GRAPH_CACHE, else libclover's default, CLOVER_GRAPH_CACHE_DEFAULT; 0 = llama.cpp's
+        reuse of the last one only).
         ``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
         (llama.cpp's ``--no-repack``). ``offload``: llama.cpp's -ot, --cpu-moe, --n-cpu-moe, -sm, -mg, -ts
         (clover_cpp/offload.py). ``cache_ram_mib`` / ``checkpoint_every``: the prefix cache (``set_cache``).
@@ -457,7 +464,8 @@ class Model(loader.NativeHandle):
                 raise FileNotFoundError(f"{file}: no such file")
         params, keep = engine_params(n_ctx=n_ctx, n_threads=n_threads, max_block_size=max_block_size,
                                      n_gpu_layers=n_gpu_layers, n_batch=n_batch, use_extra_bufts=use_extra_bufts,
-                                     offload=offload, n_parallel=n_parallel, bd_path=bd_path)
+                                     offload=offload, n_parallel=n_parallel, bd_path=bd_path,
+                                     graph_cache=graph_cache)
         err = ctypes.create_string_buffer(2048)
         with loader.logged_errors() as logged:  # gguf's and the loader's reasons are only logged
             self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))

@@ -319,6 +319,7 @@ struct clover_load_plan {
     int32_t              n_ctx     = 0;
     int32_t              n_batch   = 0;
     int32_t              n_parallel = 1;
+    int32_t              n_graph_cache = 0;
     clover_offload       offload;
     llama_model_params   mparams = {};
     llama_context_params cparams = {};

@@ -214,6 +214,10 @@ bool clover_make_load_plan(const char * path, const clover_engine_params & param
         return false;
     }
     const int32_t n_parallel = params.n_parallel > 0 ? params.n_parallel : 1;  // 0 = one slot
+    if (params.n_graph_cache > 64) {
+        err = clover_format("n_graph_cache %d must be at most 64", params.n_graph_cache);
+        return false;
+    }
     if (n_parallel > 256) {
         err = clover_format("n_parallel %d must be in 1 .. 256", params.n_parallel);
         return false;
@@ -271,6 +275,7 @@ bool clover_make_load_plan(const char * path, const clover_engine_params & param
     plan.max_block  = max_block;
     plan.n_ctx      = n_ctx / n_parallel;  // per slot, as llama-server divides -c among its -np slots
     plan.n_parallel = n_parallel;
+    plan.n_graph_cache = params.n_graph_cache < 0 ? CLOVER_GRAPH_CACHE_DEFAULT : params.n_graph_cache;
     plan.n_batch   = n_batch;
     return true;
 }
@@ -327,6 +332,8 @@ static bool clover_load_model(const char * path, const clover_load_plan & plan, 
                             llama_n_rs_seq(ctx.get()), plan.max_block - 1);
         return false;
     }
+    // the decoding modes alternate pass shapes (block, verification, commit, ar step): keep their graphs
+    llama_set_graph_cache_size(ctx.get(), plan.n_graph_cache);
     engine.model = std::move(model);
     engine.ctx   = std::move(ctx);
     return true;

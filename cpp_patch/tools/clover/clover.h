@@ -122,7 +122,12 @@ struct clover_engine_params {
     int32_t      n_parallel;       // slots (llama-server's -np; 0 = 1); n_ctx is shared: each slot gets n_ctx / n_parallel
     const char * bd_path;          // a block-diffusion sidecar (NAME.bd.gguf, spec v2 section 5) for a trunk-only file;
                                    // NULL or "" = none. Refused unless its trunk fingerprint equals the file's.
+    int32_t      n_graph_cache;    // compute graphs kept besides the last one (llama_set_graph_cache_size): the block,
+                                   // verification and commit passes then reuse theirs; -1 = CLOVER_GRAPH_CACHE_DEFAULT,
+                                   // 0 = only the last one (llama.cpp's default). Each costs one compute buffer.
 };
+
+#define CLOVER_GRAPH_CACHE_DEFAULT 6
 
 // One device's share of a load, from llama.cpp's no_alloc dry run (clover_engine_plan_memory), in bytes.
 struct clover_device_memory {
