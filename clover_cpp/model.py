@@ -134,7 +134,9 @@ class Stats(RunStats):
     auto_rounds: dict[str, int] = field(default_factory=dict)  # auto: rounds by draft kind (none, ngram, block)
     auto_drafted: int = 0          # auto: draft tokens verified
     auto_accepted: int = 0         # auto: draft tokens accepted
+    auto_accepted_block: int = 0   # auto: of those, the ones block passes drafted
     costs: PassCosts | None = None  # auto: the cost table its decisions used
+    graph_reuses: int = 0  # decode-time passes that reused a built graph; the others built theirs
 
     @classmethod
     def from_c(cls, s: libclover.clover_stats, mode: str, block_size: int, threshold: float,
@@ -145,7 +147,8 @@ class Stats(RunStats):
                    float(s.t_causal_ms), _histogram(s.steps_per_block), _histogram(s.accepted_lengths),
                    libclover.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s,
                    threads, dict(zip(libclover.DRAFT_KINDS, (int(n) for n in s.auto_rounds))) if auto else {},
-                   int(s.auto_drafted), int(s.auto_accepted), PassCosts.from_c(s.costs) if auto else None)
+                   int(s.auto_drafted), int(s.auto_accepted), int(s.auto_accepted_block),
+                   PassCosts.from_c(s.costs) if auto else None, int(s.n_graph_reuses))
 
     @property
     def decode_ms(self) -> float:
@@ -183,8 +186,10 @@ class Stats(RunStats):
             "steps_per_block_hist": list(self.steps_per_block),
             "accepted_lengths_hist": list(self.accepted_lengths),
             "stop_reason": self.stop_reason, "wall_s": self.wall_s, "threads": self.threads,
+            "graph_builds": self.passes - self.graph_reuses,
         } | ({"auto_rounds": dict(self.auto_rounds), "auto_drafted": self.auto_drafted,
-              "auto_accepted": self.auto_accepted, "costs": vars(self.costs) if self.costs else None}
+              "auto_accepted": self.auto_accepted, "auto_accepted_block": self.auto_accepted_block,
+              "costs": vars(self.costs) if self.costs else None}
              if self.mode == "auto" else {})
 
 
@@ -409,7 +414,8 @@ class Generation:
 def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n_gpu_layers: int | None = None,
                   n_batch: int = 0, use_extra_bufts: bool = True, offload: Offload | None = None,
                   n_parallel: int = 1, bd_path: str | os.PathLike[str] | None = None,
-                  graph_cache: int | None = None) -> tuple[libclover.clover_engine_params, list[bytes]]:
+                  graph_cache: int | None = None, prefill_chunk: int = 0,
+                  ) -> tuple[libclover.clover_engine_params, list[bytes]]:
     """The clover_engine_params Model(...) loads with (Model's arguments), and the strings they point to (keep them
     alive until the load returns)."""
     params = libclover.lib().clover_engine_default_params()
@@ -434,6 +440,9 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
     if bd_path is not None:
         keep.append(os.fsencode(bd_path))
         params.bd_path = keep[-1]
+    if prefill_chunk < 0:
+        raise BadInput(f"prefill_chunk must be >= 0, got {prefill_chunk}")
+    params.n_prefill_chunk = int(prefill_chunk)
     if graph_cache is None:  # $CLOVER_GRAPH_CACHE, as $CLOVER_THREADS: a benchmark's switch
         graph_cache = loader.env_int("CLOVER_GRAPH_CACHE", -1)
     if graph_cache >= 0:
@@ -448,11 +457,13 @@ class Model(loader.NativeHandle):
                  n_gpu_layers: int | None = None, n_batch: int = 0, use_extra_bufts: bool = True,
                  offload: Offload | None = None, cache_ram_mib: float = 0,
                  checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, n_parallel: int = 1,
-                 bd_path: str | os.PathLike[str] | None = None, graph_cache: int | None = None) -> None:
+                 bd_path: str | os.PathLike[str] | None = None, graph_cache: int | None = None,
+                 prefill_chunk: int = 0) -> None:
         """``bd_path``: a block-diffusion sidecar (``NAME.bd.gguf``, spec 5) for a trunk-only ``path``.
         ``graph_cache``: compute graphs kept besides the last one, so that the modes' alternating pass shapes are
         built once (None = $CLOVER_GRAPH_CACHE, else libclover's default, CLOVER_GRAPH_CACHE_DEFAULT; 0 = llama.cpp's
-        reuse of the last one only).
+        reuse of the last one only). ``prefill_chunk``: prompt tokens per prefill pass (0 = n_batch); with slots,
+        the others' passes run between a long prompt's chunks and share their rounds.
         ``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
         (llama.cpp's ``--no-repack``). ``offload``: llama.cpp's -ot, --cpu-moe, --n-cpu-moe, -sm, -mg, -ts
         (clover_cpp/offload.py). ``cache_ram_mib`` / ``checkpoint_every``: the prefix cache (``set_cache``).
@@ -465,7 +476,7 @@ class Model(loader.NativeHandle):
         params, keep = engine_params(n_ctx=n_ctx, n_threads=n_threads, max_block_size=max_block_size,
                                      n_gpu_layers=n_gpu_layers, n_batch=n_batch, use_extra_bufts=use_extra_bufts,
                                      offload=offload, n_parallel=n_parallel, bd_path=bd_path,
-                                     graph_cache=graph_cache)
+                                     graph_cache=graph_cache, prefill_chunk=prefill_chunk)
         err = ctypes.create_string_buffer(2048)
         with loader.logged_errors() as logged:  # gguf's and the loader's reasons are only logged
             self.ptr = L.clover_engine_load(self.path.encode(), params, err, len(err))

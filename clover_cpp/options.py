@@ -38,6 +38,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
     p.add_argument("-t", "--threads", type=int, default=0, help="0 = the physical cores this process may use")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("--graph-cache", type=int, default=None, metavar="N",
+                   help="compute graphs kept besides the last one, so that alternating pass shapes are built once "
+                        "(default 6; 0 = llama.cpp's reuse of the last graph only; each costs one compute buffer)")
     add_offload_args(p)
 
 
@@ -51,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
                    help="host memory for the prefix-reuse checkpoints of the recurrent state "
                         f"(default {DEFAULT_CACHE_RAM_MIB}; 0 = only reuse a prompt that extends the history)")
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                   help="prompt tokens per prefill pass (default 0: the batch size, 512); with -np slots a smaller "
+                        "chunk keeps a long prompt from stalling the others (docs/serve.md, \"Slots\")")
     p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
                    help=f"also checkpoint every N prefilled tokens (default {DEFAULT_CHECKPOINT_EVERY}; 0 = only "
                         "where each prompt ends and where it left the previous history)")
@@ -92,7 +98,9 @@ def check_model_args(args: argparse.Namespace) -> None:
     at_least(("-c/--ctx-size", args.ctx_size, 0), ("-t/--threads", args.threads, 0),
              ("--max-block-size", getattr(args, "max_block_size", None), 0),
              ("--cache-ram", getattr(args, "cache_ram", None), 0),
-             ("--checkpoint-every", getattr(args, "checkpoint_every", None), 0))
+             ("--checkpoint-every", getattr(args, "checkpoint_every", None), 0),
+             ("--prefill-chunk", getattr(args, "prefill_chunk", None), 0),
+             ("--graph-cache", args.graph_cache, 0))
     template = getattr(args, "chat_template", None)
     if template and not os.path.isfile(template):
         raise BadInput(f"{template}: no such file (--chat-template)")
@@ -122,9 +130,11 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's load arguments (``engine_params``): context, threads, offload (llama.cpp's flags), sidecar and,
     for chat and serve, the largest block size."""
     kwargs: dict[str, Any] = {"n_ctx": args.ctx_size, "n_threads": args.threads, "n_gpu_layers": args.n_gpu_layers,
-                              "offload": offload_from_args(args), "bd_path": args.bd}
+                              "offload": offload_from_args(args), "bd_path": args.bd, "graph_cache": args.graph_cache}
     if getattr(args, "max_block_size", 0):
         kwargs["max_block_size"] = args.max_block_size
+    if getattr(args, "prefill_chunk", 0):
+        kwargs["prefill_chunk"] = args.prefill_chunk
     return kwargs
 
 

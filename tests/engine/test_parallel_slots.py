@@ -123,3 +123,26 @@ def test_slots_with_the_block_coreset_equal_their_solo_runs(tiny_checkpoint: Pat
         ledger.check(f"coreset-slot{i}", got[i][1], want_tokens, tiny_model, context)
     ledger.assert_budget()
     assert passes > rounds, f"no block pass was batched ({passes} passes in {rounds} rounds)"
+
+
+@pytest.mark.native
+def test_a_long_prompt_in_chunks_shares_its_rounds(tiny_gguf: Path, tiny_model: Any) -> None:
+    """--prefill-chunk: slot 1 decodes while slot 2 prefills a long prompt in chunks of 16; each slot's answer
+    equals its solo run with the default chunk (the near-tie rule), and slot 1's steps shared rounds with the
+    chunks (causal passes of different lengths batched together)."""
+    from clover_cpp.model import Model
+
+    short = list(range(40, 72))
+    long = [(7 * i) % 2900 + 50 for i in range(300)]
+    with Model(tiny_gguf, n_ctx=1024) as solo:
+        want = [solo.run(p, mode="ar", max_tokens=n, stop_ids=[]).tokens for p, n in ((short, 48), (long, 8))]
+    with Model(tiny_gguf, n_ctx=2048, n_parallel=2, prefill_chunk=16) as model:
+        got = run_concurrently(lambda i: model.slot(i).run((short, long)[i], mode="ar", max_tokens=(48, 8)[i],
+                                                            stop_ids=[]).tokens, 2)
+        passes, rounds = model.pass_stats()
+    ledger = Ledger()
+    for i, context in enumerate((short, long)):
+        assert not isinstance(got[i], BaseException), got[i]
+        ledger.check(f"chunked/slot{i}", got[i], want[i], tiny_model, context)
+    assert len(ledger.near_ties) <= 1, ledger.near_ties
+    assert passes > rounds > 0, (passes, rounds)

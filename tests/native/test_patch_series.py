@@ -13,7 +13,8 @@ from scripts import patch_series
 
 from clover_cpp import cpu, loader
 
-UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-rollback", "model-load-hparams-errors"}
+UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-rollback", "model-load-hparams-errors",
+                       "graph-cache"}
 
 
 @pytest.mark.native

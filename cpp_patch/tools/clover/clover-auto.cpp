@@ -135,21 +135,33 @@ struct clover_shadow_draft {
     }
 };
 
-// argmax drafts and their confidences from one block pass over [pending, MASK ..] of the given width
-bool clover_block_draft(clover_run & run, int32_t width, std::vector<llama_token> & drafts, std::vector<double> & conf) {
+// A block draft: one block pass over [pending, prefix, MASK ..] of the given width. The prefix (an n-gram draft,
+// possibly empty) stands in the window as known tokens and is the draft's start; the pass drafts the targets after
+// it, argmax of each, with its confidence. A prefix token's confidence is the n-gram chain's acceptance rate at
+// its depth (the model sees that token in the window, so its own probability of it says little).
+bool clover_block_draft(clover_run & run, int32_t width, const std::vector<llama_token> & prefix,
+                        const clover_accept_rate & prefix_rate, std::vector<llama_token> & drafts,
+                        std::vector<double> & conf) {
     clover_slot * slot = run.slot;
+    const int32_t k = std::min((int32_t) prefix.size(), width - 1);
+    std::vector<llama_token> canvas(width, CLOVER_EMPTY);
+    std::copy(prefix.begin(), prefix.begin() + k, canvas.begin());
     std::vector<llama_token> window;
-    clover_window(run, std::vector<llama_token>(width, CLOVER_EMPTY), window);
-    std::vector<int32_t> rows(width);
-    for (int32_t j = 0; j < width; ++j) {
-        rows[j] = j;
+    clover_window(run, canvas, window);
+    std::vector<int32_t> rows;
+    for (int32_t j = k; j < width; ++j) {
+        rows.push_back(j);
     }
     if (!clover_timed_block(run, window, rows)) {
         return false;
     }
     drafts.resize(width);
     conf.resize(width);
-    for (int32_t j = 0; j < width; ++j) {
+    for (int32_t j = 0; j < k; ++j) {
+        drafts[j] = prefix[j];
+        conf[j]   = prefix_rate.q(j + 1);
+    }
+    for (int32_t j = k; j < width; ++j) {
         const float * logits = clover_get_row(slot, j);
         if (!logits) {
             return false;
@@ -231,7 +243,9 @@ bool clover_run_auto(clover_run & run) {
             return true;
         }
         const int32_t remaining = run.remaining();
-        int32_t width = clover_chain_width(c, st, w_max, remaining);
+        // where the history holds no n-gram draft, a chain round would verify padding: the chain is an ar step
+        const std::vector<llama_token> ngram = w_max > 1 ? clover_ngram_draft(slot, w_max - 1) : std::vector<llama_token>();
+        int32_t width = ngram.empty() ? 1 : clover_chain_width(c, st, w_max, remaining);
         const double chain_rate = clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(width, remaining)) /
                                   (clover_chain_ms(c, width) + (width == st.width ? 0.0 : c.rebuild_ms));
         // a file without block passes (trunk-only, or no mask token) drafts from n-grams only
@@ -239,18 +253,20 @@ bool clover_run_auto(clover_run & run) {
 
         std::vector<llama_token> drafts;
         clover_draft_kind kind = width > 1 ? CLOVER_DRAFT_NGRAM : CLOVER_DRAFT_NONE;
+        int32_t n_from_ngram = 0;  // a block round's drafts that came from the n-gram draft it extends
         if (block_w > 0) {
             std::vector<double> conf;
-            if (!clover_block_draft(run, block_w, drafts, conf)) {
+            if (!clover_block_draft(run, block_w, ngram, st.chain_rate, drafts, conf)) {
                 return false;
             }
+            n_from_ngram = std::min((int32_t) ngram.size(), block_w - 1);
             width = clover_verify_width(c, conf, remaining);
             kind  = CLOVER_DRAFT_BLOCK;
         } else if (width > 1) {
-            drafts = clover_ngram_draft(slot, width - 1);
+            drafts.assign(ngram.begin(), ngram.begin() + std::min((int32_t) ngram.size(), width - 1));
             drafts.resize(width - 1, slot->pending);  // a short draft is padded: the chain keeps its shape
-        } else if (st.shadow.draft.empty() && w_max > 1) {
-            st.shadow.draft = clover_ngram_draft(slot, std::min(w_max - 1, CLOVER_SHADOW_LEN));
+        } else if (st.shadow.draft.empty() && !ngram.empty()) {
+            st.shadow.draft.assign(ngram.begin(), ngram.begin() + std::min((int32_t) ngram.size(), CLOVER_SHADOW_LEN));
         }
 
         clover_round round;
@@ -262,6 +278,7 @@ bool clover_run_auto(clover_run & run) {
         run.stats->auto_accepted += round.n_accepted;
         clover_histogram_add(run.stats->accepted_lengths, round.m);
         if (kind == CLOVER_DRAFT_BLOCK) {
+            run.stats->auto_accepted_block += std::max(0, round.n_accepted - n_from_ngram);
             st.block_rate.add(round);
             st.width = 0;
         } else if (kind == CLOVER_DRAFT_NGRAM) {

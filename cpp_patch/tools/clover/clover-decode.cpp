@@ -86,8 +86,31 @@ static bool clover_rollback(clover_slot * slot, int32_t keep) {
     return true;
 }
 
-// block pass over the window at positions n_past .. on a scratch copy of the history; logits for rows.
-// The history (seq_history) is never written.
+// The rows a block pass computes: those asked for, plus unread ones up to the next power of two (at most the
+// window). llama.cpp reuses a graph only for the same number of outputs, and a diffusion block asks for fewer
+// rows nearly every step; rounding keeps the shapes of a B-wide window to log2(B) + 1, which the graph cache
+// holds. An extra row costs its share of the last layer and the output head, and changes no asked row.
+static std::vector<int32_t> clover_block_rows(const std::vector<int32_t> & rows, int32_t n) {
+    int32_t want = 1;
+    while (want < (int32_t) rows.size()) {
+        want *= 2;
+    }
+    want = std::min(want, n);
+    std::vector<int32_t> out = rows;
+    std::vector<char> asked(n, 0);
+    for (int32_t r : rows) {
+        asked[r] = 1;
+    }
+    for (int32_t r = 0; r < n && (int32_t) out.size() < want; ++r) {
+        if (!asked[r]) {
+            out.push_back(r);
+        }
+    }
+    return out;
+}
+
+// block pass over the window at positions n_past .. on a scratch copy of the history; logits for rows (and
+// possibly a few more, see clover_block_rows). The history (seq_history) is never written.
 bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
     const int32_t n = (int32_t) window.size();
     if (n > slot->max_block_size || n > slot->batch_cap) {
@@ -98,7 +121,7 @@ bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, c
         slot->last_error = slot->block_unavailable;
         return false;
     }
-    clover_batch_fill(slot->batch, window.data(), n, slot->n_past, slot->seq_scratch, rows);
+    clover_batch_fill(slot->batch, window.data(), n, slot->n_past, slot->seq_scratch, clover_block_rows(rows, n));
     if (!slot->shared) {
         llama_clover_set_coreset_top_p(slot->model, slot->coreset_top_p);
     }
@@ -157,19 +180,28 @@ static int32_t clover_block_width(clover_run & run) {
     return width;
 }
 
+// graphs llama.cpp has reused on the slot's context so far (the last one or a kept one, n_graph_cache)
+static int32_t clover_graph_reuses(const clover_run & run) {
+    return llama_perf_context(run.slot->ctx).n_reused;
+}
+
 bool clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
-    const double t0 = clover_now_ms();
-    const bool ok = clover_block(run.slot, window, rows);
+    const int32_t reused = clover_graph_reuses(run);
+    const double  t0     = clover_now_ms();
+    const bool    ok     = clover_block(run.slot, window, rows);
     run.stats->t_block_ms += clover_now_ms() - t0;
     run.stats->n_block_passes++;
+    run.stats->n_graph_reuses += clover_graph_reuses(run) - reused;
     return ok;
 }
 
 static bool clover_timed_causal(clover_run & run, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows, const char * what) {
-    const double t0 = clover_now_ms();
-    const bool ok = clover_causal(run.slot, tokens, n, rows, what);
+    const int32_t reused = clover_graph_reuses(run);
+    const double  t0     = clover_now_ms();
+    const bool    ok     = clover_causal(run.slot, tokens, n, rows, what);
     run.stats->t_causal_ms += clover_now_ms() - t0;
     run.stats->n_causal_passes++;
+    run.stats->n_graph_reuses += clover_graph_reuses(run) - reused;
     return ok;
 }
 

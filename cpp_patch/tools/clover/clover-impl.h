@@ -95,6 +95,7 @@ struct clover_slot {
 
     int32_t n_ctx          = 0;  // logical context size (llama.cpp may pad its own)
     int32_t n_batch        = 0;
+    int32_t prefill_chunk  = 0;  // prompt tokens per prefill pass (<= n_batch)
     int32_t max_block_size = 0;
     int32_t n_vocab        = 0;
 
@@ -320,6 +321,7 @@ struct clover_load_plan {
     int32_t              n_batch   = 0;
     int32_t              n_parallel = 1;
     int32_t              n_graph_cache = 0;
+    int32_t              prefill_chunk = 0;
     clover_offload       offload;
     llama_model_params   mparams = {};
     llama_context_params cparams = {};

@@ -2,10 +2,12 @@
 //
 // Slot i owns sequences 2i (history) and 2i + 1 (scratch). Every slot runs the engine's ordinary code on its own
 // thread, under the shared lock. Where a slot would call llama_decode it queues the pass instead and waits; when
-// every slot inside clover_slot_generate has queued one, the oldest pass and the later ones of the same kind (causal or
-// block window) and size run as one llama_decode. The unified KV cache keeps the sequences apart (a block window
-// sees its own history and window only), and llama.cpp's equal split puts same-size sequences in one ubatch. So a
-// slot's logits are those of its own pass run alone, up to the floating-point order of a larger batch.
+// every slot inside clover_slot_generate has queued one, the oldest pass and the later ones of the same kind run as one
+// llama_decode: block windows of the same width, or causal passes of any lengths (a long prompt's prefill chunk and
+// the other slots' steps, n_prefill_chunk). The unified KV cache keeps the sequences apart (a block window sees its
+// own history and window only), and llama.cpp's equal split puts same-size sequences in one ubatch and splits
+// unequal ones. So a slot's logits are those of its own pass run alone, up to the floating-point order of a larger
+// batch.
 
 #include "clover-impl.h"
 
@@ -68,9 +70,10 @@ int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch,
 namespace {
 
 bool clover_same_kind(const clover_pass_req & a, const clover_pass_req & b) {
-    // block passes of one round share the model's coreset setting
-    return a.block == b.block && a.slot->batch.n_tokens == b.slot->batch.n_tokens &&
-           (!a.block || a.slot->coreset_top_p == b.slot->coreset_top_p);
+    // block windows of one round have one width (a window is one ubatch) and share the model's coreset setting;
+    // causal passes of any lengths go together (a prefill chunk and other slots' steps: llama.cpp splits them)
+    return a.block == b.block && (!a.block || (a.slot->batch.n_tokens == b.slot->batch.n_tokens &&
+                                               a.slot->coreset_top_p == b.slot->coreset_top_p));
 }
 
 // the oldest pending pass, and the later ones it can share a ubatch with (each slot's tokens whole in it)

@@ -134,7 +134,7 @@ bool clover_prefill(clover_slot * slot, const llama_token * prompt, int32_t n_pr
     }
     const double t0 = clover_now_ms();
     for (size_t i = 0; i < pending.size();) {
-        int32_t n = (int32_t) std::min<size_t>(slot->n_batch, pending.size() - i);
+        int32_t n = (int32_t) std::min<size_t>(slot->prefill_chunk, pending.size() - i);
         // chunks end where a checkpoint is due (clover-cache.cpp)
         const int32_t due = clover_cache_next_due(slot);
         if (due > slot->n_past && due < slot->n_past + n) {
@@ -209,7 +209,8 @@ bool clover_make_load_plan(const char * path, const clover_engine_params & param
     if (!clover_read_info(path, params.bd_path, info, err)) {
         return false;
     }
-    if (params.n_ctx < 0 || params.n_batch < 0 || params.max_block_size < 0 || params.n_threads < 0) {
+    if (params.n_ctx < 0 || params.n_batch < 0 || params.max_block_size < 0 || params.n_threads < 0 ||
+        params.n_prefill_chunk < 0) {
         err = "engine params must not be negative";
         return false;
     }
@@ -277,6 +278,7 @@ bool clover_make_load_plan(const char * path, const clover_engine_params & param
     plan.n_parallel = n_parallel;
     plan.n_graph_cache = params.n_graph_cache < 0 ? CLOVER_GRAPH_CACHE_DEFAULT : params.n_graph_cache;
     plan.n_batch   = n_batch;
+    plan.prefill_chunk = params.n_prefill_chunk > 0 ? std::min(params.n_prefill_chunk, n_batch) : n_batch;
     return true;
 }
 
@@ -387,6 +389,7 @@ static std::unique_ptr<clover_slot> clover_new_slot(const clover_engine & engine
     slot->seq_scratch    = 2 * i + 1;
     slot->n_ctx          = plan.n_ctx;
     slot->n_batch        = plan.n_batch;
+    slot->prefill_chunk  = plan.prefill_chunk;
     slot->max_block_size = plan.max_block;
     slot->n_vocab        = slot->info.n_vocab;
     slot->eog_ids        = eog_ids;

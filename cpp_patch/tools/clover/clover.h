@@ -5,8 +5,8 @@
 // and n_parallel slots (struct clover_slot, default 1). Slot i owns sequence 2i (the committed history) and 2i + 1
 // (the scratch sequence of its block passes). Successive clover_slot_generate calls on a slot continue its history
 // (multi-turn chat) until clover_slot_reset. With n_parallel > 1, calls on different slots may run on different
-// threads at once: their passes meet in rounds, and same-kind, same-size passes of several slots run as one
-// llama_decode (clover-parallel.cpp, docs/serve.md "Slots").
+// threads at once: their passes meet in rounds, and the causal passes of several slots, or their block windows of one
+// width, run as one llama_decode (clover-parallel.cpp, docs/serve.md "Slots").
 //
 // Names are noun first: clover_engine_* take the engine, clover_slot_* a slot, clover_model_info_* the GGUF's
 // settings. Functions that can fail return -1 (or NULL) and say why: in err (err_size bytes) where they take one,
@@ -122,6 +122,8 @@ struct clover_engine_params {
     int32_t      n_parallel;       // slots (llama-server's -np; 0 = 1); n_ctx is shared: each slot gets n_ctx / n_parallel
     const char * bd_path;          // a block-diffusion sidecar (NAME.bd.gguf, spec v2 section 5) for a trunk-only file;
                                    // NULL or "" = none. Refused unless its trunk fingerprint equals the file's.
+    int32_t      n_prefill_chunk;  // prompt tokens per prefill pass (0 = n_batch). With slots, a smaller chunk lets the
+                                   // other slots' passes run between a long prompt's chunks (and share its rounds)
     int32_t      n_graph_cache;    // compute graphs kept besides the last one (llama_set_graph_cache_size): the block,
                                    // verification and commit passes then reuse theirs; -1 = CLOVER_GRAPH_CACHE_DEFAULT,
                                    // 0 = only the last one (llama.cpp's default). Each costs one compute buffer.
@@ -172,7 +174,11 @@ struct clover_stats {
     int32_t auto_rounds[CLOVER_DRAFT_COUNT];  // auto: rounds by enum clover_draft_kind
     int32_t auto_drafted;             // auto: draft tokens verified
     int32_t auto_accepted;            // auto: draft tokens accepted
+    int32_t auto_accepted_block;      // auto: of those, the ones a block pass drafted (not the n-gram prefix it extended)
     struct clover_pass_costs costs;   // auto: the cost table the decisions used (zeros otherwise)
+    int32_t n_graph_reuses;           // of the block and causal passes, those that reused a built graph (the last
+                                      // one or a kept one, n_graph_cache); the others built theirs. With several
+                                      // slots, a pass counts the reuses of the rounds it waited in.
 };
 
 // Committed tokens, once per commit (a diffusion block, an accepted draft; ar: per token). Return false to cancel.
