@@ -77,7 +77,7 @@ class clover_engine_params(ctypes.Structure):
         ("fit_margin_mib", ctypes.c_int32),
         ("n_parallel", ctypes.c_int32),
         ("bd_path", ctypes.c_char_p),  # a block-diffusion sidecar (spec 5), or NULL
-        ("n_prefill_chunk", ctypes.c_int32),  # prompt tokens per prefill pass; 0 = n_batch
+        ("n_prefill_chunk", ctypes.c_int32),  # with slots: prompt tokens per prefill pass; 0 = n_batch
         ("n_graph_cache", ctypes.c_int32),  # graphs kept besides the last one; -1 = the default
     ]
 

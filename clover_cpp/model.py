@@ -414,7 +414,7 @@ class Generation:
 def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n_gpu_layers: int | None = None,
                   n_batch: int = 0, use_extra_bufts: bool = True, offload: Offload | None = None,
                   n_parallel: int = 1, bd_path: str | os.PathLike[str] | None = None,
-                  graph_cache: int | None = None, prefill_chunk: int = 0,
+                  graph_cache: int | None = None, prefill_chunk: int | None = None,
                   ) -> tuple[libclover.clover_engine_params, list[bytes]]:
     """The clover_engine_params Model(...) loads with (Model's arguments), and the strings they point to (keep them
     alive until the load returns)."""
@@ -440,9 +440,10 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
     if bd_path is not None:
         keep.append(os.fsencode(bd_path))
         params.bd_path = keep[-1]
-    if prefill_chunk < 0:
-        raise BadInput(f"prefill_chunk must be >= 0, got {prefill_chunk}")
-    params.n_prefill_chunk = int(prefill_chunk)
+    if prefill_chunk is not None:
+        if prefill_chunk < 0:
+            raise BadInput(f"prefill_chunk must be >= 0, got {prefill_chunk}")
+        params.n_prefill_chunk = int(prefill_chunk)
     if graph_cache is None:  # $CLOVER_GRAPH_CACHE, as $CLOVER_THREADS: a benchmark's switch
         graph_cache = loader.env_int("CLOVER_GRAPH_CACHE", -1)
     if graph_cache >= 0:
@@ -458,12 +459,13 @@ class Model(loader.NativeHandle):
                  offload: Offload | None = None, cache_ram_mib: float = 0,
                  checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, n_parallel: int = 1,
                  bd_path: str | os.PathLike[str] | None = None, graph_cache: int | None = None,
-                 prefill_chunk: int = 0) -> None:
+                 prefill_chunk: int | None = None) -> None:
         """``bd_path``: a block-diffusion sidecar (``NAME.bd.gguf``, spec 5) for a trunk-only ``path``.
         ``graph_cache``: compute graphs kept besides the last one, so that the modes' alternating pass shapes are
         built once (None = $CLOVER_GRAPH_CACHE, else libclover's default, CLOVER_GRAPH_CACHE_DEFAULT; 0 = llama.cpp's
-        reuse of the last one only). ``prefill_chunk``: prompt tokens per prefill pass (0 = n_batch); with slots,
-        the others' passes run between a long prompt's chunks and share their rounds.
+        reuse of the last one only). ``prefill_chunk``: with slots, prompt tokens per prefill pass while another
+        slot generates (None = libclover's default, 128; 0 = n_batch): the others' passes run between a long prompt's
+        chunks and share their rounds.
         ``use_extra_bufts=False`` keeps every weight in plain CPU buffers: no AMX or repacked layouts
         (llama.cpp's ``--no-repack``). ``offload``: llama.cpp's -ot, --cpu-moe, --n-cpu-moe, -sm, -mg, -ts
         (clover_cpp/offload.py). ``cache_ram_mib`` / ``checkpoint_every``: the prefix cache (``set_cache``).

@@ -54,9 +54,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
                    help="host memory for the prefix-reuse checkpoints of the recurrent state "
                         f"(default {DEFAULT_CACHE_RAM_MIB}; 0 = only reuse a prompt that extends the history)")
-    p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
-                   help="prompt tokens per prefill pass (default 0: the batch size, 512); with -np slots a smaller "
-                        "chunk keeps a long prompt from stalling the others (docs/serve.md, \"Slots\")")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="with -np slots: prompt tokens per prefill pass while another slot generates (default 128; "
+                        "0 = the batch size), so that a long prompt does not stall the others (docs/serve.md, "
+                        "\"Slots\")")
     p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
                    help=f"also checkpoint every N prefilled tokens (default {DEFAULT_CHECKPOINT_EVERY}; 0 = only "
                         "where each prompt ends and where it left the previous history)")
@@ -133,7 +134,7 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                               "offload": offload_from_args(args), "bd_path": args.bd, "graph_cache": args.graph_cache}
     if getattr(args, "max_block_size", 0):
         kwargs["max_block_size"] = args.max_block_size
-    if getattr(args, "prefill_chunk", 0):
+    if getattr(args, "prefill_chunk", None) is not None:
         kwargs["prefill_chunk"] = args.prefill_chunk
     return kwargs
 

@@ -3,9 +3,10 @@
 // Every emitted token comes out of a causal verification (clover_verify), so greedy auto equals greedy ar and
 // sampled auto keeps ar's distribution (drafts are point masses, accepted with probability Q(d)).
 //
-// Where the time goes decides the design. llama.cpp reuses a pass's graph only when the previous pass had the
-// same shape; a pass whose shape changed pays for building and allocating its graph, which on a small model
-// costs more than the pass itself. So auto runs *chains* of same-width causal passes: width 1 is an ar step,
+// Where the time goes decides the design. Stock llama.cpp reuses a pass's graph only when the previous pass had
+// the same shape; a pass whose shape changed pays for building and allocating its graph, which on a small model
+// is a large share of the pass. The graph cache (patch 0008, n_graph_cache) keeps the graphs of recent shapes;
+// without it the cost table charges rebuild_ms at every change. Auto runs *chains* of same-width causal passes: width 1 is an ar step,
 // width w > 1 verifies w - 1 draft tokens and yields 1 to w tokens. The drafts come from the history: the tokens
 // that followed the latest earlier occurrence of the last n tokens (llama.cpp's common_ngram_simple_draft,
 // n = 3, 2, 1), extended by further lookups and padded with the pending token, so no pass is spent on drafting. The width
@@ -13,7 +14,8 @@
 //     E(w) / cost(w),  E(w) = sum_{k<w} q(1) .. q(k),
 // with q(k) the running rate at which draft token k is accepted after k - 1 accepted ones, and cost from the
 // table (clover.h); it changes
-// only when another width is at least 5 % better, because a change costs a rebuild. During ar steps the n-gram
+// only when another width is at least 5 % better, because a change may cost a rebuild (without the graph cache,
+// n_graph_cache = 0, every change of shape does; with it, only a shape's first pass). During ar steps the n-gram
 // draft is still looked up and scored against the tokens the steps produce, so q stays current. A block draft (one block
 // pass, argmax of every target, verified up to the width that maximises the expected tokens per ms given the
 // draft's own confidences) is taken instead when its expected rate beats the chain's.
@@ -214,7 +216,8 @@ int32_t clover_block_width_for(const clover_pass_costs & c, const clover_auto_st
 }
 
 // after a block draft: the verification width with the best expected tokens per ms, given the confidence of
-// each draft (the draft stops where the model doubts it); the pass after a block pass rebuilds its graph
+// each draft (the draft stops where the model doubts it); without the graph cache the pass after a block pass
+// rebuilds its graph
 int32_t clover_verify_width(const clover_pass_costs & c, const std::vector<double> & conf, int32_t remaining) {
     int32_t width = 1;
     double  best  = 0.0;
@@ -233,7 +236,12 @@ int32_t clover_verify_width(const clover_pass_costs & c, const std::vector<doubl
 
 bool clover_run_auto(clover_run & run) {
     clover_slot * slot = run.slot;
-    const clover_pass_costs & c = slot->costs;
+    // a change of pass shape costs a rebuild only without the graph cache: with it, the few shapes auto
+    // alternates between (chain widths, block windows, verifications) are each built once
+    clover_pass_costs c = slot->costs;
+    if (llama_get_graph_cache_size(slot->ctx) > 0) {
+        c.rebuild_ms = 0.0f;
+    }
     clover_auto_state st;
 
     while (run.remaining() > 0) {
@@ -363,24 +371,29 @@ bool clover_measure_chain(clover_slot * slot, llama_token tok, int32_t w, int32_
     return true;
 }
 
-// a block pass of w rows right after a 1-token causal pass (as in auto's loop), in ms
+// a block pass of w rows right after a 1-token causal pass (as in auto's loop), in ms: the second of two such
+// pairs, so that with the graph cache its graph is a kept one, as in a steady run (without it, both rebuild)
 bool clover_measure_block(clover_slot * slot, llama_token tok, int32_t w, double & ms) {
-    {
-        clover_scratch scratch(slot);
-        if (scratch.causal(tok, 1) < 0) {
-            return false;
-        }
-    }
     std::vector<llama_token> window(w, slot->info.mask_token_id);
     window[0] = tok;
     std::vector<int32_t> rows(w);
     for (int32_t j = 0; j < w; ++j) {
         rows[j] = j;
     }
-    const double t0 = clover_now_ms();
-    const bool ok = clover_block(slot, window, rows);
-    ms = clover_now_ms() - t0;
-    return ok;
+    for (int pair = 0; pair < 2; ++pair) {
+        {
+            clover_scratch scratch(slot);
+            if (scratch.causal(tok, 1) < 0) {
+                return false;
+            }
+        }
+        const double t0 = clover_now_ms();
+        if (!clover_block(slot, window, rows)) {
+            return false;
+        }
+        ms = clover_now_ms() - t0;
+    }
+    return true;
 }
 
 } // namespace

@@ -35,10 +35,11 @@ struct clover_slot;
 
 // A pass one slot waits to run (clover-parallel.cpp): the slot's batch, causal or a block window
 struct clover_pass_req {
-    clover_slot * slot  = nullptr;
-    bool          block = false;
-    bool          done  = false;
-    int32_t       rc    = 0;
+    clover_slot * slot    = nullptr;
+    bool          block   = false;
+    bool          prefill = false;  // a chunk of a prompt's prefill (clover_prefill)
+    bool          done    = false;
+    int32_t       rc      = 0;
 };
 
 // What the slots of one context share when n_parallel > 1: the lock that serializes their use of the context,
@@ -55,6 +56,10 @@ struct clover_shared {
     bool                          has_costs = false;  // auto mode's cost table, measured by the first slot that needs it
     clover_pass_costs             costs     = {};
     int32_t                       n_ubatch = 0;
+    // Fair share while a slot prefills and others generate: the decode time of rounds that ran a prefill chunk,
+    // and of rounds that ran other slots' passes while a chunk waited. A chunk waits while it is ahead.
+    double                        t_prefill_ms = 0.0;
+    double                        t_others_ms  = 0.0;
     std::atomic<int64_t>          n_passes{0};  // read without the lock (/health must not wait for a prefill)
     std::atomic<int64_t>          n_rounds{0};
 
@@ -95,7 +100,8 @@ struct clover_slot {
 
     int32_t n_ctx          = 0;  // logical context size (llama.cpp may pad its own)
     int32_t n_batch        = 0;
-    int32_t prefill_chunk  = 0;  // prompt tokens per prefill pass (<= n_batch)
+    int32_t prefill_chunk  = 0;  // prompt tokens per prefill pass while another slot generates (<= n_batch)
+    bool    prefilling     = false;  // inside clover_prefill: its passes are chunks (clover_pass_req::prefill)
     int32_t max_block_size = 0;
     int32_t n_vocab        = 0;
 

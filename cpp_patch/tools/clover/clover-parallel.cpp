@@ -4,7 +4,8 @@
 // thread, under the shared lock. Where a slot would call llama_decode it queues the pass instead and waits; when
 // every slot inside clover_slot_generate has queued one, the oldest pass and the later ones of the same kind run as one
 // llama_decode: block windows of the same width, or causal passes of any lengths (a long prompt's prefill chunk and
-// the other slots' steps, n_prefill_chunk). The unified KV cache keeps the sequences apart (a block window sees its
+// the other slots' steps, n_prefill_chunk; a prefilling slot gets at most 40% of the time while others wait,
+// clover_chunks_wait). The unified KV cache keeps the sequences apart (a block window sees its
 // own history and window only), and llama.cpp's equal split puts same-size sequences in one ubatch and splits
 // unequal ones. So a slot's logits are those of its own pass run alone, up to the floating-point order of a larger
 // batch.
@@ -76,19 +77,31 @@ bool clover_same_kind(const clover_pass_req & a, const clover_pass_req & b) {
                                                a.slot->coreset_top_p == b.slot->coreset_top_p));
 }
 
+// Whether prefill chunks sit this round out: a prefilling slot gets at most clover_prefill_share of the decode
+// time while other slots have passes waiting, so that their mean time per token stays within about
+// 1 / (1 - share) = 1.7x its idle value (the chunk's rounds carry their passes too). The rest of a long prompt's
+// TTFT cost is the same ratio the other way, about 2.5x while another slot decodes all along.
+constexpr double clover_prefill_share = 0.4;
+
+bool clover_chunks_wait(const clover_shared & sh) {
+    const bool others = std::any_of(sh.pending.begin(), sh.pending.end(), [](const clover_pass_req * r) { return !r->prefill; });
+    return others && sh.t_prefill_ms * (1.0 - clover_prefill_share) > sh.t_others_ms * clover_prefill_share;
+}
+
 // the oldest pending pass, and the later ones it can share a ubatch with (each slot's tokens whole in it)
-std::vector<clover_pass_req *> clover_take_group(clover_shared & sh) {
+std::vector<clover_pass_req *> clover_pick_group(const clover_shared & sh) {
+    const bool chunks_wait = clover_chunks_wait(sh);
     std::vector<clover_pass_req *> group;
     int32_t total = 0;
     for (clover_pass_req * r : sh.pending) {
+        if (chunks_wait && r->prefill) {
+            continue;
+        }
         const int32_t n = r->slot->batch.n_tokens;
         if (group.empty() || (clover_same_kind(*group[0], *r) && total + n <= sh.n_ubatch)) {
             group.push_back(r);
             total += n;
         }
-    }
-    for (clover_pass_req * r : group) {
-        sh.pending.erase(std::find(sh.pending.begin(), sh.pending.end(), r));
     }
     return group;
 }
@@ -118,8 +131,24 @@ bool clover_keep_rows(llama_context * ctx, clover_pass_req & r, int32_t offset) 
     return true;
 }
 
-void clover_run_round(clover_shared & sh, llama_context * ctx) {
-    std::vector<clover_pass_req *> group = clover_take_group(sh);
+// the fair-share clocks (clover_chunks_wait): a round's time counts for the prefill when it ran a chunk, for
+// the others when a chunk waited; both restart when no prefill is in sight
+void clover_share_time(clover_shared & sh, const std::vector<clover_pass_req *> & group, double ms) {
+    const auto is_chunk = [](const clover_pass_req * r) { return r->prefill; };
+    if (std::any_of(group.begin(), group.end(), is_chunk)) {
+        sh.t_prefill_ms += ms;
+    } else if (std::any_of(sh.pending.begin(), sh.pending.end(), is_chunk)) {
+        sh.t_others_ms += ms;
+    } else {
+        sh.t_prefill_ms = sh.t_others_ms = 0.0;
+    }
+}
+
+void clover_run_round(clover_shared & sh, llama_context * ctx, const std::vector<clover_pass_req *> & group) {
+    for (clover_pass_req * r : group) {
+        sh.pending.erase(std::find(sh.pending.begin(), sh.pending.end(), r));
+    }
+    const double t0 = clover_now_ms();
     const bool block = group[0]->block;
     const llama_batch * batch = &group[0]->slot->batch;
     std::vector<int32_t> offsets(group.size(), 0);
@@ -147,6 +176,7 @@ void clover_run_round(clover_shared & sh, llama_context * ctx) {
     } else {
         rc = llama_decode(ctx, *batch);
     }
+    clover_share_time(sh, group, clover_now_ms() - t0);
     for (size_t g = 0; g < group.size(); ++g) {
         group[g]->rc   = rc == 0 && !clover_keep_rows(ctx, *group[g], offsets[g]) ? -100 : rc;
         group[g]->done = true;
@@ -160,19 +190,28 @@ void clover_run_round(clover_shared & sh, llama_context * ctx) {
 int32_t clover_parallel_pass(clover_slot * slot, bool block) {
     clover_shared & sh = *slot->shared;
     clover_pass_req req;
-    req.slot  = slot;
-    req.block = block;
+    req.slot    = slot;
+    req.block   = block;
+    req.prefill = slot->prefilling;
     sh.pending.push_back(&req);
     // A round waits for every slot inside clover_slot_generate (those in a callback included: they come back with
     // their next pass at once), and lets a slot blocked on the lock take it first: a generation that starts
     // then joins the rounds, and a short call (reuse_prefix, reset) runs between two rounds. A slot that is
     // not generating is not waited for once it holds the lock: its pass runs in the next round.
+    // A round is run by a thread whose pass is in it: ggml's CPU backend (OpenMP) keeps a pool of workers per
+    // calling thread, and a decode called from another thread than the previous one competes with the previous
+    // pool's spinning workers (a two-slot ar round took 33.5 ms from alternating threads against 25 ms from one,
+    // 2-core Xeon), so a slot that runs alone while a prefill chunk waits keeps its own thread.
     while (!req.done) {
         const int32_t n_waited = sh.n_generating + sh.n_entering.load();
         if ((int32_t) sh.pending.size() >= std::max<int32_t>(n_waited, 1)) {
-            clover_run_round(sh, slot->ctx);
-            sh.cv.notify_all();
-            continue;
+            const std::vector<clover_pass_req *> group = clover_pick_group(sh);
+            if (std::find(group.begin(), group.end(), &req) != group.end()) {
+                clover_run_round(sh, slot->ctx, group);
+                sh.cv.notify_all();
+                continue;
+            }
+            sh.cv.notify_all();  // the round's own slots run it
         }
         sh.cv.wait(*slot->lock);
     }

@@ -119,7 +119,15 @@ bool clover_run_init(clover_slot * slot, const clover_gen_params * params, clove
     return true;
 }
 
-// causal pass over [old pending token, prompt[0 .. n-2]] in n_batch chunks; prompt[n-1] becomes the pending token
+// prompt tokens for the next prefill pass: prefill_chunk while another slot is generating (its passes share the
+// rounds between the chunks), else the whole batch
+static int32_t clover_prefill_chunk(const clover_slot * slot) {
+    const bool contended = slot->shared && slot->shared->n_generating > 1;
+    return contended ? slot->prefill_chunk : slot->n_batch;
+}
+
+// causal pass over [old pending token, prompt[0 .. n-2]] in chunks (clover_prefill_chunk); prompt[n-1] becomes the
+// pending token
 bool clover_prefill(clover_slot * slot, const llama_token * prompt, int32_t n_prompt, clover_stats * stats) {
     std::vector<llama_token> pending;
     pending.reserve(n_prompt);
@@ -134,13 +142,16 @@ bool clover_prefill(clover_slot * slot, const llama_token * prompt, int32_t n_pr
     }
     const double t0 = clover_now_ms();
     for (size_t i = 0; i < pending.size();) {
-        int32_t n = (int32_t) std::min<size_t>(slot->prefill_chunk, pending.size() - i);
+        int32_t n = (int32_t) std::min<size_t>(clover_prefill_chunk(slot), pending.size() - i);
         // chunks end where a checkpoint is due (clover-cache.cpp)
         const int32_t due = clover_cache_next_due(slot);
         if (due > slot->n_past && due < slot->n_past + n) {
             n = due - slot->n_past;
         }
-        if (!clover_causal(slot, pending.data() + i, n, {}, "prefill")) {
+        slot->prefilling = true;
+        const bool ok = clover_causal(slot, pending.data() + i, n, {}, "prefill");
+        slot->prefilling = false;
+        if (!ok) {
             slot->last_error += "; the engine was reset";
             clover_slot_reset(slot);
             return false;

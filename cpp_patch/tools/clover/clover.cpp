@@ -100,7 +100,7 @@ struct clover_engine_params clover_engine_default_params(void) {
     p.fit_margin_mib  = 1024;
     p.n_parallel      = 1;
     p.bd_path         = nullptr;
-    p.n_prefill_chunk = 0;
+    p.n_prefill_chunk = 128;
     p.n_graph_cache   = -1;
     return p;
 }

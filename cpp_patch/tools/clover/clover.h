@@ -63,14 +63,16 @@ enum clover_draft_kind {
     CLOVER_DRAFT_COUNT = 3,
 };
 
-// What a pass costs, in ms: auto mode's table. llama.cpp reuses a pass's graph when the previous pass had the
-// same shape, so costs are given for runs of same-shape passes, plus what a pass whose shape changed pays on top.
+// What a pass costs, in ms: auto mode's table. Costs are given for runs of same-shape passes, plus what a pass
+// whose graph is built pays on top. llama.cpp reuses the previous pass's graph when the shape is the same; with
+// the graph cache (n_graph_cache > 0) it also reuses a kept one, and auto then charges no rebuild for a change.
 struct clover_pass_costs {
     float ar_ms;            // a 1-token causal step in a run of ar steps
     float causal_fixed_ms;  // a causal pass of w rows in a run of same-width passes: fixed + w * row
     float causal_row_ms;
-    float rebuild_ms;       // added to a pass whose graph is not reused (its shape differs from the previous one)
-    float block_fixed_ms;   // a block pass of w rows, right after a causal pass: fixed + w * row
+    float rebuild_ms;       // added to a pass whose graph is built (without the graph cache: a change of shape)
+    float block_fixed_ms;   // a block pass of w rows, right after a causal pass: fixed + w * row (its graph kept
+                            // when the graph cache is on)
     float block_row_ms;
 };
 
@@ -122,8 +124,11 @@ struct clover_engine_params {
     int32_t      n_parallel;       // slots (llama-server's -np; 0 = 1); n_ctx is shared: each slot gets n_ctx / n_parallel
     const char * bd_path;          // a block-diffusion sidecar (NAME.bd.gguf, spec v2 section 5) for a trunk-only file;
                                    // NULL or "" = none. Refused unless its trunk fingerprint equals the file's.
-    int32_t      n_prefill_chunk;  // prompt tokens per prefill pass (0 = n_batch). With slots, a smaller chunk lets the
-                                   // other slots' passes run between a long prompt's chunks (and share its rounds)
+    int32_t      n_prefill_chunk;  // with slots: prompt tokens per prefill pass while another slot generates (default
+                                   // 128; 0 = n_batch; alone, a prompt is always prefilled in n_batch passes). The
+                                   // other slots' passes share a chunk's round or run between chunks; a prefilling
+                                   // slot gets at most 40% of the decode time while others wait, and the chunk bounds
+                                   // their longest stall.
     int32_t      n_graph_cache;    // compute graphs kept besides the last one (llama_set_graph_cache_size): the block,
                                    // verification and commit passes then reuse theirs; -1 = CLOVER_GRAPH_CACHE_DEFAULT,
                                    // 0 = only the last one (llama.cpp's default). Each costs one compute buffer.
