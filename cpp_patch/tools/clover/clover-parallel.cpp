@@ -198,10 +198,9 @@ int32_t clover_parallel_pass(clover_slot * slot, bool block) {
     // their next pass at once), and lets a slot blocked on the lock take it first: a generation that starts
     // then joins the rounds, and a short call (reuse_prefix, reset) runs between two rounds. A slot that is
     // not generating is not waited for once it holds the lock: its pass runs in the next round.
-    // A round is run by a thread whose pass is in it: ggml's CPU backend (OpenMP) keeps a pool of workers per
-    // calling thread, and a decode called from another thread than the previous one competes with the previous
-    // pool's spinning workers (a two-slot ar round took 33.5 ms from alternating threads against 25 ms from one,
-    // 2-core Xeon), so a slot that runs alone while a prefill chunk waits keeps its own thread.
+    // A round is run by a thread whose pass is in it, so that a slot that runs alone while a prefill chunk waits
+    // keeps using its own thread's OpenMP pool (ggml's CPU backend keeps one per calling thread) rather than waking
+    // another's. A pool per thread is why clover_cpp sets libgomp's wait policy (docs/serve.md, "Slots").
     while (!req.done) {
         const int32_t n_waited = sh.n_generating + sh.n_entering.load();
         if ((int32_t) sh.pending.size() >= std::max<int32_t>(n_waited, 1)) {
