@@ -6,19 +6,19 @@
 // Where the time goes decides the design. Stock llama.cpp reuses a pass's graph only when the previous pass had
 // the same shape; a pass whose shape changed pays for building and allocating its graph, which on a small model
 // is a large share of the pass. The graph cache (patch 0008, n_graph_cache) keeps the graphs of recent shapes;
-// without it the cost table charges rebuild_ms at every change. Auto runs *chains* of same-width causal passes: width 1 is an ar step,
-// width w > 1 verifies w - 1 draft tokens and yields 1 to w tokens. The drafts come from the history: the tokens
-// that followed the latest earlier occurrence of the last n tokens (llama.cpp's common_ngram_simple_draft,
-// n = 3, 2, 1), extended by further lookups and padded with the pending token, so no pass is spent on drafting. The width
-// is the one with the best expected tokens per ms in a steady chain,
+// without it the cost table charges rebuild_ms at every change. Auto runs *chains* of same-width causal passes:
+// width 1 is an ar step, width w > 1 verifies w - 1 draft tokens and yields 1 to w tokens. The drafts come from
+// the history: the tokens that followed the latest earlier occurrence of the last n tokens (llama.cpp's
+// common_ngram_simple_draft, n = 3, 2, 1), extended by further lookups and padded with the pending token, so no
+// pass is spent on drafting. The width is the one with the best expected tokens per ms in a steady chain,
 //     E(w) / cost(w),  E(w) = sum_{k<w} q(1) .. q(k),
 // with q(k) the running rate at which draft token k is accepted after k - 1 accepted ones, and cost from the
-// table (clover.h); it changes
-// only when another width is at least 5 % better, because a change may cost a rebuild (without the graph cache,
-// n_graph_cache = 0, every change of shape does; with it, only a shape's first pass). During ar steps the n-gram
-// draft is still looked up and scored against the tokens the steps produce, so q stays current. A block draft (one block
-// pass, argmax of every target, verified up to the width that maximises the expected tokens per ms given the
-// draft's own confidences) is taken instead when its expected rate beats the chain's.
+// table (clover.h); it changes only when another width is at least 5 % better, because a change may cost a
+// rebuild (without the graph cache, n_graph_cache = 0, every change of shape does; with it, only a shape's first
+// pass). During ar steps the n-gram draft is still looked up and scored against the tokens the steps produce, so
+// q stays current. A block draft (one block pass, argmax of every target, verified up to the width that
+// maximises the expected tokens per ms given the draft's own confidences) is taken instead when its expected
+// rate beats the chain's.
 //
 // q is a function of the tokens only and the table is measured once per engine (or set), so a run is
 // reproducible.
@@ -399,9 +399,10 @@ bool clover_measure_block(clover_slot * slot, llama_token tok, int32_t w, double
 } // namespace
 
 // Runs of 6 ar steps and of 5 causal passes of 2 and w_hi rows (fixed and per-row cost from their steady
-// passes; the rebuild cost from their first passes), and block passes of 2 and w_hi rows: 18 passes on the
-// scratch sequence, repeated while the whole takes less than 200 ms (at most 4 times; noise only adds time, so
-// the minimum of the repetitions is kept). A model whose passes take 10 ms or more is measured once.
+// passes; the rebuild cost from their first passes), and block passes of 2 and w_hi rows, each after an ar
+// step and timed the second time: 24 passes on the scratch sequence, repeated while the whole takes less than
+// 200 ms (at most 4 times; noise only adds time, so the minimum of the repetitions is kept). A model whose passes
+// take 10 ms or more is measured once.
 bool clover_measure_costs(clover_slot * slot, clover_pass_costs & out) {
     const int32_t room = slot->n_ctx - slot->n_past;
     const int32_t w_hi = std::min({ 8, slot->max_block_size, room - 8 });
