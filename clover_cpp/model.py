@@ -606,12 +606,23 @@ class Model(loader.NativeHandle):
         return int(libclover.lib().clover_slot_n_past(self._handle()))
 
     # ---------------------------------------------------------------------------------- tokens
-    def tokenize(self, text: str, special: bool = True) -> list[int]:
-        """Text to token ids; ``special`` parses special tokens such as ``<|im_start|>``. No BOS is added."""
+    def tokenize(self, text: str, special: bool = True, add_special: bool = False) -> list[int]:
+        """Text to token ids; ``special`` parses special tokens such as ``<|im_start|>``; ``add_special`` adds the
+        vocabulary's BOS/EOS where it asks for them (llama_tokenize's add_special)."""
         try:
-            return bindings.tokenize(self._vocab, text, add_special=False, parse_special=special)
+            return bindings.tokenize(self._vocab, text, add_special=add_special, parse_special=special)
         except loader.NativeError as exc:
             raise EngineError(str(exc)) from None
+
+    def token_piece(self, token: int) -> bytes:
+        """One token's bytes (special tokens rendered), which may be part of a UTF-8 character."""
+        L = loader.llama()
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, True)
+        return buf.raw[:max(n, 0)]
 
     def detokenize(self, ids: Sequence[int], special: bool = True) -> str:
         """Token ids to text; ``special`` renders special tokens (as the reference's decode does)."""

@@ -13,7 +13,8 @@ from typing import Any
 
 from ..chat_template import ChatTemplate, TemplateError
 from ..model import Model
-from .schema import APIError, ChatCompletionRequest, ChatMessage, CloverFields, CompletionRequest, invalid
+from .schema import (APIError, ApplyTemplateRequest, ChatCompletionRequest, ChatMessage, CloverFields,
+                     CompletionRequest, invalid)
 from ..output_parser import opens_reasoning
 from ..gen_params import GenParams
 
@@ -41,6 +42,16 @@ class Prepared:
     echo_text: str = ""
     checkpoint_hint: int = 0  # where the generation prompt starts: the next turn's prompt shares what lies before
     cache_prompt: bool = True  # reuse the slot's history prefix (llama-server's request field of that name)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation through the chat template: the text, and what it was rendered from."""
+
+    text: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    thinking: bool
 
 
 class Preparer:
@@ -120,7 +131,7 @@ class Preparer:
             top_p=d.gen.top_p if req.top_p is None else req.top_p, seed=seed,
             stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias))
 
-    def _check_chars(self, n_chars: int, param: str, what: str) -> None:
+    def check_chars(self, n_chars: int, param: str, what: str) -> None:
         """--max-prompt-chars, checked before tokenizing (a token holds a few characters: a prompt far beyond the
         context is refused without the tokenizer's work)."""
         if self.max_prompt_chars and n_chars > self.max_prompt_chars:
@@ -129,28 +140,22 @@ class Preparer:
                            param=param, code="context_length_exceeded")
 
     def _tokenize(self, text: str, param: str) -> list[int]:
-        self._check_chars(len(text), param, "prompt" if param == "prompt" else "rendered conversation")
+        self.check_chars(len(text), param, "prompt" if param == "prompt" else "rendered conversation")
         ids = self.model.tokenize(text, special=True)
         if not ids:
             raise invalid(f"the {param} is empty after tokenization", param)
         return ids
 
     # ------------------------------------------------------------------------------ chat
-    def chat(self, req: ChatCompletionRequest) -> Prepared:
-        check_unicode(req.model_dump(exclude_none=True))
-        self.check_model(req.model)
+    def _require_template(self) -> ChatTemplate:
         if self.template is None:
             raise invalid("this model has no chat template; use /v1/completions, or start the server with "
                           "--chat-template FILE", "messages", "no_chat_template")
-        if req.logprobs:
-            raise invalid("logprobs are not supported", "logprobs", "unsupported_value")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise invalid(f"response_format {req.response_format.type!r} is not supported (only 'text')",
-                          "response_format", "unsupported_value")
-        choice = req.tool_choice
-        if choice not in (None, "auto", "none"):
-            raise invalid("tool_choice supports 'auto' and 'none' only: the engine cannot force a tool call",
-                          "tool_choice", "unsupported_value")
+        return self.template
+
+    def render(self, req: ChatCompletionRequest | ApplyTemplateRequest) -> Rendered:
+        """The conversation through the chat template: for a chat completion, and alone for /apply-template."""
+        template = self._require_template()
         kwargs = req.chat_template_kwargs or {}
         thinking = kwargs.get("enable_thinking", self.defaults.enable_thinking)
         if not isinstance(thinking, bool):
@@ -162,20 +167,41 @@ class Preparer:
                           "too_many_messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-        self._check_chars(sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in messages),
+        self.check_chars(sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in messages),
                           "messages", "conversation")
         try:
-            text = self.template.render(messages, tools=tools, enable_thinking=thinking)
+            text = template.render(messages, tools=tools, enable_thinking=thinking)
         except TemplateError as exc:
             raise invalid(str(exc), "messages") from None
-        ids = self._tokenize(text, "messages")
+        return Rendered(text, messages, tools, thinking)
+
+    def chat(self, req: ChatCompletionRequest) -> Prepared:
+        check_unicode(req.model_dump(exclude_none=True))
+        self.check_model(req.model)
+        template = self._require_template()
+        if req.logprobs:
+            raise invalid("logprobs are not supported", "logprobs", "unsupported_value")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise invalid(f"response_format {req.response_format.type!r} is not supported (only 'text')",
+                          "response_format", "unsupported_value")
+        choice = req.tool_choice
+        if choice not in (None, "auto", "none"):
+            raise invalid("tool_choice supports 'auto' and 'none' only: the engine cannot force a tool call",
+                          "tool_choice", "unsupported_value")
+        r = self.render(req)
+        ids = self._tokenize(r.text, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), max_tokens, "messages")
-        hint = self.template.generation_prompt_start(lambda t: self.model.tokenize(t, special=True), messages,
-                                                     tools, thinking, text, ids)
+        hint = template.generation_prompt_start(lambda t: self.model.tokenize(t, special=True), r.messages,
+                                                r.tools, r.thinking, r.text, ids)
         return Prepared(ids, params, self._stops(req.stop), cache_prompt=req.cache_prompt,
-                        start_in_reasoning=opens_reasoning(text),
-                        parse_tools=bool(tools) and choice != "none", checkpoint_hint=hint)
+                        start_in_reasoning=opens_reasoning(r.text),
+                        parse_tools=bool(r.tools) and choice != "none", checkpoint_hint=hint)
+
+    def apply_template(self, req: ApplyTemplateRequest) -> str:
+        """llama-server's /apply-template: the prompt a chat completion of these messages would run on."""
+        check_unicode(req.model_dump(exclude_none=True))
+        return self.render(req).text
 
     # ------------------------------------------------------------------------------ completions
     def completion(self, req: CompletionRequest) -> Prepared:

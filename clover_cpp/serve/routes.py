@@ -1,5 +1,6 @@
 """The HTTP routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (streamed or whole), and every error as an OpenAI error body."""
+``POST /v1/chat/completions`` (streamed or whole), llama-server's ``POST /tokenize``, ``/detokenize`` and
+``/apply-template``, and every error as an OpenAI error body."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..output_parser import Event, TextEvent, collect
 from ..text_stream import TextPipeline
 from .prepare import Prepared
-from .schema import (APIError, ChatCompletionRequest, CompletionRequest, error_body, finish_reason, new_id, now,
-                     tool_call_dict, usage)
+from . import utility
+from .schema import (APIError, ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                     TokenizeRequest, error_body, finish_reason, new_id, now, tool_call_dict, usage)
 from .security import Guard, Security
 from .service import CloverService, run_to_end
 from .streaming import ChatChunks, CompletionChunks, streamer
@@ -176,5 +178,18 @@ def _routes(svc: CloverService) -> FastAPI:
     @app.post("/v1/completions")
     async def complete(req: CompletionRequest, request: Request) -> Any:
         return await completion(svc, req, request)
+
+    # llama-server's utility endpoints: off the event loop, within --template-timeout, as a request's preparation
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return await svc.run_prepare(lambda: utility.tokenize(svc.model, svc.prepare, req))
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return await svc.run_prepare(lambda: utility.detokenize(svc.model, req))
+
+    @app.post("/apply-template")
+    async def apply_template(req: ApplyTemplateRequest) -> dict[str, Any]:
+        return await svc.run_prepare(lambda: utility.apply_template(svc.prepare, req))
 
     return app

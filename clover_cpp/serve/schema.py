@@ -153,6 +153,25 @@ class CompletionRequest(CloverFields):
     best_of: int | None = None
 
 
+# llama-server's utility endpoints (tools/server/README.md of the pinned llama.cpp: "POST /tokenize",
+# "POST /detokenize", "POST /apply-template"), with its field names and defaults
+class TokenizeRequest(_Lenient):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    tokens: list[int]
+
+
+class ApplyTemplateRequest(_Lenient):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 # ------------------------------------------------------------------------------------------ responses
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"

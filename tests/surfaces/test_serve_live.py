@@ -136,6 +136,57 @@ def test_models_and_health(client: Any, server: str) -> None:
     assert health["status"] == "ok" and health["model"] == MODEL_ID
 
 
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    return _post_raw(url, json.dumps(body).encode())
+
+
+def _piece_bytes(piece: str | list[int]) -> bytes:
+    return piece.encode() if isinstance(piece, str) else bytes(piece)
+
+
+def test_tokenize_and_detokenize_as_llama_server(server: str, ref: Reference) -> None:
+    """llama-server's shapes (tools/server/README.md of the pinned llama.cpp, "POST /tokenize" and "POST
+    /detokenize"): ``{"tokens": [ids]}``; with ``with_pieces``, ``{"id", "piece"}`` objects whose piece is the text
+    when it is valid UTF-8 and a list of bytes otherwise; ``{"content": text}`` back. The ids are the checkpoint's
+    tokenizer.json's."""
+    text = "def add(a, b):\n    return a + b  # \U0001d518 sum"
+    got, body = _post(server + "/tokenize", {"content": text})
+    assert got == 200 and list(body) == ["tokens"] and body["tokens"] == ref.ids(text)
+    got, pieces = _post(server + "/tokenize", {"content": text, "with_pieces": True})
+    assert got == 200 and list(pieces) == ["tokens"]
+    assert all(list(p) == ["id", "piece"] for p in pieces["tokens"])
+    assert [p["id"] for p in pieces["tokens"]] == body["tokens"]
+    assert b"".join(_piece_bytes(p["piece"]) for p in pieces["tokens"]).decode() == text
+    assert any(isinstance(p["piece"], list) for p in pieces["tokens"]), "a 4-byte character split into byte pieces"
+    assert all(isinstance(p["piece"], str) for p in pieces["tokens"] if p["id"] in ref.ids("def add"))
+
+    special = "<|im_start|>user"
+    _, parsed = _post(server + "/tokenize", {"content": special})
+    _, plain = _post(server + "/tokenize", {"content": special, "parse_special": False})
+    im_start = ref.ids("<|im_start|>")
+    assert parsed["tokens"] == ref.ids(special) and len(im_start) == 1
+    assert im_start[0] not in plain["tokens"] and len(plain["tokens"]) > len(parsed["tokens"])
+
+    got, back = _post(server + "/detokenize", {"tokens": body["tokens"]})
+    assert got == 200 and back == {"content": text}
+    assert _post(server + "/detokenize", {"tokens": parsed["tokens"]})[1] == {"content": special}
+    got, err = _post(server + "/detokenize", {"tokens": [1, 10**9]})
+    assert got == 400 and err["error"]["param"] == "tokens[1]" and "vocabulary" in err["error"]["message"]
+    got, err = _post(server + "/tokenize", {"text": "x"})
+    assert got == 400 and err["error"]["param"] == "content"
+
+
+def test_apply_template_as_llama_server(server: str, ref: Reference) -> None:
+    """llama-server's /apply-template (tools/server/README.md, "POST /apply-template"): ``{"prompt": text}``, the
+    chat template's rendering of the messages that a chat completion would run on."""
+    got, body = _post(server + "/apply-template", {"messages": USER})
+    assert got == 200 and body == {"prompt": ref.render(USER)}
+    got, body = _post(server + "/apply-template", {"messages": USER, **THINK_OFF})
+    assert body == {"prompt": ref.render(USER, thinking=False)}
+    got, err = _post(server + "/apply-template", {"messages": []})
+    assert got == 400 and err["error"]["param"] == "messages"
+
+
 @pytest.mark.parametrize("mode,opts", [("ar", {}), ("diffusion", {"block_size": 8, "threshold": 0.006}),
                                        ("spec", {"block_size": 4})])
 def test_chat_equals_reference_and_stream_reassembles(client: Any, ref: Reference, mode: str,
@@ -619,6 +670,9 @@ def test_api_keys(hardened: dict[str, Any]) -> None:
         assert err["error"]["code"] == "invalid_api_key" and err["error"]["type"] == "invalid_request_error"
     for path in ("/v1/models", f"/v1/models/{MODEL_ID}", "/v1/nothing"):
         got, err = _post_raw(url + path, b"", method="GET")
+        assert got == 401 and err["error"]["code"] == "invalid_api_key", (path, err)
+    for path in ("/tokenize", "/detokenize", "/apply-template"):
+        got, err = _post_raw(url + path, b"{}")
         assert got == 401 and err["error"]["code"] == "invalid_api_key", (path, err)
     assert _get(url + "/health")["status"] == "ok"  # open without a key
     for key in ("flag-key", "file-key-1", "file-key-2"):
