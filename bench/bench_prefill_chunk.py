@@ -100,7 +100,7 @@ def main() -> int:
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     gguf = work / "mid-Q8_0.gguf"
-    if not gguf.exists():  # torch only here: it loads libgomp before clover_cpp sets its wait policy (loader.py)
+    if not gguf.exists():  # torch (the reference) only to build the model once
         from clover_ref.factory import init_checkpoint
         from tests.support.native import clover_convert, quantize
 

@@ -121,20 +121,33 @@ def _preload_libstdcxx() -> None:
         pass
 
 
-def _spin_at_barriers() -> None:
-    """Let OpenMP spin at ggml's barriers whichever thread runs a pass (unless the user set its wait policy).
+OPENMP_RUNTIMES = ("libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so", "libomp.dylib")
 
-    ggml's CPU backend runs on OpenMP, which keeps a pool of workers per calling thread. Loading a model leaves
-    one on the loading thread (AMX and repacked weights are converted in an OpenMP loop), so a pass run on another
-    thread (a server's request, a slot) makes libgomp manage more threads than there are cores, and it then sleeps
-    at every barrier instead of spinning: a one-token step of the `mid` preset at Q8_0 took 29 ms on a second
-    thread against 17 ms on the loading one (2-core Xeon with AMX). An active policy with libgomp's default spin
-    count keeps the barriers spinning; idle pools still go to sleep after the spin. libgomp reads these when it
-    is loaded, so they are set before llama_cpp's import.
+
+def release_openmp_threads() -> bool:
+    """Free the calling thread's OpenMP workers (``omp_pause_resource_all``) where ggml runs on OpenMP; True when
+    a runtime was found.
+
+    ggml's CPU backend keeps a pool of workers per calling thread, and libgomp counts the workers of every pool:
+    once they outnumber the cores it stops spinning at ggml's per-op barriers and sleeps at each. Loading a model
+    leaves a pool on the loading thread (AMX and repacked weights are converted in an OpenMP loop), so a pass on
+    another thread (a server's engine thread) ran 1.7x slower: a one-token step of the `mid` preset at Q8_0 took
+    29 ms against 17 ms (2-core Xeon with AMX). Only a runtime the process has already loaded is used, and a
+    thread that runs passes again gets a new pool at its next pass.
     """
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "active"
-        os.environ["GOMP_SPINCOUNT"] = "300000"
+    for name in OPENMP_RUNTIMES:
+        try:
+            runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+        except (OSError, AttributeError):
+            continue
+        pause = getattr(runtime, "omp_pause_resource_all", None)
+        if pause is None:
+            return False
+        pause.argtypes = [ctypes.c_int]
+        pause.restype = ctypes.c_int
+        pause(1)  # omp_pause_soft
+        return True
+    return False
 
 
 def llama() -> ModuleType:
@@ -146,7 +159,6 @@ def llama() -> ModuleType:
     # for minutes and left orphans. A native abort then only prints its one GGML_ASSERT line. ggml reads this
     # when the library loads (its terminate handler) and when it aborts, so set it before the import.
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
-    _spin_at_barriers()
     d = lib_dir()
     if not (d / "libllama.so").exists() and not (d / "libllama.dylib").exists():
         raise NativeError(f"native library not found in {d}: run `make native` or set CLOVER_NATIVE_LIB")

@@ -490,6 +490,7 @@ class Model(loader.NativeHandle):
             msg = msg.removeprefix(f"'{self.path}': ")
             raise EngineError(f"cannot load {self.path}: {msg}" + (f": {reasons}" if reasons else ""))
         del keep
+        loader.release_openmp_threads()  # the load's workers: passes may run on other threads (a server's)
         self._slot_ptr = L.clover_engine_slot(self.ptr, 0)
         self.info = ModelInfo.from_c(L.clover_engine_info(self.ptr).contents)
         self._llama_model = L.clover_engine_model(self.ptr)

@@ -4,6 +4,7 @@ the near-tie rule of the engine tests), and the passes must really have been bat
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +137,16 @@ def test_a_long_prompt_in_chunks_shares_its_rounds(tiny_gguf: Path, tiny_model: 
     long = [(7 * i) % 2900 + 50 for i in range(300)]
     with Model(tiny_gguf, n_ctx=1024) as solo:
         want = [solo.run(p, mode="ar", max_tokens=n, stop_ids=[]).tokens for p, n in ((short, 48), (long, 8))]
+    decoding = threading.Event()  # the prompt is chunked only while another slot generates: slot 1 goes first
+
+    def run(i: int) -> list[int]:
+        if i == 1:
+            assert decoding.wait(60), "slot 0 did not start"
+        return model.slot(i).run((short, long)[i], mode="ar", max_tokens=(48, 8)[i], stop_ids=[],
+                                 on_tokens=lambda _: decoding.set() or True).tokens
+
     with Model(tiny_gguf, n_ctx=2048, n_parallel=2, prefill_chunk=16) as model:
-        got = run_concurrently(lambda i: model.slot(i).run((short, long)[i], mode="ar", max_tokens=(48, 8)[i],
-                                                            stop_ids=[]).tokens, 2)
+        got = run_concurrently(run, 2)
         passes, rounds = model.pass_stats()
     ledger = Ledger()
     for i, context in enumerate((short, long)):

@@ -336,7 +336,7 @@ struct clover_scratch {
             clover_batch_add(batch, tok, pos + j, slot->seq_scratch, true);
         }
         const double t0 = clover_now_ms();
-        const int32_t rc = llama_decode(slot->ctx, batch);
+        const int32_t rc = clover_shared_call(slot, [this] { return llama_decode(slot->ctx, batch); });
         const double ms = clover_now_ms() - t0;
         if (rc != 0 || (w > 1 && !llama_memory_seq_rm(slot->mem, slot->seq_scratch, pos + 1, -1))) {
             slot->last_error = clover_format("a pass failed while measuring pass costs (code %d)", rc);

@@ -2,8 +2,8 @@
 //
 // Slot i owns sequences 2i (history) and 2i + 1 (scratch). Every slot runs the engine's ordinary code on its own
 // thread, under the shared lock. Where a slot would call llama_decode it queues the pass instead and waits; when
-// every slot inside clover_slot_generate has queued one, the oldest pass and the later ones of the same kind run as one
-// llama_decode: block windows of the same width, or causal passes of any lengths (a long prompt's prefill chunk and
+// every slot inside clover_slot_generate has queued one, the engine's decode thread (clover_shared) runs the oldest
+// pass and the later ones of the same kind as one llama_decode: block windows of the same width, or causal passes of any lengths (a long prompt's prefill chunk and
 // the other slots' steps, n_prefill_chunk; a prefilling slot gets at most 40% of the time while others wait,
 // clover_chunks_wait). The unified KV cache keeps the sequences apart (a block window sees its
 // own history and window only), and llama.cpp's equal split puts same-size sequences in one ubatch and splits
@@ -14,6 +14,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+
+namespace {
+void clover_decode_loop(clover_shared & sh);
+}  // namespace
 
 clover_slot_guard::clover_slot_guard(clover_slot * slot, bool generating)
     : slot_(slot), generating_(generating && slot && slot->shared && !slot->lock) {
@@ -44,9 +49,24 @@ void clover_share_context(clover_engine & engine, int32_t n_ubatch) {
     auto shared = std::make_shared<clover_shared>();
     shared->batch    = llama_batch_init(std::max(engine.slots[0]->batch_cap, n_ubatch), 0, 1);
     shared->n_ubatch = n_ubatch;
+    shared->ctx      = engine.ctx.get();
     for (auto & slot : engine.slots) {
         slot->shared = shared;
     }
+    shared->decoder = std::thread(clover_decode_loop, std::ref(*shared));
+}
+
+// the slots go before the engine's context (clover_engine), and with the last one the decode thread
+clover_shared::~clover_shared() {
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        stopping = true;
+    }
+    cv.notify_all();
+    if (decoder.joinable()) {
+        decoder.join();
+    }
+    llama_batch_free(batch);
 }
 
 int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * history,
@@ -185,6 +205,32 @@ void clover_run_round(clover_shared & sh, llama_context * ctx, const std::vector
     sh.n_rounds += 1;
 }
 
+// The decode thread: a slot's call outside the rounds, else a round once every slot inside clover_slot_generate
+// has queued a pass. A round also lets a slot blocked on the lock take it first: a generation that starts then
+// joins the rounds, and a short call (reuse_prefix, reset) runs between two rounds. A slot that is not generating
+// is not waited for once it holds the lock: its pass runs in the next round.
+void clover_decode_loop(clover_shared & sh) {
+    std::unique_lock<std::mutex> lock(sh.mu);
+    while (true) {
+        if (sh.call != nullptr) {
+            sh.call_rc = (*sh.call)();
+            sh.call    = nullptr;
+            sh.cv.notify_all();
+            continue;
+        }
+        const int32_t n_waited = sh.n_generating + sh.n_entering.load();
+        if (!sh.pending.empty() && (int32_t) sh.pending.size() >= std::max<int32_t>(n_waited, 1)) {
+            clover_run_round(sh, sh.ctx, clover_pick_group(sh));
+            sh.cv.notify_all();
+            continue;
+        }
+        if (sh.stopping) {
+            return;
+        }
+        sh.cv.wait(lock);
+    }
+}
+
 }  // namespace
 
 int32_t clover_parallel_pass(clover_slot * slot, bool block) {
@@ -194,25 +240,22 @@ int32_t clover_parallel_pass(clover_slot * slot, bool block) {
     req.block   = block;
     req.prefill = slot->prefilling;
     sh.pending.push_back(&req);
-    // A round waits for every slot inside clover_slot_generate (those in a callback included: they come back with
-    // their next pass at once), and lets a slot blocked on the lock take it first: a generation that starts
-    // then joins the rounds, and a short call (reuse_prefix, reset) runs between two rounds. A slot that is
-    // not generating is not waited for once it holds the lock: its pass runs in the next round.
-    // A round is run by a thread whose pass is in it, so that a slot that runs alone while a prefill chunk waits
-    // keeps using its own thread's OpenMP pool (ggml's CPU backend keeps one per calling thread) rather than waking
-    // another's. A pool per thread is why clover_cpp sets libgomp's wait policy (docs/serve.md, "Slots").
+    sh.cv.notify_all();
     while (!req.done) {
-        const int32_t n_waited = sh.n_generating + sh.n_entering.load();
-        if ((int32_t) sh.pending.size() >= std::max<int32_t>(n_waited, 1)) {
-            const std::vector<clover_pass_req *> group = clover_pick_group(sh);
-            if (std::find(group.begin(), group.end(), &req) != group.end()) {
-                clover_run_round(sh, slot->ctx, group);
-                sh.cv.notify_all();
-                continue;
-            }
-            sh.cv.notify_all();  // the round's own slots run it
-        }
         sh.cv.wait(*slot->lock);
     }
     return req.rc;
+}
+
+int32_t clover_shared_call(clover_slot * slot, const std::function<int32_t()> & fn) {
+    if (!slot->shared || !slot->lock) {
+        return fn();
+    }
+    clover_shared & sh = *slot->shared;
+    sh.call = &fn;
+    sh.cv.notify_all();
+    while (sh.call != nullptr) {
+        sh.cv.wait(*slot->lock);
+    }
+    return sh.call_rc;
 }
