@@ -3,12 +3,12 @@
 // Slot i owns sequences 2i (history) and 2i + 1 (scratch). Every slot runs the engine's ordinary code on its own
 // thread, under the shared lock. Where a slot would call llama_decode it queues the pass instead and waits; when
 // every slot inside clover_slot_generate has queued one, the engine's decode thread (clover_shared) runs the oldest
-// pass and the later ones of the same kind as one llama_decode: block windows of the same width, or causal passes of any lengths (a long prompt's prefill chunk and
-// the other slots' steps, n_prefill_chunk; a prefilling slot gets at most 40% of the time while others wait,
-// clover_chunks_wait). The unified KV cache keeps the sequences apart (a block window sees its
-// own history and window only), and llama.cpp's equal split puts same-size sequences in one ubatch and splits
-// unequal ones. So a slot's logits are those of its own pass run alone, up to the floating-point order of a larger
-// batch.
+// pass and the later ones of the same kind as one llama_decode: block windows of the same width, or causal passes
+// of any lengths (a long prompt's prefill chunk and the other slots' steps, n_prefill_chunk; a prefilling slot
+// gets at most 40% of the time while others wait, clover_chunks_wait). The unified KV cache keeps the sequences
+// apart (a block window sees its own history and window only), and llama.cpp's equal split puts same-size
+// sequences in one ubatch and splits unequal ones. So a slot's logits are those of its own pass run alone, up to
+// the floating-point order of a larger batch.
 
 #include "clover-impl.h"
 
@@ -104,7 +104,8 @@ bool clover_same_kind(const clover_pass_req & a, const clover_pass_req & b) {
 constexpr double clover_prefill_share = 0.4;
 
 bool clover_chunks_wait(const clover_shared & sh) {
-    const bool others = std::any_of(sh.pending.begin(), sh.pending.end(), [](const clover_pass_req * r) { return !r->prefill; });
+    const bool others = std::any_of(sh.pending.begin(), sh.pending.end(),
+                                    [](const clover_pass_req * r) { return !r->prefill; });
     return others && sh.t_prefill_ms * (1.0 - clover_prefill_share) > sh.t_others_ms * clover_prefill_share;
 }
 
@@ -164,7 +165,8 @@ void clover_share_time(clover_shared & sh, const std::vector<clover_pass_req *> 
     }
 }
 
-void clover_run_round(clover_shared & sh, llama_context * ctx, const std::vector<clover_pass_req *> & group) {
+void clover_run_round(clover_shared & sh, const std::vector<clover_pass_req *> & group) {
+    llama_context * ctx = sh.ctx;
     for (clover_pass_req * r : group) {
         sh.pending.erase(std::find(sh.pending.begin(), sh.pending.end(), r));
     }
@@ -220,7 +222,7 @@ void clover_decode_loop(clover_shared & sh) {
         }
         const int32_t n_waited = sh.n_generating + sh.n_entering.load();
         if (!sh.pending.empty() && (int32_t) sh.pending.size() >= std::max<int32_t>(n_waited, 1)) {
-            clover_run_round(sh, sh.ctx, clover_pick_group(sh));
+            clover_run_round(sh, clover_pick_group(sh));
             sh.cv.notify_all();
             continue;
         }
