@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.bench_speed import held_out_prompts
+from bench.bench_speed import held_out_prompts, summarize
 from clover_ref.train import corpus_files, encode_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,11 +137,8 @@ def bench_set(models: dict[Any, Any], prompts: list[list[int]], tokens: int, tem
     rows = {}
     for name, *_ in CONFIGS:
         agg = {k: sum(r[name][k] for r in per_run) for k in per_run[0][name]}
-        ratios = [r[name]["tokens"] / r[name]["ms"] / (r["ar"]["tokens"] / r["ar"]["ms"]) for r in per_run]
-        rows[name] = {
-            "tok_s": statistics.median(r[name]["tokens"] / r[name]["ms"] * 1e3 for r in per_run),
-            "ratio": statistics.median(ratios), "ratios": ratios, "tpf": agg["tokens"] / agg["passes"],
-            "ms_per_pass": agg["ms"] / agg["passes"], "builds_per_pass": agg["builds"] / agg["passes"],
+        rows[name] = summarize(per_run, name) | {
+            "builds_per_pass": agg["builds"] / agg["passes"],
             "rebuild_share": agg["builds"] * rebuild_ms / agg["ms"],
             "rounds": {k: agg[k] for k in ("none", "ngram", "block")}, "accepted": agg["accepted"],
             "block_share": agg["accepted_block"] / agg["accepted"] if agg["accepted"] else 0.0,

@@ -113,14 +113,18 @@ def bench_model(path: Path, configs: list[tuple[str, int | None]], tokens: int, 
         model.run(prompts[0], mode="auto", max_tokens=4, stop_ids=[])  # the cost table, measured as a user's first call
         costs = model.pass_costs
         per_run = [one_run(model, prompts, configs, tokens) for _ in range(runs)]
-    rows = {}
-    for name in per_run[0]:
-        rates = [r[name]["tokens"] / r[name]["ms"] * 1e3 for r in per_run]
-        ratios = [r[name]["tokens"] / r[name]["ms"] / (r["ar"]["tokens"] / r["ar"]["ms"]) for r in per_run]
-        agg = {k: sum(r[name][k] for r in per_run) for k in ("tokens", "ms", "passes")}
-        rows[name] = {"tok_s": statistics.median(rates), "ratio": statistics.median(ratios), "ratios": ratios,
-                      "tpf": agg["tokens"] / agg["passes"], "ms_per_pass": agg["ms"] / agg["passes"]}
+    rows = {name: summarize(per_run, name) for name in per_run[0]}
     return {"threads": threads, "costs": vars(costs) if costs else None, "rows": rows}
+
+
+def summarize(per_run: list[dict[str, dict[str, float]]], name: str) -> dict[str, Any]:
+    """One configuration over interleaved runs of per-configuration totals (tokens, ms, passes): median tok/s, the
+    median of each run's tok/s over ar's, TPF and ms per pass."""
+    rates = [r[name]["tokens"] / r[name]["ms"] * 1e3 for r in per_run]
+    ratios = [r[name]["tokens"] / r[name]["ms"] / (r["ar"]["tokens"] / r["ar"]["ms"]) for r in per_run]
+    agg = {k: sum(r[name][k] for r in per_run) for k in ("tokens", "ms", "passes")}
+    return {"tok_s": statistics.median(rates), "ratio": statistics.median(ratios), "ratios": ratios,
+            "tpf": agg["tokens"] / agg["passes"], "ms_per_pass": agg["ms"] / agg["passes"]}
 
 
 def markdown(res: dict[str, Any]) -> str:
