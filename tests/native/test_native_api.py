@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT
+from tests.support.native import REPO_ROOT, skip_or_fail
 
 HEADERS = [REPO_ROOT / "cpp_patch" / "tools" / "clover" / name for name in ("clover.h", "clover-imatrix.h")]
 
@@ -38,7 +38,7 @@ def _declarations(header: Path) -> dict[str, bool]:
 def _exported(lib: Path) -> list[str]:
     nm = shutil.which("nm")
     if nm is None:
-        pytest.skip("nm (binutils) is not installed")
+        skip_or_fail("nm (binutils) is not installed")
     out = subprocess.run([nm, "-D", "--defined-only", str(lib)], check=True, capture_output=True, text=True).stdout
     return [line.split()[-1] for line in out.splitlines() if line.strip()]
 
