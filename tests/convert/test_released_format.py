@@ -137,3 +137,102 @@ def test_our_file_without_block_tensors_is_a_trunk_only_file(tiny: Path, tmp_pat
     partial = rewrite_gguf(tiny, tmp_path / "partial.gguf", drop_tensors=[n for n in bd if n.startswith("blk.1.")])
     done = load_in_subprocess(partial)
     assert done.returncode == 3 and "blk.1.bd_" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ a checkpoint that transformers itself wrote
+# The checkpoints above come from the project's own factory, which was written with the converter and could share
+# a mistake with it. This one is transformers' Qwen3_5MoeForCausalLM, saved by save_pretrained (its own tensor
+# names and layout, per-expert weights included), renamed to the release's architecture, with the four
+# block-diffusion tensors of spec 2.3 added by hand and the mask as the tokenizer's added token only.
+HANDMADE_WINDOWS = [(1, [1, 2, 3, 4, 5, 6, 7]), (9, [2, 4, 6])]  # (boundary, masked rows of an 8-wide window)
+
+
+@pytest.fixture(scope="module")
+def handmade(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    import math
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    out = tmp_path_factory.mktemp("handmade") / "Clover-Handmade"
+    torch.manual_seed(0)
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=3072, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+        tie_word_embeddings=False, eos_token_id=[3002, 3000], pad_token_id=3000,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+        layer_types=["linear_attention"] * 3 + ["full_attention"])
+    model = Qwen3_5MoeForCausalLM(config).float().eval()
+    with torch.no_grad():  # a fresh init leaves norms and biases at exact constants: move every weight a little
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    fields = json.loads((out / "config.json").read_text())
+    fields.update(architectures=["CloverMoeModelLM"], model_type="clover_moe")
+    (out / "config.json").write_text(json.dumps(fields, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"block_size": 8, "threshold": 0.9}))
+    demo = Path(__file__).resolve().parents[2] / "models" / "clover-demo"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(demo / name, out / name)
+    (weights,) = out.glob("*.safetensors")
+    tensors = load_file(weights)
+    conv_dim, g = 2 * 2 * 16 + 4 * 16, torch.Generator().manual_seed(1)
+    for i, kind in enumerate(config.layer_types):
+        if kind == "linear_attention":
+            prefix = f"model.layers.{i}.linear_attn."
+            tensors[prefix + "conv_right_weight"] = torch.randn(conv_dim, 3, generator=g) * 0.1
+            tensors[prefix + "bd_softmax_logit_scale"] = math.sqrt(16) + torch.randn(4, generator=g) * 0.1
+            tensors[prefix + "bd_softmax_history_bias"] = torch.randn(4, generator=g) * 0.1
+            tensors[prefix + "bd_softmax_history_c"] = torch.randn(4, generator=g) * 0.1
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return out, model
+
+
+@pytest.mark.native
+def test_a_checkpoint_written_by_transformers_converts_and_matches_it(handmade: tuple[Path, object],
+                                                                       tmp_path: Path) -> None:
+    """Native causal logits equal transformers' own on its weights, and block logits the reference's (REF_TOL of
+    tests/native/test_native_clover.py, relative to max(1, |logit|)); greedy ar equals transformers' generate,
+    spec and auto equal ar, and trunk + sidecar equal the single file in every mode."""
+    import torch
+
+    from clover_cpp import Model
+    from clover_ref.checkpoint import load_model
+    from tests.support.native import assert_parity, causal_and_block_logits
+
+    checkpoint, hf = handmade
+    single = clover_convert(checkpoint, tmp_path / "handmade.gguf", "f32")
+    clover_convert(checkpoint, tmp_path / "trunk.gguf", "f32", "--bd-sidecar")
+    tokens = [int(t) for t in np.random.default_rng(0).integers(10, 3000, 24)]
+    causal, block = causal_and_block_logits(single, [(tokens, HANDMADE_WINDOWS)], window=8)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens])).logits[0].numpy()
+    assert_parity("handmade/causal-vs-transformers", causal, theirs, 1e-3)
+    ref = load_model(checkpoint)
+    want = []
+    for p, masked in HANDMADE_WINDOWS:
+        history = ref.new_history()
+        ref.forward_causal(tokens[:p], history)
+        canvas = [3007 if j in masked else t for j, t in enumerate(tokens[p:p + 8])]
+        want.append(ref.forward_block(canvas, history, rows=masked).numpy())
+    assert_parity("handmade/block-vs-reference", block, np.concatenate(want), 1e-3)
+
+    with torch.no_grad():
+        generated = hf.generate(torch.tensor([tokens]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                pad_token_id=3000)[0, len(tokens):].tolist()
+    runs = {}
+    for path, bd in ((single, None), (tmp_path / "trunk.gguf", tmp_path / "trunk.bd.gguf")):
+        with Model(path, bd_path=bd) as m:
+            for mode, opts in (("ar", {}), ("auto", {}), ("spec", {"block_size": 4}),
+                               ("diffusion", {"block_size": 8, "threshold": 0.9})):
+                m.reset()
+                runs[path.name, mode] = m.run(tokens, mode=mode, max_tokens=12, stop_ids=[], **opts).tokens
+    assert runs["handmade.gguf", "ar"] == generated
+    assert runs["handmade.gguf", "spec"] == runs["handmade.gguf", "auto"] == generated
+    for mode in ("ar", "auto", "spec", "diffusion"):
+        assert runs["trunk.gguf", mode] == runs["handmade.gguf", mode], mode
