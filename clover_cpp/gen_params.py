@@ -49,12 +49,26 @@ class GenParams:
     seed: int = 0
     stop_ids: tuple[int, ...] | None = None
     banned_ids: tuple[int, ...] = ()
+    # the distribution stage (spec 4): logit_bias as (id, bias) pairs (a dict is taken too; -inf bans), the
+    # penalties over the response's tokens (None: the GGUF's), a GBNF grammar the response must match (applied
+    # from the token after the first of ``grammar_after_ids`` when given, e.g. ``</think>``), and logprobs: None =
+    # none, k = each token's log P and its k most likely alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    grammar: str | None = None
+    grammar_after_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop_ids is not None and not isinstance(self.stop_ids, tuple):
             object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
-        if not isinstance(self.banned_ids, tuple):
-            object.__setattr__(self, "banned_ids", tuple(int(t) for t in self.banned_ids or ()))
+        for name in ("banned_ids", "grammar_after_ids"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name) or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias or ()))
         self._check()
 
     def _check(self) -> None:
@@ -71,6 +85,15 @@ class GenParams:
              "must be a finite number >= 0"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1] (1 = off)"),
+            ("repeat_penalty", self.repeat_penalty is None or 0.0 < self.repeat_penalty < math.inf,
+             "must be a finite number > 0 (1 = off)"),
+            ("presence_penalty", self.presence_penalty is None or math.isfinite(self.presence_penalty),
+             "must be finite (0 = off)"),
+            ("frequency_penalty", self.frequency_penalty is None or math.isfinite(self.frequency_penalty),
+             "must be finite (0 = off)"),
+            ("logit_bias", all(math.isfinite(b) or b == -math.inf for _, b in self.logit_bias),
+             "values must be finite or -inf"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0 (None = off)"),
         )
         for field, ok, rule in rules:
             if not ok:

@@ -56,6 +56,10 @@ class clover_model_info(ctypes.Structure):
         ("coreset_top_p", ctypes.c_float),
         ("history_rows", ctypes.c_int32),
         ("has_block_diffusion", ctypes.c_int32),
+        # the default penalties (spec 4): general.sampling.penalty_repeat, ARCH.sampling.presence/frequency_penalty
+        ("repeat_penalty", ctypes.c_float),
+        ("presence_penalty", ctypes.c_float),
+        ("frequency_penalty", ctypes.c_float),
     ]
 
 
@@ -94,6 +98,12 @@ class clover_device_memory(ctypes.Structure):
     ]
 
 
+# typedef bool (*clover_logprobs_cb)(llama_token token, float logprob, const llama_token * top_ids,
+#                                    const float * top_logprobs, int32_t n_top, void * user_data);
+clover_logprobs_cb = ctypes.CFUNCTYPE(ctypes.c_bool, llama_token, ctypes.c_float, llama_token_p,
+                                      ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.c_void_p)
+
+
 class clover_gen_params(ctypes.Structure):
     _fields_ = [
         ("mode", ctypes.c_int32),
@@ -110,6 +120,19 @@ class clover_gen_params(ctypes.Structure):
         ("banned_ids", llama_token_p),
         ("n_banned_ids", ctypes.c_int32),
         ("coreset_top_p", ctypes.c_float),  # <= 0: the GGUF's value
+        # the distribution stage (spec 4): logit_bias, penalties (NaN: the GGUF's), grammar, logprobs
+        ("bias_ids", llama_token_p),
+        ("bias_values", ctypes.POINTER(ctypes.c_float)),
+        ("n_bias", ctypes.c_int32),
+        ("repeat_penalty", ctypes.c_float),
+        ("presence_penalty", ctypes.c_float),
+        ("frequency_penalty", ctypes.c_float),
+        ("grammar", ctypes.c_char_p),
+        ("grammar_root", ctypes.c_char_p),
+        ("grammar_after_ids", llama_token_p),
+        ("n_grammar_after_ids", ctypes.c_int32),
+        ("n_logprobs", ctypes.c_int32),
+        ("on_logprobs", clover_logprobs_cb),
     ]
 
 
@@ -196,6 +219,10 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_engine_max_block_size": (ctypes.c_int32, [clover_engine_p]),
     "clover_engine_n_threads": (ctypes.c_int32, [clover_engine_p]),
     "clover_default_n_threads": (ctypes.c_int32, []),
+    "clover_engine_check_grammar": (ctypes.c_int32, [clover_engine_p, ctypes.c_char_p, ctypes.c_char_p,
+                                                     ctypes.c_char_p, ctypes.c_size_t]),
+    "clover_json_schema_to_grammar": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                       ctypes.c_char_p, ctypes.c_size_t]),
     "clover_slot_generate": (ctypes.c_int32, [clover_slot_p, llama_token_p, ctypes.c_int32,
                                               ctypes.POINTER(clover_gen_params), clover_tokens_cb, clover_step_cb,
                                               ctypes.c_void_p, ctypes.POINTER(clover_stats)]),
@@ -280,6 +307,19 @@ def token_array(ids: list[int] | None) -> tuple[ctypes.Array | None, int]:
         return None, 0
     arr = (llama_token * max(1, len(ids)))(*[int(t) for t in ids])
     return arr, len(ids)
+
+
+def json_schema_to_grammar(schema_json: str) -> str:
+    """GBNF for a JSON schema, converted as llama-server does (common/json-schema-to-grammar). Raises NativeError
+    with the converter's message for text that is not JSON or a schema it cannot express."""
+    L = lib()
+    err = ctypes.create_string_buffer(2048)
+    n = int(L.clover_json_schema_to_grammar(schema_json.encode(), None, 0, err, len(err)))
+    if n < 0:
+        raise NativeError(err.value.decode(errors="replace"))
+    out = ctypes.create_string_buffer(n + 1)
+    L.clover_json_schema_to_grammar(schema_json.encode(), out, len(out), err, len(err))
+    return out.value.decode()
 
 
 def describe_offload(path: str, params: clover_engine_params) -> dict[str, object]:

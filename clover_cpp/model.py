@@ -69,6 +69,9 @@ class ModelInfo:
     coreset_top_p: float = 1.0
     history_rows: int = 32
     has_block_diffusion: bool = True
+    repeat_penalty: float = 1.0  # the default penalties (spec 4), from the GGUF
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def from_c(cls, info: libclover.clover_model_info) -> "ModelInfo":
@@ -77,7 +80,8 @@ class ModelInfo:
                    int(info.conv_right_kernel), tuple(int(x) for x in info.calibrated_block_sizes[:n]),
                    tuple(float(x) for x in info.calibrated_thresholds[:n]), int(info.n_vocab),
                    int(info.n_ctx_train), float(info.coreset_top_p), int(info.history_rows),
-                   bool(info.has_block_diffusion))
+                   bool(info.has_block_diffusion), float(info.repeat_penalty), float(info.presence_penalty),
+                   float(info.frequency_penalty))
 
     def threshold_for(self, block_size: int) -> float:
         """The threshold a call without one uses (spec 4.3), as the engine resolves it (clover_model_info_threshold):
@@ -193,10 +197,21 @@ class Stats(RunStats):
              if self.mode == "auto" else {})
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log P (spec 4's P, after bias, penalties and grammar; diffusion: the confidence
+    distribution it was filled from) and its most likely alternatives, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass
 class Result:
     tokens: list[int]
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None  # with GenParams.logprobs, one per token
 
 
 class _Call:
@@ -233,6 +248,7 @@ class _Call:
         self._banned, n_banned = libclover.token_array(list(params.banned_ids) or None)
         p.banned_ids = ctypes.cast(self._banned, libclover.llama_token_p) if self._banned is not None else None
         p.n_banned_ids = n_banned
+        self._set_distribution(p, params)
         self.stats = libclover.clover_stats()
         self.user_on_step = on_step
         self.user_on_tokens = on_tokens
@@ -240,6 +256,40 @@ class _Call:
         self.cancel = threading.Event()
         self.tokens_cb = libclover.clover_tokens_cb(self._tokens)
         self.step_cb = libclover.clover_step_cb(self._step) if on_step is not None else libclover.clover_step_cb()
+
+    def _set_distribution(self, p: Any, params: GenParams) -> None:
+        """The distribution stage's fields (spec 4); the arrays and callback are kept alive on self."""
+        nan = float("nan")
+        self._bias_ids, n_bias = libclover.token_array([t for t, _ in params.logit_bias] or None)
+        self._bias_values = (ctypes.c_float * max(1, n_bias))(*[b for _, b in params.logit_bias])
+        p.bias_ids = ctypes.cast(self._bias_ids, libclover.llama_token_p) if self._bias_ids is not None else None
+        p.bias_values = ctypes.cast(self._bias_values, ctypes.POINTER(ctypes.c_float))
+        p.n_bias = n_bias
+        p.repeat_penalty = nan if params.repeat_penalty is None else float(params.repeat_penalty)
+        p.presence_penalty = nan if params.presence_penalty is None else float(params.presence_penalty)
+        p.frequency_penalty = nan if params.frequency_penalty is None else float(params.frequency_penalty)
+        self._grammar = params.grammar.encode() if params.grammar else None
+        p.grammar = self._grammar
+        self._after, n_after = libclover.token_array(list(params.grammar_after_ids) or None)
+        p.grammar_after_ids = ctypes.cast(self._after, libclover.llama_token_p) if self._after is not None else None
+        p.n_grammar_after_ids = n_after
+        self.logprobs: list[TokenLogprob] | None = None
+        self.on_logprobs: Callable[[TokenLogprob], Any] | None = None
+        p.n_logprobs = -1 if params.logprobs is None else int(params.logprobs)
+        if params.logprobs is not None:
+            self.logprobs = []
+            self.logprobs_cb = libclover.clover_logprobs_cb(self._logprob)
+            p.on_logprobs = self.logprobs_cb
+
+    def _logprob(self, token: int, logprob: float, ids: Any, lps: Any, n: int, _user: Any) -> bool:
+        try:
+            entry = TokenLogprob(int(token), float(logprob), tuple((int(ids[i]), float(lps[i])) for i in range(n)))
+            assert self.logprobs is not None
+            self.logprobs.append(entry)
+            return self.on_logprobs is None or self.on_logprobs(entry) is not False
+        except BaseException as exc:
+            self.error = exc
+            return False
 
     def set_on_step(self, on_step: Callable[[list[int]], Any]) -> None:
         """Ask for the LowConfidence canvases (before the call runs)."""
@@ -666,9 +716,10 @@ class Model(loader.NativeHandle):
 
     def run(self, prompt: str | Sequence[int], params: GenParams | None = None, *,
             on_step: Callable[[list[int]], Any] | None = None, on_tokens: Callable[[list[int]], Any] | None = None,
-            **fields: Any) -> Result:
+            on_logprobs: Callable[[TokenLogprob], Any] | None = None, **fields: Any) -> Result:
         """Synchronous ``generate``: runs in the calling thread and returns all tokens and the stats.
-        ``on_tokens(block)`` / ``on_step(canvas)`` returning False cancels."""
+        ``on_tokens(block)`` / ``on_step(canvas)`` returning False cancels. With ``logprobs``, ``on_logprobs``
+        gets each token's ``TokenLogprob`` before ``on_tokens`` gets the token."""
         self.close_active()
         tokens: list[int] = []
 
@@ -677,10 +728,18 @@ class Model(loader.NativeHandle):
             return True if on_tokens is None else on_tokens(block) is not False
 
         call = _Call(self, self._prompt_ids(prompt), merge(params, fields), push, on_step)
+        call.on_logprobs = on_logprobs
         with self._lock:
             rc, wall = call.run()
         call.raise_for(rc)
-        return Result(tokens, call.result_stats(wall))
+        return Result(tokens, call.result_stats(wall), call.logprobs)
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raise ``BadInput`` unless the GBNF grammar parses against this vocabulary and allows some token at
+        its start (what a constrained call would refuse, found before it runs)."""
+        err = ctypes.create_string_buffer(2048)
+        if libclover.lib().clover_engine_check_grammar(self._engine(), grammar.encode(), None, err, len(err)) != 0:
+            raise BadInput(err.value.decode(errors="replace"))
 
     def close_active(self) -> None:
         if getattr(self, "_active", None) is not None:

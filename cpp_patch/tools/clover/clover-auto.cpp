@@ -163,11 +163,14 @@ bool clover_block_draft(clover_run & run, int32_t width, const std::vector<llama
         drafts[j] = prefix[j];
         conf[j]   = prefix_rate.q(j + 1);
     }
+    clover_window_counts counts(run, canvas);  // the prefix counts for the penalties of the targets after it
     for (int32_t j = k; j < width; ++j) {
-        const float * logits = clover_get_row(slot, j);
+        float * logits = clover_get_row(slot, j);
         if (!logits) {
             return false;
         }
+        counts.advance(j);
+        clover_dist_apply(run, logits, false);  // drafts skip the grammar: verification enforces it
         drafts[j] = clover_argmax(run.smp, logits, slot->n_vocab);
         conf[j]   = clover_prob(run.smp, logits, slot->n_vocab, drafts[j], logits[drafts[j]]);
     }

@@ -135,8 +135,8 @@ bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, c
 }
 
 // float32 logits of batch row i (NULL with last_error set when llama.cpp has none)
-const float * clover_get_row(clover_slot * slot, int32_t i) {
-    const float * logits = nullptr;
+float * clover_get_row(clover_slot * slot, int32_t i) {
+    float * logits = nullptr;
     if (!slot->shared) {
         logits = llama_get_logits_ith(slot->ctx, i);
     } else if (i >= 0 && i < (int32_t) slot->row_of.size() && slot->row_of[i] >= 0) {
@@ -152,14 +152,31 @@ const float * clover_get_row(clover_slot * slot, int32_t i) {
 // one generate call
 //
 
+// the logprobs of the n tokens being emitted (recorded in order as they were produced), to on_logprobs
+static bool clover_emit_logprobs(clover_run & run, int32_t n) {
+    auto & lps = run.dist.logprobs;
+    bool go_on = true;
+    if (run.params->on_logprobs && n > 0) {
+        clover_callback_scope unlocked(run.slot);
+        for (int32_t i = 0; i < n && i < (int32_t) lps.size() && go_on; ++i) {
+            const clover_logprob & lp = lps[i];
+            go_on = run.params->on_logprobs(lp.token, lp.logprob, lp.top_ids.data(), lp.top_logprobs.data(),
+                                            (int32_t) lp.top_ids.size(), run.user_data);
+        }
+    }
+    lps.clear();
+    return go_on;
+}
+
 static bool clover_emit(clover_run & run, const llama_token * tokens, int32_t n) {
     if (n <= 0) {
+        run.dist.logprobs.clear();
         return true;
     }
     run.n_out += n;
     run.stats->n_generated = run.n_out;
-    bool go_on = true;
-    if (run.on_tokens) {
+    bool go_on = clover_emit_logprobs(run, n);
+    if (go_on && run.on_tokens) {
         clover_callback_scope unlocked(run.slot);
         go_on = run.on_tokens(tokens, n, run.user_data);
     }
@@ -229,20 +246,37 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
     if (!clover_timed_block(run, window, masked)) {
         return false;
     }
-    std::vector<clover_choice> choices;
+    std::vector<clover_choice>  choices;
+    std::vector<clover_logprob> logprobs;
     choices.reserve(masked.size());
-    for (int32_t j : masked) {
-        const float * logits = clover_get_row(slot, j);
-        if (!logits) {
-            return false;
+    {
+        clover_window_counts counts(run, canvas);
+        for (int32_t j : masked) {
+            float * logits = clover_get_row(slot, j);
+            if (!logits) {
+                return false;
+            }
+            counts.advance(j);
+            clover_dist_apply(run, logits, false);
+            choices.push_back(clover_choose(slot, run.smp, logits));
+            if (run.dist.n_logprobs >= 0) {
+                logprobs.push_back(clover_dist_logprob(run, logits, choices.back().token));
+            }
         }
-        choices.push_back(clover_choose(slot, run.smp, logits));
     }
     const float threshold = run.threshold;
+    auto fill = [&](size_t i) {
+        canvas[masked[i]] = choices[i].token;
+        if (!logprobs.empty()) {
+            auto & wl = run.dist.window_logprobs;
+            wl.resize(std::max(wl.size(), canvas.size()));
+            wl[masked[i]] = std::move(logprobs[i]);
+        }
+    };
     bool any = false;
     for (size_t i = 0; i < masked.size(); ++i) {
         if (choices[i].conf > threshold) {
-            canvas[masked[i]] = choices[i].token;
+            fill(i);
             any = true;
         }
     }
@@ -253,7 +287,7 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
                 best = i;
             }
         }
-        canvas[masked[best]] = choices[best].token;
+        fill(best);
     }
     if (run.on_step) {
         std::vector<llama_token> view(canvas.size());
@@ -346,15 +380,20 @@ bool clover_run_diffusion(clover_run & run) {
             return false;
         }
         slot->pending = canvas[limit - 1];
-        if (eog_at == limit) {
-            if (!clover_emit(run, canvas.data(), limit - 1)) {
-                return false;
+        const int32_t n_emit = eog_at == limit ? limit - 1 : limit;
+        for (int32_t j = 0; j < n_emit; ++j) {
+            clover_dist_produce(run, canvas[j]);
+            if (j < (int32_t) run.dist.window_logprobs.size()) {
+                run.dist.logprobs.push_back(std::move(run.dist.window_logprobs[j]));
             }
+        }
+        run.dist.window_logprobs.clear();
+        if (!clover_emit(run, canvas.data(), n_emit)) {
+            return false;
+        }
+        if (eog_at == limit) {
             run.stats->stop_reason = CLOVER_STOP_EOG;
             return true;
-        }
-        if (!clover_emit(run, canvas.data(), limit)) {
-            return false;
         }
     }
     run.stats->stop_reason = CLOVER_STOP_LENGTH;
@@ -365,6 +404,7 @@ bool clover_run_diffusion(clover_run & run) {
 static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_token> & canvas) {
     clover_slot * slot = run.slot;
     canvas.assign(width, CLOVER_EMPTY);
+    run.dist.window_logprobs.clear();  // draft steps fill it; verification reports the logprobs
     for (int32_t s = 0; s < run.params->draft_steps; ++s) {
         if (std::find(canvas.begin(), canvas.end(), CLOVER_EMPTY) == canvas.end()) {
             break;
@@ -387,11 +427,15 @@ static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_toke
     if (!clover_timed_block(run, window, masked)) {
         return false;
     }
+    std::vector<llama_token> known(canvas);  // the targets known at the start of this pass (spec 4, penalties)
+    clover_window_counts counts(run, known);
     for (int32_t j : masked) {
-        const float * logits = clover_get_row(slot, j);
+        float * logits = clover_get_row(slot, j);
         if (!logits) {
             return false;
         }
+        counts.advance(j);
+        clover_dist_apply(run, logits, false);  // drafts skip the grammar: verification enforces it
         canvas[j] = clover_argmax(run.smp, logits, slot->n_vocab);
     }
     return true;
@@ -421,12 +465,18 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
     std::vector<llama_token> out;
     llama_token next_pending = slot->pending;
     for (int32_t j = 1; j <= width; ++j) {
-        const float * logits = clover_get_row(slot, j - 1);
+        float * logits = clover_get_row(slot, j - 1);
         if (!logits) {
             return false;
         }
         bool accepted = false;
         const llama_token token = clover_accept(run, logits, j <= n_drafts ? drafts[j - 1] : -1, accepted);
+        if (token < 0) {
+            return false;
+        }
+        if (run.dist.n_logprobs >= 0) {
+            run.dist.logprobs.push_back(clover_dist_logprob(run, logits, token));
+        }
         round.m           = j;
         round.n_accepted += accepted ? 1 : 0;
         next_pending         = token;
@@ -435,6 +485,7 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
             break;
         }
         out.push_back(token);
+        clover_dist_produce(run, token);  // the next target's penalties and grammar state count it (spec 4)
         if (!accepted || j == width || (int32_t) out.size() == run.remaining()) {
             break;
         }

@@ -448,6 +448,32 @@ static bool clover_read_sidecar(const gguf_context * trunk, const char * path, c
     return true;
 }
 
+// The default penalties (spec 4): general.sampling.penalty_repeat (what llama.cpp's converter writes from
+// generation_config.json), ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty; an absent key is off.
+static bool clover_read_penalties(const gguf_context * gctx, const char * path, const std::string & arch,
+                                  clover_model_info & info, std::string & err) {
+    struct key_value { std::string key; float * out; bool positive; };
+    info.repeat_penalty    = 1.0f;
+    info.presence_penalty  = 0.0f;
+    info.frequency_penalty = 0.0f;
+    const key_value keys[] = {
+        { "general.sampling.penalty_repeat",     &info.repeat_penalty,    true  },
+        { arch + ".sampling.presence_penalty",  &info.presence_penalty,  false },
+        { arch + ".sampling.frequency_penalty", &info.frequency_penalty, false },
+    };
+    for (const auto & kv : keys) {
+        if (gguf_find_key(gctx, kv.key.c_str()) < 0) {
+            continue;
+        }
+        if (!clover_gguf_float(gctx, kv.key.c_str(), *kv.out) || !std::isfinite(*kv.out) ||
+            (kv.positive && !(*kv.out > 0.0f))) {
+            err = clover_format("'%s': %s must be a finite float%s", path, kv.key.c_str(), kv.positive ? " > 0" : "");
+            return false;
+        }
+    }
+    return true;
+}
+
 bool clover_read_info(const char * path, const char * bd_path, clover_model_info & info, std::string & err) {
     info = {};
     if (!path) {
@@ -465,7 +491,7 @@ bool clover_read_info(const char * path, const char * bd_path, clover_model_info
     info.coreset_top_p = 1.0f;
     info.history_rows  = 32;
     info.mask_token_id = -1;
-    if (!clover_read_bd_keys(gctx.get(), path, arch, info, err)) {
+    if (!clover_read_bd_keys(gctx.get(), path, arch, info, err) || !clover_read_penalties(gctx.get(), path, arch, info, err)) {
         return false;
     }
     {

@@ -182,11 +182,46 @@ struct clover_sampler {
     }
 };
 
+// One emitted token's log P and its top alternatives (clover_gen_params.n_logprobs), held until the token is emitted
+struct clover_logprob {
+    llama_token              token;
+    float                    logprob;
+    std::vector<llama_token> top_ids;
+    std::vector<float>       top_logprobs;
+};
+
+// The distribution stage's request state (spec 4): logit_bias, the penalties over the response's tokens so far,
+// and the grammar with its state after them (clover-sampling.cpp)
+struct clover_dist {
+    std::vector<std::pair<llama_token, float>> bias;
+    float repeat    = 1.0f;
+    float presence  = 0.0f;
+    float frequency = 0.0f;
+
+    std::vector<int32_t>     counts;   // n_vocab: each token's count in the response (kept when a penalty is on)
+    std::vector<uint8_t>     listed;   // n_vocab: already in `seen`
+    std::vector<llama_token> seen;     // the ids that were ever counted (the ones a penalty may touch)
+
+    std::string              grammar;       // GBNF, empty = none
+    std::string              grammar_root;
+    std::vector<uint8_t>     grammar_after; // n_vocab, or empty: the grammar starts after one of these tokens
+    llama_sampler_ptr        grammar_state; // NULL until the grammar applies
+    std::vector<llama_token_data> cur;      // scratch: the vocabulary for the grammar's mask
+
+    int32_t                     n_logprobs = -1;
+    std::vector<clover_logprob> logprobs;         // of the tokens produced and not yet emitted, in order
+    std::vector<clover_logprob> window_logprobs;  // diffusion: of each window target, from the step that filled it
+
+    bool penalized() const { return repeat != 1.0f || presence != 0.0f || frequency != 0.0f; }
+    bool constrained() const { return grammar_state != nullptr; }
+};
+
 // one generate call
 struct clover_run {
     clover_slot             * slot;
     const clover_gen_params * params;
     clover_sampler          smp;
+    clover_dist             dist;
     int32_t                 block_size;
     float                   threshold;
     int32_t                 budget;
@@ -202,6 +237,38 @@ struct clover_run {
 };
 
 inline constexpr llama_token CLOVER_EMPTY = -1;  // an unfilled canvas target
+
+void clover_dist_count(clover_run & run, llama_token token, int32_t delta);
+
+// The penalties inside a window (spec 4): for a target, the window's targets known at the start of the step, at
+// earlier positions, count as well. advance(j) counts the known targets before j (call it with rising j); the
+// counts are taken back when this goes out of scope.
+class clover_window_counts {
+  public:
+    clover_window_counts(clover_run & run, const std::vector<llama_token> & canvas) : run(run), canvas(canvas) {}
+    ~clover_window_counts() {
+        for (const llama_token t : added) {
+            clover_dist_count(run, t, -1);
+        }
+    }
+    clover_window_counts(const clover_window_counts &) = delete;
+    clover_window_counts & operator=(const clover_window_counts &) = delete;
+
+    void advance(int32_t j) {
+        for (; next < j; ++next) {
+            if (canvas[next] != CLOVER_EMPTY) {
+                clover_dist_count(run, canvas[next], 1);
+                added.push_back(canvas[next]);
+            }
+        }
+    }
+
+  private:
+    clover_run                     & run;
+    const std::vector<llama_token> & canvas;
+    int32_t                          next = 0;
+    std::vector<llama_token>         added;
+};
 
 // what one verification round did (clover_verify)
 struct clover_round {
@@ -228,7 +295,8 @@ void clover_batch_add(llama_batch & batch, llama_token token, llama_pos pos, lla
 bool clover_causal(clover_slot * slot, const llama_token * tokens, int32_t n, const std::vector<int32_t> & rows,
                    const char * what);
 bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
-const float * clover_get_row(clover_slot * slot, int32_t i);
+// the logits of output row i (the distribution stage adjusts them in place)
+float * clover_get_row(clover_slot * slot, int32_t i);
 
 // the decoding loops of one generate call (clover-decode.cpp)
 bool    clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
@@ -243,8 +311,30 @@ llama_token   clover_argmax(const clover_sampler & smp, const float * logits, in
 float         clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v);
 // the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
 clover_choice clover_choose(const clover_slot * slot, clover_sampler & smp, const float * logits);
-// the token of one verified target and whether its draft was accepted (draft < 0: none)
-llama_token   clover_accept(clover_run & run, const float * logits, llama_token draft, bool & accepted);
+// the token of one verified target and whether its draft was accepted (draft < 0: none), after the distribution
+// stage (which it applies to logits); -1 when nothing is allowed
+llama_token   clover_accept(clover_run & run, float * logits, llama_token draft, bool & accepted);
+// a GBNF grammar parses against the vocabulary and allows some token at its start (NULL or "" root = "root");
+// 0, or -1 with a message
+int32_t       clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root, std::string & err);
+// The distribution stage (spec 4): adds the bias, applies the penalties and, with full_grammar, sets what the
+// grammar forbids to -inf, in place on one target's logits. Without full_grammar the grammar is left to
+// clover_dist_argmax, which checks only the winner (llama.cpp's common_sampler does the same).
+void          clover_dist_apply(clover_run & run, float * logits, bool full_grammar);
+// argmax P of adjusted logits under the grammar; -1 when the grammar allows no token (slot->last_error says so)
+llama_token   clover_dist_argmax(clover_run & run, float * logits);
+// whether logits need the grammar's full mask (sampling or logprobs) rather than clover_dist_argmax's check
+bool          clover_dist_needs_mask(const clover_run & run);
+// a produced response token, in order: the penalties count it and the grammar advances over it
+void          clover_dist_produce(clover_run & run, llama_token token);
+// count (+1) or uncount (-1) a token for the penalties only (a window's known targets, spec 4)
+void          clover_dist_count(clover_run & run, llama_token token, int32_t delta);
+// log P of token, and the top alternatives, of adjusted logits (the excluded ids and -inf ones have none)
+clover_logprob clover_dist_logprob(const clover_run & run, const float * logits, llama_token token);
+// bias, penalties (the call's, else the GGUF's), grammar and logprobs of a call; false with a message
+bool          clover_init_dist(const clover_slot * slot, const clover_gen_params * params, clover_dist & dist,
+                               std::string & err);
+
 // banned and stop ids, temperature, top-k/p and the seeded RNG
 bool          clover_init_sampler(const clover_slot * slot, const clover_gen_params * params, clover_sampler & smp,
                                   std::string & err);

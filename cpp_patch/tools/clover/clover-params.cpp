@@ -109,7 +109,8 @@ bool clover_run_init(clover_slot * slot, const clover_gen_params * params, clove
     float coreset_top_p = slot->info.coreset_top_p;
     if (!clover_resolve_params(slot, params, run.block_size, run.threshold, err) ||
         !clover_check_params(slot, params, prompt, n_prompt, err) ||
-        !clover_check_block_params(slot, params, coreset_top_p, err) || !clover_init_sampler(slot, params, run.smp, err)) {
+        !clover_check_block_params(slot, params, coreset_top_p, err) || !clover_init_sampler(slot, params, run.smp, err) ||
+        !clover_init_dist(slot, params, run.dist, err)) {
         return false;
     }
     slot->coreset_top_p = coreset_top_p;
@@ -192,7 +193,12 @@ bool clover_dispatch(clover_run & run) {
         run.stats->stop_reason = CLOVER_STOP_LENGTH;
         return true;
     }
-    switch (run.params->mode) {
+    // A constrained diffusion call runs as auto (docs/decoding.md, "Constrained decoding"): LowConfidence fills
+    // targets out of order, where a grammar can only judge a token after the ones before it; auto's verification
+    // keeps the output grammatical and equal to ar's.
+    const bool constrained = run.params->grammar && run.params->grammar[0];
+    const int32_t mode = run.params->mode == CLOVER_MODE_DIFFUSION && constrained ? CLOVER_MODE_AUTO : run.params->mode;
+    switch (mode) {
         case CLOVER_MODE_AR:        return clover_run_ar(run);
         case CLOVER_MODE_DIFFUSION: return clover_run_diffusion(run);
         case CLOVER_MODE_SPEC:      return clover_run_spec(run);

@@ -1,14 +1,18 @@
 // Distributions and the sampler of the Clover engine (shared/clover-spec.md section 4, "Distributions and
-// confidence"): P at temperature 1 with the mask token and banned ids excluded, Q after temperature, top-k and top-p,
-// draws from Q, and the acceptance of a draft token in a verification (spec 4.2).
+// confidence"): the distribution stage (logit_bias, penalties, grammar), P at temperature 1 with the mask token and
+// banned ids excluded, Q after temperature, top-k and top-p, draws from Q, the acceptance of a draft token in a
+// verification (spec 4.2), and logprobs.
 
 #include "clover-impl.h"
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 llama_token clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab) {
@@ -142,14 +146,17 @@ clover_choice clover_choose(const clover_slot * slot, clover_sampler & smp, cons
     return { token, clover_prob(smp, logits, n_vocab, token, max_v) };
 }
 
-// The token of one verified target and whether its draft was accepted (draft < 0: none). Greedy: argmax P,
-// accepted when it equals the draft; sampling: the draft with probability Q(d), else a draw from Q without d.
-llama_token clover_accept(clover_run & run, const float * logits, llama_token draft, bool & accepted) {
+// The token of one verified target and whether its draft was accepted (draft < 0: none), on logits after the
+// distribution stage. Greedy: argmax P, accepted when it equals the draft; sampling: the draft with probability Q(d),
+// else a draw from Q without d. -1 when nothing is allowed (slot->last_error).
+llama_token clover_accept(clover_run & run, float * logits, llama_token draft, bool & accepted) {
     const int32_t n_vocab = run.slot->n_vocab;
-    if (run.smp.greedy()) {
-        const llama_token token = clover_argmax(run.smp, logits, n_vocab);
-        accepted = draft >= 0 && token == draft;
-        return token;
+    accepted = false;
+    clover_dist_apply(run, logits, clover_dist_needs_mask(run));
+    const llama_token best = clover_dist_argmax(run, logits);
+    if (best < 0 || run.smp.greedy()) {
+        accepted = best >= 0 && best == draft;
+        return best;
     }
     clover_sampling_dist(run.smp, logits, n_vocab);
     accepted = draft >= 0 && run.smp.uniform() < run.smp.probs[draft];
@@ -162,6 +169,300 @@ llama_token clover_accept(clover_run & run, const float * logits, llama_token dr
     return clover_draw(run.smp, run.smp.probs);
 }
 
+//
+// the distribution stage (spec 4): logit_bias, penalties, grammar
+//
+
+// the grammar's full mask: what it forbids after the response so far goes to -inf. Only the candidates that can
+// still win are checked: the excluded ids and -inf logits stay out of the grammar's work.
+static void clover_grammar_mask(clover_run & run, float * logits) {
+    clover_dist & d = run.dist;
+    d.cur.clear();
+    for (int32_t i = 0; i < run.slot->n_vocab; ++i) {
+        if (!run.smp.excluded[i] && logits[i] != -std::numeric_limits<float>::infinity()) {
+            d.cur.push_back({ i, logits[i], 0.0f });
+        }
+    }
+    llama_token_data_array arr = { d.cur.data(), d.cur.size(), -1, false };
+    llama_sampler_apply(d.grammar_state.get(), &arr);
+    for (size_t k = 0; k < arr.size; ++k) {
+        logits[arr.data[k].id] = arr.data[k].logit;
+    }
+}
+
+void clover_dist_apply(clover_run & run, float * logits, bool full_grammar) {
+    clover_dist & d = run.dist;
+    for (const auto & [id, bias] : d.bias) {
+        logits[id] += bias;
+    }
+    if (d.penalized()) {
+        // llama.cpp's rule (llama_sampler_penalties): the repetition divides a positive logit and multiplies a
+        // negative one; then the frequency and presence terms. Only this response's tokens count (spec 4).
+        for (const llama_token t : d.seen) {
+            const int32_t n = d.counts[t];
+            if (n <= 0) {
+                continue;
+            }
+            float & l = logits[t];
+            l = l > 0.0f ? l / d.repeat : l * d.repeat;
+            l -= (float) n * d.frequency + d.presence;
+        }
+    }
+    if (full_grammar && d.constrained()) {
+        clover_grammar_mask(run, logits);
+    }
+}
+
+bool clover_dist_needs_mask(const clover_run & run) {
+    return run.dist.constrained() && (!run.smp.greedy() || run.dist.n_logprobs >= 0);
+}
+
+// whether the grammar allows the token next (one candidate: cheap)
+static bool clover_grammar_allows(clover_run & run, llama_token token, float logit) {
+    llama_token_data one = { token, logit, 0.0f };
+    llama_token_data_array arr = { &one, 1, -1, false };
+    llama_sampler_apply(run.dist.grammar_state.get(), &arr);
+    return one.logit != -std::numeric_limits<float>::infinity();
+}
+
+llama_token clover_dist_argmax(clover_run & run, float * logits) {
+    const int32_t n_vocab = run.slot->n_vocab;
+    llama_token best = clover_argmax(run.smp, logits, n_vocab);
+    if (run.dist.constrained() && !clover_dist_needs_mask(run) && !clover_grammar_allows(run, best, logits[best])) {
+        clover_grammar_mask(run, logits);  // the winner is forbidden: the next best the grammar allows
+        best = clover_argmax(run.smp, logits, n_vocab);
+    }
+    if (logits[best] == -std::numeric_limits<float>::infinity()) {
+        run.slot->last_error = run.dist.constrained()
+            ? "the grammar allows no token here (with the banned ids and logit_bias): the response cannot go on"
+            : "logit_bias and the banned ids leave no token to generate";
+        return -1;
+    }
+    return best;
+}
+
+void clover_dist_count(clover_run & run, llama_token token, int32_t delta) {
+    clover_dist & d = run.dist;
+    if (!d.penalized()) {
+        return;
+    }
+    d.counts[token] += delta;
+    if (!d.listed[token]) {
+        d.listed[token] = 1;
+        d.seen.push_back(token);
+    }
+}
+
+void clover_dist_produce(clover_run & run, llama_token token) {
+    clover_dist_count(run, token, 1);
+    clover_dist & d = run.dist;
+    if (d.constrained()) {
+        llama_sampler_accept(d.grammar_state.get(), token);
+    } else if (!d.grammar.empty() && !d.grammar_after.empty() && d.grammar_after[token]) {
+        // checked at the call's start, so it parses
+        d.grammar_state.reset(llama_sampler_init_grammar(llama_model_get_vocab(llama_get_model(run.slot->ctx)),
+                                                         d.grammar.c_str(), d.grammar_root.c_str()));
+    }
+}
+
+clover_logprob clover_dist_logprob(const clover_run & run, const float * logits, llama_token token) {
+    const int32_t n_vocab = run.slot->n_vocab;
+    const float   ninf    = -std::numeric_limits<float>::infinity();
+    auto allowed = [&](int32_t i) { return !run.smp.excluded[i] && logits[i] != ninf; };
+    float max_v = ninf;
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        if (allowed(i)) {
+            max_v = std::max(max_v, logits[i]);
+        }
+    }
+    double sum = 0.0;
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        if (allowed(i)) {
+            sum += std::exp((double) logits[i] - (double) max_v);
+        }
+    }
+    const double log_z = (double) max_v + std::log(sum);
+    clover_logprob out;
+    out.token   = token;
+    out.logprob = allowed(token) ? (float) ((double) logits[token] - log_z) : ninf;
+    const int32_t k = std::max(0, run.dist.n_logprobs);
+    if (k > 0) {
+        std::vector<llama_token> ids;
+        for (int32_t i = 0; i < n_vocab; ++i) {
+            if (allowed(i)) {
+                ids.push_back(i);
+            }
+        }
+        const size_t n_top = std::min<size_t>((size_t) k, ids.size());
+        std::partial_sort(ids.begin(), ids.begin() + n_top, ids.end(), [&](llama_token a, llama_token b) {
+            return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+        });
+        for (size_t i = 0; i < n_top; ++i) {
+            out.top_ids.push_back(ids[i]);
+            out.top_logprobs.push_back((float) ((double) logits[ids[i]] - log_z));
+        }
+    }
+    return out;
+}
+
+// llama.cpp's messages while a grammar is parsed (its parser reports through the log callback), kept for the error
+struct clover_log_capture {
+    ggml_log_callback prev_cb   = nullptr;
+    void            * prev_data = nullptr;
+    std::string       errors;
+
+    static void on_log(ggml_log_level level, const char * text, void * data) {
+        auto * self = (clover_log_capture *) data;
+        if (level == GGML_LOG_LEVEL_ERROR) {
+            self->errors += text;
+        }
+        if (self->prev_cb) {
+            self->prev_cb(level, text, self->prev_data);
+        }
+    }
+};
+
+// A grammar sampler for the vocabulary, or NULL with a message: the parse errors llama.cpp logged, and a grammar
+// that allows no token at its start. The log callback is swapped for the call, under a lock, so that two checks
+// never restore each other's callback.
+static llama_sampler * clover_grammar_init(const llama_vocab * vocab, const std::string & grammar,
+                                           const std::string & root, std::string & err) {
+    static std::mutex mutex;
+    clover_log_capture capture;
+    llama_sampler * smpl = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        llama_log_get(&capture.prev_cb, &capture.prev_data);
+        llama_log_set(clover_log_capture::on_log, &capture);
+        try {
+            smpl = llama_sampler_init_grammar(vocab, grammar.c_str(), root.c_str());
+        } catch (const std::exception & e) {
+            capture.errors += e.what();
+        }
+        llama_log_set(capture.prev_cb, capture.prev_data);
+    }
+    if (!smpl) {
+        std::string why = capture.errors;
+        while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) {
+            why.pop_back();
+        }
+        err = "grammar: llama.cpp's GBNF parser rejected it" + (why.empty() ? std::string() : ": " + why);
+        return nullptr;
+    }
+    return smpl;
+}
+
+// the grammar allows at least one token of the vocabulary (the excluded ids aside) at its start
+static bool clover_grammar_opens(llama_sampler * smpl, int32_t n_vocab, const std::vector<uint8_t> & excluded) {
+    std::vector<llama_token_data> cur;
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        if (excluded.empty() || !excluded[i]) {
+            cur.push_back({ i, 0.0f, 0.0f });
+        }
+    }
+    llama_token_data_array arr = { cur.data(), cur.size(), -1, false };
+    llama_sampler_apply(smpl, &arr);
+    for (const auto & c : cur) {
+        if (c.logit != -std::numeric_limits<float>::infinity()) {
+            return true;
+        }
+    }
+    return false;
+}
+
+int32_t clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root, std::string & err) {
+    const std::string r = root && root[0] ? root : "root";
+    llama_sampler_ptr smpl(clover_grammar_init(vocab, grammar ? grammar : "", r, err));
+    if (!smpl) {
+        return -1;
+    }
+    if (!clover_grammar_opens(smpl.get(), llama_vocab_n_tokens(vocab), {})) {
+        err = "grammar: it allows no token of the vocabulary at its start, so nothing could be generated";
+        return -1;
+    }
+    return 0;
+}
+
+// the call's penalties: its own, or the GGUF's where it gives NaN (spec 4)
+static bool clover_init_penalties(const clover_slot * slot, const clover_gen_params * params, clover_dist & d,
+                                  std::string & err) {
+    d.repeat    = std::isnan(params->repeat_penalty)    ? slot->info.repeat_penalty    : params->repeat_penalty;
+    d.presence  = std::isnan(params->presence_penalty)  ? slot->info.presence_penalty  : params->presence_penalty;
+    d.frequency = std::isnan(params->frequency_penalty) ? slot->info.frequency_penalty : params->frequency_penalty;
+    if (!(d.repeat > 0.0f) || std::isinf(d.repeat)) {
+        err = clover_format("repeat_penalty must be a finite number > 0 (1 = off), got %g", (double) d.repeat);
+    } else if (!std::isfinite(d.presence)) {
+        err = clover_format("presence_penalty must be finite, got %g", (double) d.presence);
+    } else if (!std::isfinite(d.frequency)) {
+        err = clover_format("frequency_penalty must be finite, got %g", (double) d.frequency);
+    }
+    if (d.penalized()) {
+        d.counts.assign(slot->n_vocab, 0);
+        d.listed.assign(slot->n_vocab, 0);
+    }
+    return err.empty();
+}
+
+static bool clover_init_bias(const clover_slot * slot, const clover_gen_params * params, clover_dist & d,
+                             std::string & err) {
+    if (params->n_bias > 0 && (!params->bias_ids || !params->bias_values)) {
+        err = "bias_ids or bias_values is NULL while n_bias > 0";
+        return false;
+    }
+    for (int32_t i = 0; i < params->n_bias; ++i) {
+        const llama_token id = params->bias_ids[i];
+        const float       v  = params->bias_values[i];
+        if (id < 0 || id >= slot->n_vocab) {
+            err = clover_format("logit_bias id %d is outside the vocabulary (%d)", id, slot->n_vocab);
+            return false;
+        }
+        if (std::isnan(v) || v == std::numeric_limits<float>::infinity()) {
+            err = clover_format("logit_bias of token %d must be finite or -inf, got %g", id, (double) v);
+            return false;
+        }
+        d.bias.emplace_back(id, v);
+    }
+    return true;
+}
+
+bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params, clover_dist & d, std::string & err) {
+    if (!clover_init_bias(slot, params, d, err) || !clover_init_penalties(slot, params, d, err)) {
+        return false;
+    }
+    if (params->n_grammar_after_ids > 0 && !params->grammar_after_ids) {
+        err = "grammar_after_ids is NULL while n_grammar_after_ids > 0";
+        return false;
+    }
+    d.n_logprobs = params->n_logprobs;
+    if (!params->grammar || !params->grammar[0]) {
+        return true;
+    }
+    d.grammar      = params->grammar;
+    d.grammar_root = params->grammar_root && params->grammar_root[0] ? params->grammar_root : "root";
+    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(slot->ctx));
+    llama_sampler_ptr smpl(clover_grammar_init(vocab, d.grammar, d.grammar_root, err));
+    if (!smpl) {
+        return false;
+    }
+    if (params->n_grammar_after_ids > 0) {
+        d.grammar_after.assign(slot->n_vocab, 0);
+        for (int32_t i = 0; i < params->n_grammar_after_ids; ++i) {
+            const llama_token id = params->grammar_after_ids[i];
+            if (id < 0 || id >= slot->n_vocab) {
+                err = clover_format("grammar_after id %d is outside the vocabulary (%d)", id, slot->n_vocab);
+                return false;
+            }
+            d.grammar_after[id] = 1;
+        }
+        return true;
+    }
+    if (!clover_grammar_opens(smpl.get(), slot->n_vocab, {})) {
+        err = "grammar: it allows no token of the vocabulary at its start, so nothing could be generated";
+        return false;
+    }
+    d.grammar_state = std::move(smpl);
+    return true;
+}
 // flags[t] = 1 for each of the n ids; an id outside the vocabulary is an error naming `what`
 static bool clover_mark_ids(const clover_slot * slot, const llama_token * ids, int32_t n, const char * what,
                             std::vector<uint8_t> & flags, std::string & err) {

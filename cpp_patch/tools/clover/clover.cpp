@@ -7,9 +7,11 @@
 
 #include "ggml-backend.h"
 #include "llama.h"
+#include "json-schema-to-grammar.h"
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -121,6 +123,18 @@ struct clover_gen_params clover_gen_default_params(void) {
     p.banned_ids   = nullptr;
     p.n_banned_ids = 0;
     p.coreset_top_p = 0.0f;
+    p.bias_ids          = nullptr;
+    p.bias_values       = nullptr;
+    p.n_bias            = 0;
+    p.repeat_penalty    = NAN;  // the GGUF's
+    p.presence_penalty  = NAN;
+    p.frequency_penalty = NAN;
+    p.grammar           = nullptr;
+    p.grammar_root      = nullptr;
+    p.grammar_after_ids   = nullptr;
+    p.n_grammar_after_ids = 0;
+    p.n_logprobs        = -1;
+    p.on_logprobs       = nullptr;
     return p;
 }
 
@@ -240,6 +254,39 @@ int32_t clover_engine_max_block_size(const struct clover_engine * engine) {
 
 int32_t clover_engine_n_threads(const struct clover_engine * engine) {
     return engine ? (int32_t) llama_n_threads(engine->ctx.get()) : 0;
+}
+
+int32_t clover_engine_check_grammar(const struct clover_engine * engine, const char * grammar, const char * root,
+                                    char * err, size_t err_size) {
+    std::string msg;
+    if (!engine || !grammar) {
+        msg = "no engine or no grammar given";
+    } else if (clover_check_grammar(llama_model_get_vocab(engine->model.get()), grammar, root, msg) == 0) {
+        return 0;
+    }
+    clover_set_err(err, err_size, msg);
+    return -1;
+}
+
+int32_t clover_json_schema_to_grammar(const char * schema_json, char * out, size_t out_size, char * err,
+                                      size_t err_size) {
+    std::string msg;
+    try {
+        if (!schema_json) {
+            throw std::invalid_argument("no schema given");
+        }
+        const common_json schema = common_json::parse(schema_json);
+        const std::string grammar = json_schema_to_grammar(schema);
+        if (out && out_size > grammar.size()) {
+            std::copy(grammar.begin(), grammar.end(), out);
+            out[grammar.size()] = '\0';
+        }
+        return (int32_t) grammar.size();
+    } catch (const std::exception & e) {
+        msg = e.what();
+    }
+    clover_set_err(err, err_size, "JSON schema: " + msg);
+    return -1;
 }
 
 //

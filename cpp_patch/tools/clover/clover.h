@@ -101,6 +101,11 @@ struct clover_model_info {
     float   coreset_top_p;            // ARCH.diffusion.coreset_top_p (default 1: no coreset)
     int32_t history_rows;             // ARCH.diffusion.history_rows (default 32)
     int32_t has_block_diffusion;      // 1: the bd_* tensors are present; 0: a trunk-only file (ar and auto only)
+    // the default penalties (spec 4): general.sampling.penalty_repeat (default 1: off),
+    // ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty (default 0)
+    float   repeat_penalty;
+    float   presence_penalty;
+    float   frequency_penalty;
 };
 
 struct clover_engine_params {
@@ -147,6 +152,11 @@ struct clover_device_memory {
     int64_t compute;    // compute buffers
 };
 
+// One emitted token's log P (spec 4's P, after bias, penalties and grammar) and the n_top most likely tokens with
+// theirs, most likely first (ties to the lowest id). Return false to cancel.
+typedef bool (*clover_logprobs_cb)(llama_token token, float logprob, const llama_token * top_ids,
+                                   const float * top_logprobs, int32_t n_top, void * user_data);
+
 struct clover_gen_params {
     int32_t             mode;          // enum clover_mode
     int32_t             block_size;    // 0 = ARCH.block_size
@@ -163,6 +173,25 @@ struct clover_gen_params {
     const llama_token * banned_ids;    // never produced (the mask token is always banned)
     int32_t             n_banned_ids;
     float               coreset_top_p; // block passes' coreset top_p (spec 3.3) in (0, 1]; <= 0 = the GGUF's value
+
+    // The distribution stage (spec 4, "Distributions and confidence"): after the logits come logit_bias, the
+    // penalties, the grammar mask, then the banned ids and the mask token. All modes share it.
+    const llama_token * bias_ids;          // logit_bias: bias_values[i] is added to the logit of bias_ids[i]
+    const float       * bias_values;       // finite; -inf is allowed and bans the token
+    int32_t             n_bias;
+    float               repeat_penalty;    // > 0, 1 = off; NaN = the GGUF's (clover_model_info.repeat_penalty)
+    float               presence_penalty;  // finite, 0 = off; NaN = the GGUF's
+    float               frequency_penalty; // finite, 0 = off; NaN = the GGUF's
+    const char        * grammar;           // GBNF (llama.cpp's grammars/README.md) the response must match; NULL or
+                                           // "" = none. ar, auto and spec verify against it (lossless); diffusion
+                                           // with a grammar runs as auto (docs/decoding.md, "Constrained decoding").
+    const char        * grammar_root;      // its start symbol; NULL or "" = "root"
+    const llama_token * grammar_after_ids; // the grammar applies from the token after the first of these the response
+                                           // holds (thinking: "</think>"); n = 0: from the first token
+    int32_t             n_grammar_after_ids;
+    int32_t             n_logprobs;        // < 0: none; k >= 0: on_logprobs gets each emitted token's log P and the k
+                                           // most likely tokens (diffusion: the confidence distribution it filled from)
+    clover_logprobs_cb  on_logprobs;       // called with generate's user_data, before on_tokens delivers the tokens
 };
 
 struct clover_stats {
@@ -281,6 +310,18 @@ CLOVER_API int32_t clover_engine_n_ctx(const struct clover_engine * engine);
 CLOVER_API int32_t clover_engine_max_block_size(const struct clover_engine * engine);
 // The threads the engine's context decodes with (the resolved n_threads).
 CLOVER_API int32_t clover_engine_n_threads(const struct clover_engine * engine);
+
+// Constrained decoding (clover_gen_params.grammar). Check a GBNF grammar against the engine's vocabulary: it parses
+// (llama.cpp's parser: no undefined rule, no left recursion, the root symbol present; root NULL or "" = "root") and
+// allows some token at its start. Returns 0, or -1 with a message in err.
+CLOVER_API int32_t clover_engine_check_grammar(const struct clover_engine * engine, const char * grammar,
+                                               const char * root, char * err, size_t err_size);
+// A JSON schema (JSON text) as GBNF, converted as llama-server converts response_format and json_schema
+// (common/json-schema-to-grammar). Returns the grammar's length and writes it, NUL-terminated, when out_size is
+// larger (call with out_size 0 to size the buffer), or -1 with a message in err: text that is not JSON, or a schema
+// the converter cannot express (it names the part).
+CLOVER_API int32_t clover_json_schema_to_grammar(const char * schema_json, char * out, size_t out_size,
+                                                 char * err, size_t err_size);
 
 //
 // a slot: one history on the engine's context

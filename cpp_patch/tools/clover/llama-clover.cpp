@@ -20,6 +20,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -47,6 +49,10 @@ static void clover_cli_usage(const char * argv0) {
         "  -fitt, --fit-target MiB    memory each GPU keeps free; a plan that does not fit is refused (-1: off)\n"
         "  --stop ID[,ID..]           end-of-generation ids (default: the vocab's EOG set; 'none' = no stop ids)\n"
         "  --ban ID[,ID..]            ids never produced (the mask token is always banned)\n"
+        "  --repeat-penalty R, --presence-penalty P, --frequency-penalty F   penalties over the response's tokens\n"
+        "                             (spec 4; default: the GGUF's, else 1, 0, 0 = off)\n"
+        "  --grammar GBNF, --grammar-file FILE   constrain the response (llama.cpp's GBNF)\n"
+        "  -j, --json-schema SCHEMA   constrain the response to JSON matching the schema\n"
         "  --json                     print text, prompt ids, token ids and stats as one JSON object\n"
         "                             (the schema of docs/generate-output.schema.json)\n"
         "  -v, --verbose              show llama.cpp's log\n", argv0);
@@ -77,7 +83,9 @@ static float clover_cli_float(const char * flag, const char * s, double lo, doub
     const double v = strtod(s, &end);
     const bool low_ok = lo_open ? v > lo : v >= lo;
     if (end == s || *end != '\0' || errno == ERANGE || !std::isfinite(v) || !low_ok || v > hi) {
-        if (std::isinf(hi)) {
+        if (std::isinf(hi) && std::isinf(lo)) {
+            fprintf(stderr, "error: %s expects a finite number, got '%s'\n", flag, s);
+        } else if (std::isinf(hi)) {
             fprintf(stderr, "error: %s expects a number >= %g, got '%s'\n", flag, lo, s);
         } else {
             fprintf(stderr, "error: %s expects a number in %c%g, %g], got '%s'\n", flag, lo_open ? '(' : '[', lo, hi, s);
@@ -228,6 +236,7 @@ struct clover_cli_args {
 
     std::vector<llama_token> stop_ids;
     std::vector<llama_token> banned_ids;
+    std::string              grammar;
     clover_engine_params eparams = clover_engine_default_params();
     clover_gen_params    gparams = clover_gen_default_params();
     std::string override_tensor;
@@ -278,6 +287,33 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
             a.gparams.draft_steps = (int32_t) clover_cli_int("--draft-steps", next("--draft-steps"), 0, INT_MAX);
         } else if (arg == "--temp" || arg == "--temperature") {
             a.gparams.temperature = clover_cli_float("--temp", next("--temp"), 0.0, INFINITY);
+        } else if (arg == "--repeat-penalty") {
+            a.gparams.repeat_penalty = clover_cli_float("--repeat-penalty", next("--repeat-penalty"), 0.0, INFINITY, true);
+        } else if (arg == "--presence-penalty") {
+            a.gparams.presence_penalty = clover_cli_float("--presence-penalty", next("--presence-penalty"), -INFINITY, INFINITY);
+        } else if (arg == "--frequency-penalty") {
+            a.gparams.frequency_penalty = clover_cli_float("--frequency-penalty", next("--frequency-penalty"), -INFINITY, INFINITY);
+        } else if (arg == "--grammar") {
+            a.grammar = next("--grammar");
+        } else if (arg == "--grammar-file") {
+            const char * path = next("--grammar-file");
+            std::ifstream in(path, std::ios::binary);
+            if (!in) {
+                fprintf(stderr, "error: --grammar-file: cannot read '%s'\n", path);
+                return 2;
+            }
+            a.grammar.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+        } else if (arg == "-j" || arg == "--json-schema") {
+            char err[512];
+            const char * schema = next("--json-schema");
+            const int32_t n = clover_json_schema_to_grammar(schema, nullptr, 0, err, sizeof(err));
+            if (n < 0) {
+                fprintf(stderr, "error: --json-schema: %s\n", err);
+                return 2;
+            }
+            a.grammar.assign((size_t) n + 1, '\0');
+            clover_json_schema_to_grammar(schema, a.grammar.data(), a.grammar.size(), err, sizeof(err));
+            a.grammar.resize((size_t) n);
         } else if (arg == "--top-k") {
             a.gparams.top_k = (int32_t) clover_cli_int("--top-k", next("--top-k"), 0, INT_MAX);
         } else if (arg == "--top-p") {
@@ -344,6 +380,7 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
         clover_cli_usage(argv[0]);
         return 2;
     }
+    a.gparams.grammar    = a.grammar.empty() ? nullptr : a.grammar.c_str();
     a.gparams.stop_ids   = a.stop_ids.data();
     a.gparams.banned_ids = a.banned_ids.data();
     a.eparams.override_tensor = a.override_tensor.empty() ? nullptr : a.override_tensor.c_str();
