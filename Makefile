@@ -6,9 +6,16 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint demo clean native bench
+.PHONY: setup test test-fast lint demo clean native bench browser
 
-setup: $(STAMP) native
+setup: $(STAMP) native browser
+
+# The web chat's browser tests (tests/surfaces/test_webui.py) drive Debian's chromium and chromedriver through
+# selenium (pyproject [test]); installed once when missing, with sudo unless we are root.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; }
 
 # The patched llama.cpp (cpp_patch/) built by scripts/build_native.sh (cache in $$CLOVER_CACHE, ccache when
 # installed; GPU=cuda for CUDA), then llama-cpp-python 0.3.36 installed as pure Python (LLAMA_BUILD=OFF):

@@ -85,9 +85,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
     serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    serve.add_argument("--no-webui", action="store_true",
+                       help="no web chat at / (llama-server's flag; docs/serve.md, \"Web chat\")")
     serve.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
                        help="slots: requests decoded at once, their passes batched (default 1); -c is divided among "
                             "them, as in llama-server (docs/serve.md, \"Slots\")")
+    mon = serve.add_argument_group("monitoring, llama-server's endpoints and flags (docs/serve.md, \"Monitoring\")")
+    mon.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                     help="GET /slots, each slot's state (default: on; --no-slots: a 501)")
+    mon.add_argument("--metrics", action="store_true", help="GET /metrics, Prometheus counters (default: off, a 501)")
+    mon.add_argument("--props", action="store_true", help="accept POST /props (default: off, a 501; there is no "
+                     "property to change yet, as in llama-server)")
     sec = serve.add_argument_group("security (docs/serve.md, \"Security\")")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help="accept requests to /v1 only with 'Authorization: Bearer KEY' "

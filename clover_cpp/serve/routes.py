@@ -1,9 +1,11 @@
 """The HTTP routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (streamed or whole), llama-server's ``POST /tokenize``, ``/detokenize`` and
-``/apply-template``, and every error as an OpenAI error body."""
+``/apply-template``, its ``/props``, ``/slots`` and ``/metrics`` (monitor.py), the web chat at ``/`` (web.py),
+and every error as an OpenAI error body."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..output_parser import Event, TextEvent, collect
 from ..text_stream import TextPipeline
 from .prepare import Prepared
-from . import utility
+from . import monitor
+from . import utility, web
 from .schema import (APIError, ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                      TokenizeRequest, error_body, finish_reason, new_id, now, tool_call_dict, usage)
 from .security import Guard, Security
@@ -117,10 +120,15 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                     code=code)
 
 
-def create_app(svc: CloverService, security: Security | None = None) -> Any:
-    """The FastAPI app behind the Guard middleware (Host check, API keys, body size)."""
+def create_app(svc: CloverService, security: Security | None = None, webui: bool = False) -> Any:
+    """The FastAPI app behind the Guard middleware (Host check, API keys, body size); ``webui``: the web chat at
+    ``/``, whose files load without an API key."""
     app = _routes(svc)
-    return Guard(app, security or Security(), svc.limits.max_body_bytes)
+    security = security or Security()
+    if webui:
+        web.add_routes(app)
+        security = dataclasses.replace(security, open_paths=security.open_paths | web.OPEN_PATHS)
+    return Guard(app, security, svc.limits.max_body_bytes)
 
 
 def _routes(svc: CloverService) -> FastAPI:
@@ -192,4 +200,5 @@ def _routes(svc: CloverService) -> FastAPI:
     async def apply_template(req: ApplyTemplateRequest) -> dict[str, Any]:
         return await svc.run_prepare(lambda: utility.apply_template(svc.prepare, req))
 
+    monitor.add_routes(app, svc)  # llama-server's GET/POST /props, GET /slots, GET /metrics
     return app

@@ -142,6 +142,8 @@ class ChatCompletionRequest(CloverFields):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # clover extension (docs/serve.md, "Web chat"): a streamed answer also carries each LowConfidence step's canvas
+    clover_canvas: bool = False
 
 
 class CompletionRequest(CloverFields):

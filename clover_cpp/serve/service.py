@@ -17,10 +17,12 @@ from ..chat_template import ChatTemplate
 from ..model import Model
 from ..output_parser import Event, OutputParser
 from ..text_stream import TextPipeline
+from .metrics import Meter
+from .monitor import Endpoints
 from .prepare import Defaults, Prepared, Preparer
 from .schema import APIError
 from .security import Limits
-from .worker import EngineWorker, Job
+from .worker import Canvas, EngineWorker, Job
 
 DISCONNECT_POLL_S = 0.25
 T = TypeVar("T")
@@ -34,11 +36,14 @@ class CloverService:
     """The model, its queue and the request preparer behind the routes."""
 
     def __init__(self, model: Model, template: ChatTemplate | None, model_id: str, max_block_size: int,
-                 defaults: Defaults, limits: Limits | None = None) -> None:
+                 defaults: Defaults, limits: Limits | None = None, endpoints: Endpoints | None = None) -> None:
+        """``endpoints``: llama-server's switches for /slots, /metrics and POST /props (monitor.py)."""
         self.model = model
         self.model_id = model_id
         self.limits = limits or Limits()
         self.worker = EngineWorker(model)
+        self.meter = Meter(self.worker)  # counts each finished job (/metrics, /slots)
+        self.endpoints = endpoints or Endpoints()
         prompt_chars = self.limits.max_prompt_chars or 64 * model.n_ctx
         self.prepare = Preparer(model, template, model_id, max_block_size, defaults,
                                 max_messages=self.limits.max_messages, max_prompt_chars=prompt_chars)
@@ -132,10 +137,15 @@ async def _watch_disconnect(job: Job, request: Request) -> bool:
     return False
 
 
-async def event_batches(job: Job, pipeline: TextPipeline, tokens: list[int]) -> AsyncIterator[list[Event]]:
+async def event_batches(job: Job, pipeline: TextPipeline, tokens: list[int]
+                        ) -> AsyncIterator[list[Event] | list[Canvas]]:
     """The pipeline's events for each commit, then its final flush. Appends every generated token to ``tokens``;
-    once the pipeline has stopped (a stop sequence), cancels the job and waits for it."""
+    once the pipeline has stopped (a stop sequence), cancels the job and waits for it. A job submitted with
+    ``canvas=True`` also gives its step canvases, each alone in a batch, outside the pipeline."""
     while (chunk := await job.next_chunk()) is not None:
+        if isinstance(chunk, Canvas):
+            yield [chunk]
+            continue
         tokens += chunk
         yield pipeline.feed(chunk)
         if pipeline.stopped:

@@ -12,6 +12,7 @@ from clover_common.errors import BadInput
 from .. import options
 from ..chat_template import load_template
 from ..model import EngineError
+from .monitor import Endpoints
 from .prepare import Defaults
 from .routes import create_app
 from .security import Limits, Security, loopback_hosts
@@ -48,7 +49,8 @@ def run_serve(args: argparse.Namespace) -> int:
         limits = Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
                         max_prompt_chars=args.max_prompt_chars, max_queue=args.max_queue,
                         template_timeout_s=args.template_timeout)
-        svc = CloverService(model, template, model_id, max_block, defaults, limits)
+        endpoints = Endpoints(slots=args.slots, metrics=args.metrics, props=args.props)
+        svc = CloverService(model, template, model_id, max_block, defaults, limits, endpoints)
         try:  # auto mode's cost table, now that the history is empty: measured by the first auto request
             model.measure_pass_costs()  # instead, it needs free positions a long prompt may not leave (a 500)
         except (ValueError, EngineError) as exc:
@@ -60,13 +62,16 @@ def run_serve(args: argparse.Namespace) -> int:
         shown = f"[{host}]" if ":" in host else host
         print(f"clover-cpp serve: {model_id} (n_ctx {model.n_ctx}, B {model.info.block_size}, mode {args.mode}) "
               f"listening on http://{shown}:{port}", file=sys.stderr, flush=True)
+        if not args.no_webui and template is not None:
+            print(f"clover-cpp serve: web chat at http://{shown}:{port}/ (--no-webui turns it off)", file=sys.stderr,
+                  flush=True)
         if template is None:
             print("clover-cpp serve: warning: the model has no chat template; /v1/chat/completions answers 400",
                   file=sys.stderr, flush=True)
         if not args.api_key and security.allowed_hosts is None:
             print(f"clover-cpp serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
                   "port can use the model (docs/serve.md, \"Security\")", file=sys.stderr, flush=True)
-        config = uvicorn.Config(create_app(svc, security), log_level=args.log_level,
+        config = uvicorn.Config(create_app(svc, security, webui=not args.no_webui), log_level=args.log_level,
                                 access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=3)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -14,7 +14,7 @@ from .prepare import Prepared
 from .schema import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, completion_chunk, error_body,
                      finish_reason, new_id, now, tool_call_dict, usage)
 from .service import CloverService, event_batches, raise_job_error
-from .worker import Job
+from .worker import Canvas, Job
 
 
 def _sse(payload: dict[str, Any] | str) -> dict[str, str]:
@@ -36,6 +36,7 @@ class ChatChunks:
     def __init__(self, svc: CloverService, req: ChatCompletionRequest, prep: Prepared) -> None:
         self.cid, self.created, self.model = new_id("chatcmpl"), now(), svc.model_id
         self.req, self.prep, self.n_calls = req, prep, 0
+        self.svc = svc
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, extra: dict[str, Any] | None = None,
               usage_block: dict[str, Any] | None = None) -> dict[str, str]:
@@ -45,10 +46,12 @@ class ChatChunks:
         first = {"prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids else None
         return [self.chunk({"role": "assistant", "content": ""}, extra=first)]
 
-    def events(self, events: list[Event]) -> list[dict[str, str]]:
+    def events(self, events: list[Event] | list[Canvas]) -> list[dict[str, str]]:
         out = []
         for ev in events:
-            if isinstance(ev, ToolCallEvent):
+            if isinstance(ev, Canvas):
+                out.append(self.canvas(ev))
+            elif isinstance(ev, ToolCallEvent):
                 out.append(self.chunk({"tool_calls": [tool_call_dict(ev.call, self.n_calls)]}))
                 self.n_calls += 1
             elif ev.channel == "reasoning":
@@ -56,6 +59,15 @@ class ChatChunks:
             else:
                 out.append(self.chunk({"content": ev.text}))
         return out
+
+    def canvas(self, canvas: Canvas) -> dict[str, str]:
+        """``clover_canvas`` requests only: a chunk with no choices whose ``clover_canvas`` is the block's cells,
+        each token's text (special tokens rendered), or null where the cell is still masked."""
+        mask, model = self.svc.model.info.mask_token_id, self.svc.model
+        cells = [None if t == mask else model.detokenize([t], special=True) for t in canvas.ids]
+        body = chat_chunk(self.cid, self.created, self.model, None)
+        body["clover_canvas"] = cells
+        return _sse(body)
 
     def finish(self, job: Job, pipeline: TextPipeline, tokens: list[int]) -> dict[str, str]:
         extra = {"token_ids": tokens} if self.req.return_token_ids else None
@@ -79,7 +91,7 @@ class CompletionChunks:
     def opening(self) -> list[dict[str, str]]:
         return [self.chunk(self.prep.echo_text)] if self.prep.echo_text else []
 
-    def events(self, events: list[Event]) -> list[dict[str, str]]:
+    def events(self, events: list[Event] | list[Canvas]) -> list[dict[str, str]]:
         return [self.chunk(ev.text) for ev in events if isinstance(ev, TextEvent)]
 
     def finish(self, job: Job, pipeline: TextPipeline, tokens: list[int]) -> dict[str, str]:
@@ -91,10 +103,11 @@ class CompletionChunks:
 
 
 async def _stream(svc: CloverService, prep: Prepared, chat: bool, include_usage: bool,
-                  chunks: ChatChunks | CompletionChunks) -> AsyncIterator[dict[str, str]]:
+                  chunks: ChatChunks | CompletionChunks, canvas: bool = False) -> AsyncIterator[dict[str, str]]:
     """A streamed answer: queued when the stream starts (not before), events as they come, then the finish
-    chunk, the usage chunk when asked for, and [DONE]; an engine error ends the stream with an error body."""
-    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint, prep.cache_prompt)
+    chunk, the usage chunk when asked for, and [DONE]; an engine error ends the stream with an error body.
+    ``canvas``: the step canvases too (``clover_canvas``)."""
+    job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint, prep.cache_prompt, canvas=canvas)
     pipeline = svc.pipeline(prep, chat=chat)
     tokens: list[int] = []
     try:
@@ -118,4 +131,5 @@ async def _stream(svc: CloverService, prep: Prepared, chat: bool, include_usage:
 def streamer(svc: CloverService, req: Any, chat: bool, chunks: Callable[..., ChatChunks | CompletionChunks]
               ) -> Callable[[Prepared], AsyncIterator[dict[str, str]]]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return lambda prep: _stream(svc, prep, chat, include_usage, chunks(svc, req, prep))
+    canvas = bool(getattr(req, "clover_canvas", False))  # a chat request's extension (docs/serve.md, "Web chat")
+    return lambda prep: _stream(svc, prep, chat, include_usage, chunks(svc, req, prep), canvas)

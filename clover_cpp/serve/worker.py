@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from ..gen_params import GenParams
 from ..model import Model, Stats
@@ -28,17 +28,27 @@ from ..model import Model, Stats
 _DONE = object()
 
 
+@dataclasses.dataclass(frozen=True)
+class Canvas:
+    """A LowConfidence step's block canvas (``info.mask_token_id`` where still masked), queued between the committed
+    blocks of a job submitted with ``canvas=True`` (the chat request's ``clover_canvas``, docs/serve.md)."""
+
+    ids: list[int]
+
+
 class Job:
     """A queued or running generation. Await ``next_chunk()`` until it returns None."""
 
     def __init__(self, prompt_ids: list[int], params: GenParams, loop: asyncio.AbstractEventLoop,
-                 checkpoint_hint: int = 0, cache_prompt: bool = True) -> None:
+                 checkpoint_hint: int = 0, cache_prompt: bool = True, canvas: bool = False) -> None:
         """``checkpoint_hint``: where the chat template's generation prompt starts (0 = unknown).
-        ``cache_prompt``: reuse the slot's history prefix (llama-server's request field of that name)."""
+        ``cache_prompt``: reuse the slot's history prefix (llama-server's request field of that name).
+        ``canvas``: queue each LowConfidence step's canvas too (a ``Canvas``, from ``next_chunk``)."""
         self.prompt_ids = prompt_ids
         self.params = params
         self.checkpoint_hint = checkpoint_hint
         self.cache_prompt = cache_prompt
+        self.canvas = canvas
         self.stats: Stats | None = None
         self.cached_tokens = 0  # prompt tokens taken from the engine's history instead of prefilled
         self.generated: list[int] = []
@@ -73,8 +83,12 @@ class Job:
         self._put(list(block))
         return True
 
-    def _on_step(self, _canvas: list[int]) -> bool:
-        return not self._cancel.is_set()
+    def _on_step(self, canvas: list[int]) -> bool:
+        if self._cancel.is_set():
+            return False
+        if self.canvas:
+            self._put(Canvas(list(canvas)))
+        return True
 
     def run(self, model: Model) -> None:
         self.started = True
@@ -94,8 +108,9 @@ class Job:
             self._put(_DONE)
 
     # ---------------------------------------------------------------------- asyncio side
-    async def next_chunk(self) -> list[int] | None:
-        """The next committed tokens (one commit), or None when the job is over (check ``error``)."""
+    async def next_chunk(self) -> list[int] | Canvas | None:
+        """The next committed tokens (one commit), a step's ``Canvas`` (``canvas=True`` only), or None when the
+        job is over (check ``error``)."""
         if self._drained:
             return None
         item = await self._queue.get()
@@ -136,10 +151,11 @@ class EngineWorker:
         self.failed = 0
         self.recent: deque[dict[str, Any]] = deque(maxlen=16)  # the latest finished jobs, newest last
         self.prefix_cache: dict[str, int] = self._cache_info()  # as of the last job
+        self.on_finished: list[Callable[[Job], None]] = []  # called as each job ends (serve/metrics.py)
 
     def submit(self, prompt_ids: list[int], params: GenParams, checkpoint_hint: int = 0,
-               cache_prompt: bool = True) -> Job:
-        job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_hint, cache_prompt)
+               cache_prompt: bool = True, canvas: bool = False) -> Job:
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_hint, cache_prompt, canvas)
         self._jobs.append(job)
         self._executor.submit(self._run, job)
         return job
@@ -192,11 +208,18 @@ class EngineWorker:
                 "slot": slot,
                 "seconds": round(time.perf_counter() - start, 4),
             })
+            for hook in self.on_finished:
+                hook(job)
 
     @property
     def running(self) -> int:
         """Jobs decoding now (at most one per slot)."""
         return sum(1 for j in list(self._jobs) if j.started and not j.finished)
+
+    @property
+    def jobs(self) -> list[Job]:
+        """The queued and running jobs, oldest first (a snapshot)."""
+        return list(self._jobs)
 
     @property
     def waiting(self) -> int:

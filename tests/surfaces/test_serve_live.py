@@ -8,70 +8,23 @@ parts are tested in tests/surfaces/test_serve_units.py.
 from __future__ import annotations
 
 import json
-import re
 import signal
-import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.chat import Reference, child_env, cli_command
+from tests.support.chat import Reference
 from tests.support.engine import run_concurrently
-from tests.support.native import clover_convert, stop_process
+from tests.support.serve import MODEL_ID, THINK_OFF, auth as _auth, get as _get, post as _post, post_raw as _post_raw
+from tests.support.serve import serve as _serve  # test_webui.py takes it from here too
 
 pytestmark = pytest.mark.native  # every test here runs a live server (skipped without the build; a failure in CI)
-
-MODEL_ID = "tiny"
-THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_checkpoint: Path, tiny_model: Any) -> Reference:
-    return Reference(tiny_checkpoint, tiny_model)
-
-
-@contextmanager
-def _serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True
-           ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    """A live `clover-cpp serve` on any free port: (url, process, log path); SIGTERM at the end."""
-    log_path = folder / f"server-{time.monotonic_ns()}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "--log-level", "warning", *args),
-                                stdout=log, stderr=subprocess.STDOUT, env=child_env())
-    try:
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            found = re.search(r"listening on (http://\S+)", log_path.read_text())
-            if found:
-                url = found.group(1)
-            elif proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            else:
-                time.sleep(0.05)
-        assert url, "the server did not start in 120 s"
-        while True:  # listening is printed just before uvicorn starts serving
-            try:
-                _get(url + "/health")
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield url, proc, log_path
-        assert proc.poll() is None or not alive_at_end, f"the server died:\n{log_path.read_text()[-3000:]}"
-    finally:
-        stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("serve") / f"{MODEL_ID}.gguf", "f32")
 
 
 @pytest.fixture(scope="module")
@@ -85,22 +38,6 @@ def client(server: str) -> Any:
     from openai import OpenAI
 
     return OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def _get(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def _post_raw(url: str, body: bytes, content_type: str = "application/json",
-              method: str = "POST", headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, data=body if method == "POST" else None, method=method,
-                                 headers={"Content-Type": content_type, **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def _token_ids(resp: Any) -> tuple[list[int], list[int]]:
@@ -134,10 +71,6 @@ def test_models_and_health(client: Any, server: str) -> None:
     assert client.models.retrieve(MODEL_ID).id == MODEL_ID
     health = _get(server + "/health")
     assert health["status"] == "ok" and health["model"] == MODEL_ID
-
-
-def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    return _post_raw(url, json.dumps(body).encode())
 
 
 def _piece_bytes(piece: str | list[int]) -> bytes:
@@ -651,10 +584,6 @@ def hardened(tiny_gguf: Path) -> Iterator[dict[str, Any]]:
                 "--chat-template", str(folder / "hostile.jinja"), "--template-timeout", "2",
                 "--max-messages", "50000", "--max-body-bytes", str(32 * 2**20)) as (url, proc, log):
         yield {"url": url, "proc": proc, "log": log}
-
-
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def test_api_keys(hardened: dict[str, Any]) -> None:

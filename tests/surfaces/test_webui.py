@@ -1,0 +1,285 @@
+"""`clover-cpp serve`'s web chat at ``/`` (clover_cpp/serve/webui/, docs/serve.md "Web chat") in a real headless
+browser: Debian's chromium driven by selenium, against a live server on the shipped trained model
+(models/clover-demo, converted to f16), never a mocked engine.
+
+The page loads and answers a chat (text, the reasoning block, the stats); the block canvas fills during a
+diffusion answer (the stream is held at one canvas frame to look at the page mid-answer); with --api-key the page
+asks for the key and then works; --no-webui gives a 404. A missing chromium or chromedriver is a skip, and a
+failure under CLOVER_REQUIRE_NATIVE=1 (`make setup` installs them). CLOVER_WEBUI_SCREENSHOTS=DIR also saves the
+docs' screenshots there (``CLOVER_WEBUI_SCREENSHOTS=docs/img pytest tests/surfaces/test_webui.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from selenium import webdriver  # a test dependency (pyproject [test]): missing, the suite fails instead of skipping
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.support.native import REPO_ROOT, clover_convert, skip_or_fail
+from tests.surfaces.test_serve_live import _serve
+
+pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)
+
+DEMO = REPO_ROOT / "models" / "clover-demo"
+MODEL_ID = "clover-demo"
+KEY = "webui-test-key"
+PROMPT = "Write a function that reads a file and counts its lines."
+TIMEOUT_S = 30
+
+# Wraps the page's fetch so that a chat stream stops at one canvas frame (after a block was committed, a later step
+# of its window than the first, a quarter of the cells or more filled and some still masked) until
+# window.__hold.release() is called: the test looks at the page mid-answer, whatever the engine's speed. The page
+# itself is unchanged.
+HOLD_JS = """
+const hold = window.__hold = {held: false, frame: null, release: null};
+const original = window.fetch;
+window.fetch = async (...args) => {
+  const resp = await original(...args);
+  if (!String(args[0]).includes('chat/completions') || !resp.ok) return resp;
+  const reader = resp.body.getReader(), decoder = new TextDecoder(), encoder = new TextEncoder();
+  let buffer = '', sawContent = false, armed = true, before = 0;
+  const body = new ReadableStream({async pull(ctrl) {
+    const {value, done} = await reader.read();
+    if (done) { if (buffer) ctrl.enqueue(encoder.encode(buffer)); ctrl.close(); return; }
+    buffer += decoder.decode(value, {stream: true});
+    let end;
+    while ((end = buffer.indexOf('\\n\\n')) >= 0) {
+      const event = buffer.slice(0, end + 2);
+      buffer = buffer.slice(end + 2);
+      ctrl.enqueue(encoder.encode(event));
+      const data = event.trim().replace(/^data: /, '');
+      if (!data.startsWith('{')) continue;
+      const chunk = JSON.parse(data);
+      if ((chunk.choices || []).some((c) => c.delta && c.delta.content)) { sawContent = true; before = 0; }
+      const cells = chunk.clover_canvas;
+      if (!armed || !cells) continue;
+      const filled = cells.filter((c) => c !== null).length, earlier = before;
+      before = filled;
+      if (sawContent && earlier > 0 && filled > earlier && filled < cells.length && 4 * filled >= cells.length) {
+        armed = false;
+        hold.frame = cells;
+        await new Promise((resolve) => { hold.release = resolve; hold.held = true; });
+      }
+    }
+  }});
+  return new Response(body, {status: resp.status, headers: resp.headers});
+};
+"""
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return clover_convert(DEMO, tmp_path_factory.mktemp("webui") / f"{MODEL_ID}.gguf", "f16")
+
+
+@pytest.fixture(scope="module")
+def server(demo_gguf: Path) -> Iterator[str]:
+    with _serve(demo_gguf, demo_gguf.parent) as (url, _, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        skip_or_fail("chromium and chromedriver are not installed (`make setup` installs Debian's chromium and "
+                     "chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,900", "--force-device-scale-factor=1"):
+        options.add_argument(arg)
+    drv = webdriver.Chrome(options=options, service=Service(executable_path=driver))  # no selenium-manager download
+    drv.set_script_timeout(TIMEOUT_S)
+    try:
+        yield drv
+    finally:
+        drv.quit()
+
+
+def _screenshot(driver: Any, tmp_path: Path, name: str) -> None:
+    """Into tmp_path always (the call is exercised); into $CLOVER_WEBUI_SCREENSHOTS too when set (the docs')."""
+    driver.save_screenshot(str(tmp_path / name))
+    folder = os.environ.get("CLOVER_WEBUI_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tmp_path / name, Path(folder) / name)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _http(url: str, body: dict[str, Any] | None = None, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def _wait(driver: Any, condition: Any, timeout: float = TIMEOUT_S) -> Any:
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition)
+
+
+def _open(driver: Any, url: str, ready: bool = True) -> None:
+    """The page with default settings (localStorage cleared), connected to the server when ``ready``."""
+    driver.get(url + "/")
+    driver.execute_script("localStorage.clear()")
+    driver.refresh()
+    if ready:
+        _wait(driver, lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
+
+
+def _settings(driver: Any, **values: Any) -> None:
+    """Set the settings panel's fields by id (``max_tokens`` sets #max-tokens)."""
+    driver.execute_script("""
+        for (const [id, value] of Object.entries(arguments[0])) {
+          const input = document.getElementById(id);
+          if (input.type === 'checkbox') input.checked = value; else input.value = String(value);
+        }""", {k.replace("_", "-"): v for k, v in values.items()})
+
+
+def _answers(driver: Any) -> list[Any]:
+    return driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")
+
+
+def _send(driver: Any, text: str) -> int:
+    """Type ``text`` and press Enter; the index of the answer it starts."""
+    n = len(_answers(driver))
+    box = driver.find_element(By.ID, "prompt")
+    box.send_keys(text)
+    box.send_keys(Keys.ENTER)
+    _wait(driver, lambda d: len(_answers(d)) > n)
+    return n
+
+
+def _finished(driver: Any, index: int) -> Any:
+    _wait(driver, lambda d: _answers(d)[index].get_attribute("data-state") != "streaming")
+    answer = _answers(driver)[index]
+    errors = answer.find_elements(By.CSS_SELECTOR, ".error")
+    assert answer.get_attribute("data-state") == "done", [e.text for e in errors]
+    return answer
+
+
+def _stat(answer: Any, name: str) -> str:
+    return answer.find_element(By.CSS_SELECTOR, f'.stat[data-stat="{name}"]').text
+
+
+def _sse_chunks(raw: bytes) -> list[Any]:
+    return [json.loads(line[6:]) for line in raw.decode().splitlines()
+            if line.startswith("data: {")]
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_page_answers_with_reasoning_and_stats(server: str, browser: Any, tmp_path: Path) -> None:
+    status, headers, page = _http(server + "/")
+    assert status == 200 and headers["content-type"].startswith("text/html") and b"webui/app.js" in page
+    assert "script-src 'self'" in headers["content-security-policy"]
+    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+        status, headers, _ = _http(f"{server}/webui/{name}")
+        assert status == 200 and headers["content-type"].startswith(kind)
+
+    _open(browser, server)
+    assert browser.title == "clover-cpp chat"
+    assert browser.find_element(By.ID, "model").text == MODEL_ID
+    _settings(browser, mode="auto", thinking=True, max_tokens=40)
+    first = _finished(browser, _send(browser, PROMPT))
+    reasoning = first.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert reasoning.is_displayed() and reasoning.find_element(By.CSS_SELECTOR, ".reasoning-text").get_attribute(
+        "textContent").strip(), "thinking on: the demo model's text is reasoning"
+
+    _settings(browser, thinking=False, max_tokens=48)
+    second = _finished(browser, _send(browser, "Now add a docstring."))
+    assert second.find_element(By.CSS_SELECTOR, ".content").text.strip(), "no answer text"
+    assert not second.find_element(By.CSS_SELECTOR, "details.reasoning").is_displayed()
+    assert _stat(second, "mode").startswith("auto")
+    assert _stat(second, "tok-s").endswith("tok/s") and float(_stat(second, "tok-s").split()[0]) > 0
+    assert float(_stat(second, "tpf").split()[1]) >= 1.0
+    passes = int(_stat(second, "passes").split()[0])
+    tokens = int(_stat(second, "tokens").split()[0])
+    assert 0 < passes <= tokens <= 48
+    recent = json.loads(_http(server + "/health")[2])["recent"]
+    assert recent[-1]["prompt_tokens"] > recent[-2]["prompt_tokens"] + recent[-2]["generated_tokens"] // 2, \
+        "the second turn's prompt holds the first turn (the page keeps the conversation)"
+    _screenshot(browser, tmp_path, "webui-chat.png")
+
+
+def test_canvas_fills_during_a_diffusion_answer(server: str, browser: Any, tmp_path: Path) -> None:
+    _open(browser, server)
+    browser.execute_script(HOLD_JS)
+    _settings(browser, mode="diffusion", thinking=False, max_tokens=128)
+    index = _send(browser, PROMPT)
+    _wait(browser, lambda d: d.execute_script("return window.__hold.held")
+          or _answers(d)[index].get_attribute("data-state") != "streaming")
+    assert browser.execute_script("return window.__hold.held"), "no canvas frame to hold after a committed block"
+    answer = _answers(browser)[index]
+    assert answer.get_attribute("data-state") == "streaming"
+    frame = browser.execute_script("return window.__hold.frame")
+    cells = answer.find_elements(By.CSS_SELECTOR, ".canvas .cell")
+    assert len(cells) == len(frame) == 32  # the demo model's block size
+    masked = answer.find_elements(By.CSS_SELECTOR, ".canvas .cell.masked")
+    filled = answer.find_elements(By.CSS_SELECTOR, ".canvas .cell.filled")
+    assert len(masked) == frame.count(None) and len(filled) == len(frame) - frame.count(None)
+    assert masked and filled and answer.find_elements(By.CSS_SELECTOR, ".canvas .cell.new")
+    assert "window" in answer.find_element(By.CSS_SELECTOR, ".canvas-info").text
+    _screenshot(browser, tmp_path, "webui-canvas.png")
+
+    browser.execute_script("window.__hold.release()")
+    answer = _finished(browser, index)
+    assert int(answer.get_attribute("data-canvas-mixed")) >= 1
+    assert int(answer.get_attribute("data-canvas-frames")) >= int(_stat(answer, "passes").split()[0]) // 2
+    assert _stat(answer, "mode").startswith("diffusion B=32")
+
+
+def test_canvas_chunks_are_opt_in(server: str) -> None:
+    """The stream carries ``clover_canvas`` chunks (no choices; a piece or null per cell) only when asked."""
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "mode": "diffusion",
+            "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False}}
+    plain = _sse_chunks(_http(server + "/v1/chat/completions", body)[2])
+    assert plain and not any("clover_canvas" in c for c in plain)
+    chunks = _sse_chunks(_http(server + "/v1/chat/completions", body | {"clover_canvas": True})[2])
+    frames = [c for c in chunks if "clover_canvas" in c]
+    assert frames and all(c["choices"] == [] and len(c["clover_canvas"]) == 32 for c in frames)
+    assert any(None in f["clover_canvas"] for f in frames)
+    assert all(isinstance(p, str) for f in frames for p in f["clover_canvas"] if p is not None)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_api_key_is_asked_for_and_sent(demo_gguf: Path, browser: Any) -> None:
+    with _serve(demo_gguf, demo_gguf.parent, "--api-key", KEY) as (url, _, _):
+        for path in ("/", "/webui/app.js", "/webui/style.css"):
+            assert _http(url + path)[0] == 200, f"{path} must load without the key, as llama-server's UI"
+        assert _http(url + "/v1/models")[0] == 401
+        _open(browser, url, ready=False)
+        panel = browser.find_element(By.ID, "key-panel")
+        _wait(browser, lambda d: panel.is_displayed())
+        browser.find_element(By.ID, "api-key").send_keys("wrong-key", Keys.ENTER)
+        _wait(browser, lambda d: "refused" in d.find_element(By.ID, "key-error").text and panel.is_displayed())
+        browser.find_element(By.ID, "api-key").send_keys(KEY, Keys.ENTER)
+        _wait(browser, lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
+        assert not panel.is_displayed()
+        assert browser.execute_script("return sessionStorage.getItem('clover-api-key')") == KEY
+        _settings(browser, mode="ar", thinking=False, max_tokens=8)
+        answer = _finished(browser, _send(browser, PROMPT))
+        assert int(_stat(answer, "tokens").split()[0]) > 0
+
+
+def test_no_webui_gives_404(demo_gguf: Path) -> None:
+    with _serve(demo_gguf, demo_gguf.parent, "--no-webui") as (url, _, _):
+        for path in ("/", "/webui/app.js"):
+            status, _, body = _http(url + path)
+            assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+        assert _http(url + "/health")[0] == 200
