@@ -37,6 +37,10 @@ class EngineError(NativeError):
     """A call into libclover failed; the message is the engine's last error."""
 
 
+class GrammarDeadEnd(BadInput):
+    """A constrained generation reached a point where its grammar allows no token (the request's fault)."""
+
+
 DEFAULT_CACHE_RAM_MIB = 1024     # serve and chat: host memory for prefix-reuse checkpoints (--cache-ram)
 DEFAULT_CHECKPOINT_EVERY = 1024  # a checkpoint every this many prefilled tokens (--checkpoint-every)
 
@@ -329,7 +333,8 @@ class _Call:
         if self.error is not None:
             raise self.error
         if rc < 0:
-            raise EngineError(self.model.last_error() or "clover_slot_generate failed")
+            message = self.model.last_error() or "clover_slot_generate failed"
+            raise GrammarDeadEnd(message) if "(a dead end of the grammar)" in message else EngineError(message)
 
 
 class Generation:

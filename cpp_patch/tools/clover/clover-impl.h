@@ -316,7 +316,8 @@ clover_choice clover_choose(const clover_slot * slot, clover_sampler & smp, cons
 llama_token   clover_accept(clover_run & run, float * logits, llama_token draft, bool & accepted);
 // a GBNF grammar parses against the vocabulary and allows some token at its start (NULL or "" root = "root");
 // 0, or -1 with a message
-int32_t       clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root, std::string & err);
+int32_t       clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root,
+                                   const std::vector<uint8_t> & excluded, std::string & err);
 // The distribution stage (spec 4): adds the bias, applies the penalties and, with full_grammar, sets what the
 // grammar forbids to -inf, in place on one target's logits. Without full_grammar the grammar is left to
 // clover_dist_argmax, which checks only the winner (llama.cpp's common_sampler does the same).
@@ -332,8 +333,8 @@ void          clover_dist_count(clover_run & run, llama_token token, int32_t del
 // log P of token, and the top alternatives, of adjusted logits (the excluded ids and -inf ones have none)
 clover_logprob clover_dist_logprob(const clover_run & run, const float * logits, llama_token token);
 // bias, penalties (the call's, else the GGUF's), grammar and logprobs of a call; false with a message
-bool          clover_init_dist(const clover_slot * slot, const clover_gen_params * params, clover_dist & dist,
-                               std::string & err);
+bool          clover_init_dist(const clover_slot * slot, const clover_gen_params * params,
+                               const std::vector<uint8_t> & excluded, clover_dist & dist, std::string & err);
 
 // banned and stop ids, temperature, top-k/p and the seeded RNG
 bool          clover_init_sampler(const clover_slot * slot, const clover_gen_params * params, clover_sampler & smp,

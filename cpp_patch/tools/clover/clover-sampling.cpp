@@ -234,7 +234,8 @@ llama_token clover_dist_argmax(clover_run & run, float * logits) {
     }
     if (logits[best] == -std::numeric_limits<float>::infinity()) {
         run.slot->last_error = run.dist.constrained()
-            ? "the grammar allows no token here (with the banned ids and logit_bias): the response cannot go on"
+            ? "the grammar allows no token here (with the banned ids and logit_bias): the response cannot go on "
+              "(a dead end of the grammar)"
             : "logit_bias and the banned ids leave no token to generate";
         return -1;
     }
@@ -370,14 +371,16 @@ static bool clover_grammar_opens(llama_sampler * smpl, int32_t n_vocab, const st
     return false;
 }
 
-int32_t clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root, std::string & err) {
+int32_t clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root,
+                             const std::vector<uint8_t> & excluded, std::string & err) {
     const std::string r = root && root[0] ? root : "root";
     llama_sampler_ptr smpl(clover_grammar_init(vocab, grammar ? grammar : "", r, err));
     if (!smpl) {
         return -1;
     }
-    if (!clover_grammar_opens(smpl.get(), llama_vocab_n_tokens(vocab), {})) {
-        err = "grammar: it allows no token of the vocabulary at its start, so nothing could be generated";
+    if (!clover_grammar_opens(smpl.get(), llama_vocab_n_tokens(vocab), excluded)) {
+        err = "grammar: it allows no token of the vocabulary at its start (the mask token aside), so nothing could "
+              "be generated";
         return -1;
     }
     return 0;
@@ -425,7 +428,8 @@ static bool clover_init_bias(const clover_slot * slot, const clover_gen_params *
     return true;
 }
 
-bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params, clover_dist & d, std::string & err) {
+bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params, const std::vector<uint8_t> & excluded,
+                      clover_dist & d, std::string & err) {
     if (!clover_init_bias(slot, params, d, err) || !clover_init_penalties(slot, params, d, err)) {
         return false;
     }
@@ -456,8 +460,9 @@ bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params
         }
         return true;
     }
-    if (!clover_grammar_opens(smpl.get(), slot->n_vocab, {})) {
-        err = "grammar: it allows no token of the vocabulary at its start, so nothing could be generated";
+    if (!clover_grammar_opens(smpl.get(), slot->n_vocab, excluded)) {
+        err = "grammar: it allows no token of the vocabulary at its start (the mask token and banned ids aside), so "
+              "nothing could be generated";
         return false;
     }
     d.grammar_state = std::move(smpl);

@@ -261,8 +261,16 @@ int32_t clover_engine_check_grammar(const struct clover_engine * engine, const c
     std::string msg;
     if (!engine || !grammar) {
         msg = "no engine or no grammar given";
-    } else if (clover_check_grammar(llama_model_get_vocab(engine->model.get()), grammar, root, msg) == 0) {
-        return 0;
+    } else {
+        const llama_vocab * vocab = llama_model_get_vocab(engine->model.get());
+        std::vector<uint8_t> excluded(llama_vocab_n_tokens(vocab), 0);
+        const clover_slot * first = clover_first_slot(engine);
+        if (first && first->info.mask_token_id >= 0) {
+            excluded[first->info.mask_token_id] = 1;
+        }
+        if (clover_check_grammar(vocab, grammar, root, excluded, msg) == 0) {
+            return 0;
+        }
     }
     clover_set_err(err, err_size, msg);
     return -1;

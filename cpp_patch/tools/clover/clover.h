@@ -313,7 +313,7 @@ CLOVER_API int32_t clover_engine_n_threads(const struct clover_engine * engine);
 
 // Constrained decoding (clover_gen_params.grammar). Check a GBNF grammar against the engine's vocabulary: it parses
 // (llama.cpp's parser: no undefined rule, no left recursion, the root symbol present; root NULL or "" = "root") and
-// allows some token at its start. Returns 0, or -1 with a message in err.
+// allows some token other than the mask token at its start. Returns 0, or -1 with a message in err.
 CLOVER_API int32_t clover_engine_check_grammar(const struct clover_engine * engine, const char * grammar,
                                                const char * root, char * err, size_t err_size);
 // A JSON schema (JSON text) as GBNF, converted as llama-server converts response_format and json_schema
