@@ -17,6 +17,7 @@ from .schema import (APIError, ApplyTemplateRequest, ChatCompletionRequest, Chat
                      CompletionRequest, invalid)
 from ..output_parser import opens_reasoning
 from ..gen_params import GenParams
+from .constraints import Constraint, grammar_after_ids, request_constraint
 
 MAX_STOP_STRINGS = 4
 
@@ -42,6 +43,7 @@ class Prepared:
     echo_text: str = ""
     checkpoint_hint: int = 0  # where the generation prompt starts: the next turn's prompt shares what lies before
     cache_prompt: bool = True  # reuse the slot's history prefix (llama-server's request field of that name)
+    n: int = 1  # answers to the same prompt, each on its own slot (seeds seed, seed + 1, ...)
 
 
 @dataclass(frozen=True)
@@ -79,29 +81,39 @@ class Preparer:
             raise invalid(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
         return [s for s in stops if s]
 
-    def _banned(self, logit_bias: dict[str, float] | None) -> tuple[int, ...]:
-        banned: list[int] = []
+    def _bias(self, logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's logit_bias: token id (a string key) -> bias in [-100, 100], added to the logit (spec 4);
+        -100 bans the token, as OpenAI documents."""
+        out: list[tuple[int, float]] = []
+        n_vocab = self.model.info.n_vocab
         for key, bias in (logit_bias or {}).items():
             try:
                 tok = int(key)
             except ValueError:
                 raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-            if not 0 <= tok < self.model.info.n_vocab:
-                raise invalid(f"logit_bias token {tok} is outside the vocabulary (0..{self.model.info.n_vocab - 1})",
-                              "logit_bias")
-            if bias != -100:
-                raise invalid("logit_bias supports only -100 (ban a token); other biases are not implemented",
-                              "logit_bias", "unsupported_value")
-            banned.append(tok)
-        if len(set(banned) | {self.model.info.mask_token_id}) >= self.model.info.n_vocab:
+            if not 0 <= tok < n_vocab:
+                raise invalid(f"logit_bias token {tok} is outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise invalid(f"logit_bias of token {tok} must be in [-100, 100], got {bias}", "logit_bias")
+            out.append((tok, float("-inf") if bias <= -100.0 else float(bias)))
+        banned = {t for t, b in out if b == float("-inf")} | {self.model.info.mask_token_id}
+        if len(banned) >= n_vocab:
             raise invalid("logit_bias bans every token of the vocabulary: nothing could be generated", "logit_bias")
-        return tuple(banned)
+        return tuple(out)
 
-    def _params(self, req: CloverFields, n_prompt: int, max_tokens: int | None, param: str) -> GenParams:
+    def _n(self, req: CloverFields) -> int:
+        """``n`` answers run at once, one per slot (llama-server's -np), so they never queue behind each other."""
+        slots = self.model.n_parallel
+        if req.n > slots:
+            raise invalid(f"n = {req.n} needs {req.n} slots; this server has {slots} (start it with -np {req.n})",
+                          "n", "unsupported_value")
+        return req.n
+
+    def _params(self, req: CloverFields, n_prompt: int, max_tokens: int | None, param: str,
+                logprobs: int | None = None, constraint: Constraint | None = None,
+                grammar_after: tuple[int, ...] = ()) -> GenParams:
         if req.stream_options is not None and not req.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
-        if req.n != 1:
-            raise invalid("only n = 1 is supported", "n", "unsupported_value")
         d = self.defaults
         block = req.block_size or d.gen.block_size
         if block is not None and block > self.max_block_size:
@@ -129,7 +141,12 @@ class Preparer:
             coreset_top_p=req.coreset_top_p if req.coreset_top_p is not None else d.gen.coreset_top_p,
             max_tokens=max_tokens, temperature=temperature, top_k=d.gen.top_k if req.top_k is None else req.top_k,
             top_p=d.gen.top_p if req.top_p is None else req.top_p, seed=seed,
-            stop_ids=() if req.ignore_eos else None, banned_ids=self._banned(req.logit_bias))
+            stop_ids=() if req.ignore_eos else None, logit_bias=self._bias(req.logit_bias),
+            repeat_penalty=d.gen.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
+            presence_penalty=d.gen.presence_penalty if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=d.gen.frequency_penalty if req.frequency_penalty is None else req.frequency_penalty,
+            grammar=constraint.grammar if constraint else None, grammar_after_ids=grammar_after if constraint else (),
+            logprobs=logprobs)
 
     def check_chars(self, n_chars: int, param: str, what: str) -> None:
         """--max-prompt-chars, checked before tokenizing (a token holds a few characters: a prompt far beyond the
@@ -179,24 +196,22 @@ class Preparer:
         check_unicode(req.model_dump(exclude_none=True))
         self.check_model(req.model)
         template = self._require_template()
-        if req.logprobs:
-            raise invalid("logprobs are not supported", "logprobs", "unsupported_value")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise invalid(f"response_format {req.response_format.type!r} is not supported (only 'text')",
-                          "response_format", "unsupported_value")
-        choice = req.tool_choice
-        if choice not in (None, "auto", "none"):
-            raise invalid("tool_choice supports 'auto' and 'none' only: the engine cannot force a tool call",
-                          "tool_choice", "unsupported_value")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("top_logprobs needs logprobs = true", "top_logprobs")
+        n = self._n(req)
+        constraint = request_constraint(self.model, req)
         r = self.render(req)
         ids = self._tokenize(r.text, "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, len(ids), max_tokens, "messages")
+        reasoning = opens_reasoning(r.text)
+        after = grammar_after_ids(self.model, reasoning) if constraint else ()
+        params = self._params(req, len(ids), max_tokens, "messages", (req.top_logprobs or 0) if req.logprobs else None,
+                              constraint, after)
         hint = template.generation_prompt_start(lambda t: self.model.tokenize(t, special=True), r.messages,
                                                 r.tools, r.thinking, r.text, ids)
         return Prepared(ids, params, self._stops(req.stop), cache_prompt=req.cache_prompt,
-                        start_in_reasoning=opens_reasoning(r.text),
-                        parse_tools=bool(r.tools) and choice != "none", checkpoint_hint=hint)
+                        start_in_reasoning=reasoning, parse_tools=bool(r.tools) and req.tool_choice != "none",
+                        checkpoint_hint=hint, n=n)
 
     def apply_template(self, req: ApplyTemplateRequest) -> str:
         """llama-server's /apply-template: the prompt a chat completion of these messages would run on."""
@@ -209,8 +224,8 @@ class Preparer:
         self.check_model(req.model)
         if req.suffix:
             raise invalid("suffix is not supported", "suffix", "unsupported_value")
-        if req.logprobs:
-            raise invalid("logprobs are not supported", "logprobs", "unsupported_value")
+        n = self._n(req)
+        constraint = request_constraint(self.model, req)
         if req.best_of not in (None, 1):
             raise invalid("only best_of = 1 is supported", "best_of", "unsupported_value")
         prompt: Any = req.prompt
@@ -231,9 +246,9 @@ class Preparer:
                 raise invalid(f"prompt token {bad[0]} is outside the vocabulary (0..{self.model.info.n_vocab - 1})",
                               "prompt")
             echo = self.model.detokenize(ids)
-        params = self._params(req, len(ids), req.max_tokens, "prompt")
+        params = self._params(req, len(ids), req.max_tokens, "prompt", req.logprobs, constraint)
         return Prepared(ids, params, self._stops(req.stop), echo_text=echo if req.echo else "",
-                        cache_prompt=req.cache_prompt)
+                        cache_prompt=req.cache_prompt, n=n)
 
 
 def check_unicode(value: Any, path: str = "") -> None:

@@ -5,6 +5,7 @@ and every error as an OpenAI error body."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -20,10 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..output_parser import Event, TextEvent, collect
 from ..text_stream import TextPipeline
 from .prepare import Prepared
-from . import monitor
-from . import utility, web
+from . import monitor, utility, web
+from .logprobs import chat_logprobs, completion_logprobs
 from .schema import (APIError, ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                     TokenizeRequest, error_body, finish_reason, new_id, now, tool_call_dict, usage)
+                     TokenizeRequest, error_body, finish_reason, invalid, new_id, now, tool_call_dict, usage)
 from .security import Guard, Security
 from .service import CloverService, run_to_end
 from .streaming import ChatChunks, CompletionChunks, streamer
@@ -42,11 +43,31 @@ async def _respond(svc: CloverService, request: Request, prepare: Callable[[], P
     prep = await svc.run_prepare(prepare)
     svc.check_queue()
     if stream is not None:
+        if prep.n > 1:
+            raise invalid("n > 1 is served for whole answers only; send stream = false, or one request per answer",
+                          "n", "unsupported_value")
         return EventSourceResponse(stream(prep), sep="\n", ping=15)
-    done = await run_to_end(svc, prep, request, chat=chat)
-    if done is None:
+    # n answers at once, one per slot; answer i samples with seed + i (llama-server's n, up to its slots)
+    preps = [prep] + [dataclasses.replace(prep, params=prep.params.replace(seed=(prep.params.seed + i) & 0xFFFFFFFF))
+                      for i in range(1, prep.n)]
+    runs = await asyncio.gather(*(run_to_end(svc, p, request, chat=chat) for p in preps))
+    if any(done is None for done in runs):
         return Response(status_code=499)  # the client is gone; nobody reads this
-    return body(prep, done)
+    return _merge([body(p, done) for p, done in zip(preps, runs) if done is not None])
+
+
+def _merge(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answers of n > 1 as one body: their choices, indexed in order, and their usage summed (the prompt
+    counted once, as OpenAI does)."""
+    first = bodies[0]
+    if len(bodies) == 1:
+        return first
+    first["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
+    u = first["usage"]
+    u["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
+    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    u["clover"] = [b["usage"]["clover"] for b in bodies]
+    return first
 
 
 def _answer(svc: CloverService, req: Any, prep: Prepared, job: Job, tokens: list[int], kind: str,
@@ -81,7 +102,8 @@ def _chat_body(svc: CloverService, req: ChatCompletionRequest, prep: Prepared, j
         message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
         message["tool_calls"] = [tool_call_dict(c) for c in parsed.tool_calls]
-    choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
+    lps = chat_logprobs(svc.model, job.logprobs[:len(tokens)]) if prep.params.logprobs is not None else None
+    choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": lps,
                               "finish_reason": finish_reason(job.stats, pipeline.stopped, bool(parsed.tool_calls))}
     return _answer(svc, req, prep, job, tokens, "chat.completion", choice)
 
@@ -89,7 +111,9 @@ def _chat_body(svc: CloverService, req: ChatCompletionRequest, prep: Prepared, j
 def _completion_body(svc: CloverService, req: CompletionRequest, prep: Prepared, job: Job, pipeline: TextPipeline,
                      events: list[Event], tokens: list[int]) -> dict[str, Any]:
     text = prep.echo_text + "".join(e.text for e in events if isinstance(e, TextEvent))
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+    lps = (completion_logprobs(svc.model, job.logprobs[:len(tokens)], len(prep.echo_text))
+           if prep.params.logprobs is not None else None)
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lps,
                               "finish_reason": finish_reason(job.stats, pipeline.stopped, False)}
     return _answer(svc, req, prep, job, tokens, "text_completion", choice)
 

@@ -1,11 +1,11 @@
 """OpenAI request bodies (pydantic), the OpenAI error body, and the response/chunk builders.
 
-Fields the engine cannot honour either get a 400 (``n`` > 1, ``logprobs``, ``tool_choice`` that forces a
-call, structured ``response_format``, ``suffix``, ``best_of`` > 1) or are accepted and ignored when
-OpenAI clients send them by default (penalties, ``user``, ``parallel_tool_calls``, ``store``...).
-Clover extras: ``mode``, ``block_size``, ``threshold``, ``coreset_top_p``, ``top_k``, ``ignore_eos``,
-``return_token_ids``,
-``cache_prompt``.
+Fields the engine cannot honour either get a 400 (``n`` above the server's slots, ``suffix``, ``best_of`` > 1)
+or are accepted and ignored when OpenAI clients send them by default (``user``, ``parallel_tool_calls``,
+``store``...). The penalties, ``logit_bias``, ``logprobs``, ``response_format`` and a forcing ``tool_choice``
+are honoured (spec 4's distribution stage). llama-server's extras: ``top_k``, ``repeat_penalty``, ``grammar``,
+``json_schema``, ``ignore_eos``, ``cache_prompt``, ``return_token_ids``. Clover's: ``mode``, ``block_size``,
+``threshold``, ``coreset_top_p``.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ class StreamOptions(_Lenient):
 
 class ResponseFormat(_Lenient):
     type: str
+    json_schema: dict[str, Any] | None = None  # type json_schema: {"name": ..., "schema": {...}, "strict": ...}
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # type json_object: llama-server's extra
 
 
 class CloverFields(_Lenient):
@@ -118,7 +120,10 @@ class CloverFields(_Lenient):
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # llama-server's; 1 = off
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]; -100 bans (OpenAI)
+    grammar: str | None = None  # llama-server's: GBNF the answer must match
+    json_schema: dict[str, Any] | None = None  # llama-server's: a JSON schema the answer must match
     user: str | None = None
     # clover extras
     mode: Literal["ar", "diffusion", "spec", "auto"] | None = None
@@ -138,7 +143,7 @@ class ChatCompletionRequest(CloverFields):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
@@ -150,7 +155,7 @@ class CompletionRequest(CloverFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
 

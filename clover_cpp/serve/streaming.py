@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, Callable
 
+from ..model import TokenLogprob
 from ..output_parser import Event, TextEvent, ToolCallEvent
 from ..text_stream import TextPipeline
+from .logprobs import chat_entries, completion_logprobs
 from .prepare import Prepared
 from .schema import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, completion_chunk, error_body,
                      finish_reason, new_id, now, tool_call_dict, usage)
@@ -37,6 +39,7 @@ class ChatChunks:
         self.cid, self.created, self.model = new_id("chatcmpl"), now(), svc.model_id
         self.req, self.prep, self.n_calls = req, prep, 0
         self.svc = svc
+        self.pending: list[TokenLogprob] = []  # logprobs of tokens whose text no chunk has carried yet
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, extra: dict[str, Any] | None = None,
               usage_block: dict[str, Any] | None = None) -> dict[str, str]:
@@ -46,19 +49,32 @@ class ChatChunks:
         first = {"prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids else None
         return [self.chunk({"role": "assistant", "content": ""}, extra=first)]
 
-    def events(self, events: list[Event] | list[Canvas]) -> list[dict[str, str]]:
+    def events(self, events: list[Event] | list[Canvas], lps: list[TokenLogprob] | None = None
+               ) -> list[dict[str, str]]:
+        """The batch's chunks; ``lps``: the logprobs of its tokens, carried by its first delta (or the next
+        batch's, or the finish chunk, when it has none: a stop string may hold text back)."""
+        self.pending += lps or []
         out = []
         for ev in events:
             if isinstance(ev, Canvas):
                 out.append(self.canvas(ev))
-            elif isinstance(ev, ToolCallEvent):
-                out.append(self.chunk({"tool_calls": [tool_call_dict(ev.call, self.n_calls)]}))
+                continue
+            extra = self._take_logprobs()
+            if isinstance(ev, ToolCallEvent):
+                out.append(self.chunk({"tool_calls": [tool_call_dict(ev.call, self.n_calls)]}, extra=extra))
                 self.n_calls += 1
             elif ev.channel == "reasoning":
-                out.append(self.chunk({"reasoning_content": ev.text}))
+                out.append(self.chunk({"reasoning_content": ev.text}, extra=extra))
             else:
-                out.append(self.chunk({"content": ev.text}))
+                out.append(self.chunk({"content": ev.text}, extra=extra))
         return out
+
+    def _take_logprobs(self) -> dict[str, Any] | None:
+        """The choice's ``logprobs`` for the pending tokens (taken), or None when there are none."""
+        if not self.pending:
+            return None
+        entries, self.pending = self.pending, []
+        return {"logprobs": {"content": chat_entries(self.svc.model, entries), "refusal": None}}
 
     def canvas(self, canvas: Canvas) -> dict[str, str]:
         """``clover_canvas`` requests only: a chunk with no choices whose ``clover_canvas`` is the block's cells,
@@ -70,8 +86,8 @@ class ChatChunks:
         return _sse(body)
 
     def finish(self, job: Job, pipeline: TextPipeline, tokens: list[int]) -> dict[str, str]:
-        extra = {"token_ids": tokens} if self.req.return_token_ids else None
-        return self.chunk({}, finish_reason(job.stats, pipeline.stopped, self.n_calls > 0), extra)
+        extra = ({"token_ids": tokens} if self.req.return_token_ids else {}) | (self._take_logprobs() or {})
+        return self.chunk({}, finish_reason(job.stats, pipeline.stopped, self.n_calls > 0), extra or None)
 
     def usage(self, block: dict[str, Any]) -> dict[str, str]:
         return self.chunk(None, usage_block=block)
@@ -82,7 +98,9 @@ class CompletionChunks:
 
     def __init__(self, svc: CloverService, req: CompletionRequest, prep: Prepared) -> None:
         self.cid, self.created, self.model = new_id("cmpl"), now(), svc.model_id
-        self.req, self.prep = req, prep
+        self.req, self.prep, self.svc = req, prep, svc
+        self.pending: list[TokenLogprob] = []
+        self.offset = len(prep.echo_text)  # text_offset of the next token
 
     def chunk(self, text: str | None, finish: str | None = None, extra: dict[str, Any] | None = None,
               usage_block: dict[str, Any] | None = None) -> dict[str, str]:
@@ -91,12 +109,24 @@ class CompletionChunks:
     def opening(self) -> list[dict[str, str]]:
         return [self.chunk(self.prep.echo_text)] if self.prep.echo_text else []
 
-    def events(self, events: list[Event] | list[Canvas]) -> list[dict[str, str]]:
-        return [self.chunk(ev.text) for ev in events if isinstance(ev, TextEvent)]
+    def events(self, events: list[Event] | list[Canvas], lps: list[TokenLogprob] | None = None
+               ) -> list[dict[str, str]]:
+        """The batch's chunks; ``lps`` as for chat, in the text completion's shape."""
+        self.pending += lps or []
+        return [self.chunk(ev.text, extra=self._take_logprobs()) for ev in events if isinstance(ev, TextEvent)]
+
+    def _take_logprobs(self) -> dict[str, Any] | None:
+        if not self.pending:
+            return None
+        entries, self.pending = self.pending, []
+        lps = completion_logprobs(self.svc.model, entries, self.offset)
+        self.offset += sum(len(t) for t in lps["tokens"])
+        return {"logprobs": lps}
 
     def finish(self, job: Job, pipeline: TextPipeline, tokens: list[int]) -> dict[str, str]:
-        extra = {"token_ids": tokens, "prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids else None
-        return self.chunk("", finish_reason(job.stats, pipeline.stopped, False), extra)
+        extra = ({"token_ids": tokens, "prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids
+                 else {}) | (self._take_logprobs() or {})
+        return self.chunk("", finish_reason(job.stats, pipeline.stopped, False), extra or None)
 
     def usage(self, block: dict[str, Any]) -> dict[str, str]:
         return self.chunk(None, usage_block=block)
@@ -113,9 +143,13 @@ async def _stream(svc: CloverService, prep: Prepared, chat: bool, include_usage:
     try:
         for c in chunks.opening():
             yield c
+        sent = 0  # tokens whose logprobs went to the chunks
         async with aclosing(event_batches(job, pipeline, tokens)) as batches:
             async for batch in batches:
-                for c in chunks.events(batch):
+                lps = None
+                if prep.params.logprobs is not None:  # each token's entry arrives before the token
+                    lps, sent = job.logprobs[sent:len(tokens)], len(tokens)
+                for c in chunks.events(batch, lps):
                     yield c
         if job.error is not None:
             yield _sse(_job_error_body(job))

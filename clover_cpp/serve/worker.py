@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..gen_params import GenParams
-from ..model import Model, Stats
+from ..model import Model, Stats, TokenLogprob
 
 
 _DONE = object()
@@ -52,6 +52,7 @@ class Job:
         self.stats: Stats | None = None
         self.cached_tokens = 0  # prompt tokens taken from the engine's history instead of prefilled
         self.generated: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # with params.logprobs: one per generated token, before the token
         self.slot = -1  # the engine slot that ran it
         self.error: BaseException | None = None
         self.started = False
@@ -99,7 +100,8 @@ class Job:
                 model.reset()  # reuse_prefix then finds nothing to keep, and only sets the checkpoint hint
             self.cached_tokens = model.reuse_prefix(self.prompt_ids, checkpoint_at=[self.checkpoint_hint])
             result = model.run(self.prompt_ids[self.cached_tokens:], self.params, on_tokens=self._on_tokens,
-                               on_step=None if self.params.mode == "ar" else self._on_step)
+                               on_step=None if self.params.mode == "ar" else self._on_step,
+                               on_logprobs=self.logprobs.append)
             self.stats = result.stats
         except BaseException as exc:
             self.error = exc
