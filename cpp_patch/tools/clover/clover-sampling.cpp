@@ -173,6 +173,65 @@ llama_token clover_accept(clover_run & run, float * logits, llama_token draft, b
 // the distribution stage (spec 4): logit_bias, penalties, grammar
 //
 
+bool clover_utf8::feed(const std::string & bytes) {
+    for (const unsigned char c : bytes) {
+        if (need > 0) {
+            if (c < lo || c > hi) {
+                return false;
+            }
+            need--;
+            lo = 0x80;
+            hi = 0xBF;
+            continue;
+        }
+        if (c < 0x80) {
+            continue;
+        }
+        if (c >= 0xC2 && c <= 0xDF) {
+            need = 1;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            need = 2;
+            lo   = c == 0xE0 ? 0xA0 : 0x80;  // no overlong 3-byte form
+            hi   = c == 0xED ? 0x9F : 0xBF;  // no surrogate
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            need = 3;
+            lo   = c == 0xF0 ? 0x90 : 0x80;  // no overlong 4-byte form
+            hi   = c == 0xF4 ? 0x8F : 0xBF;  // nothing above U+10FFFF
+        } else {
+            return false;  // a stray continuation byte, C0, C1 or F5..FF
+        }
+    }
+    return true;
+}
+
+// each token's bytes as llama.cpp's grammar reads them (special tokens rendered), made once per slot
+static const std::vector<std::string> & clover_pieces(clover_slot * slot) {
+    if (slot->pieces.empty()) {
+        const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(slot->ctx));
+        slot->pieces.resize(slot->n_vocab);
+        std::vector<char> buf(256);
+        for (int32_t i = 0; i < slot->n_vocab; ++i) {
+            int32_t n = llama_token_to_piece(vocab, i, buf.data(), (int32_t) buf.size(), 0, true);
+            if (n < 0) {
+                buf.resize((size_t) -n);
+                n = llama_token_to_piece(vocab, i, buf.data(), (int32_t) buf.size(), 0, true);
+            }
+            slot->pieces[i].assign(buf.data(), (size_t) std::max(n, 0));
+        }
+    }
+    return slot->pieces;
+}
+
+// whether the token keeps the constrained text well-formed UTF-8 (an end-of-generation token: when no character
+// is left half-written)
+static bool clover_utf8_allows(clover_run & run, llama_token token) {
+    if (run.is_stop(token)) {
+        return run.dist.utf8.need == 0;
+    }
+    clover_utf8 next = run.dist.utf8;
+    return next.feed(clover_pieces(run.slot)[token]);
+}
+
 // the grammar's full mask: what it forbids after the response so far goes to -inf. Only the candidates that can
 // still win are checked: the excluded ids and -inf logits stay out of the grammar's work.
 static void clover_grammar_mask(clover_run & run, float * logits) {
@@ -180,7 +239,11 @@ static void clover_grammar_mask(clover_run & run, float * logits) {
     d.cur.clear();
     for (int32_t i = 0; i < run.slot->n_vocab; ++i) {
         if (!run.smp.excluded[i] && logits[i] != -std::numeric_limits<float>::infinity()) {
-            d.cur.push_back({ i, logits[i], 0.0f });
+            if (clover_utf8_allows(run, i)) {
+                d.cur.push_back({ i, logits[i], 0.0f });
+            } else {
+                logits[i] = -std::numeric_limits<float>::infinity();
+            }
         }
     }
     llama_token_data_array arr = { d.cur.data(), d.cur.size(), -1, false };
@@ -219,6 +282,9 @@ bool clover_dist_needs_mask(const clover_run & run) {
 
 // whether the grammar allows the token next (one candidate: cheap)
 static bool clover_grammar_allows(clover_run & run, llama_token token, float logit) {
+    if (!clover_utf8_allows(run, token)) {
+        return false;
+    }
     llama_token_data one = { token, logit, 0.0f };
     llama_token_data_array arr = { &one, 1, -1, false };
     llama_sampler_apply(run.dist.grammar_state.get(), &arr);
@@ -259,6 +325,7 @@ void clover_dist_produce(clover_run & run, llama_token token) {
     clover_dist & d = run.dist;
     if (d.constrained()) {
         llama_sampler_accept(d.grammar_state.get(), token);
+        d.utf8.feed(clover_pieces(run.slot)[token]);
     } else if (!d.grammar.empty() && !d.grammar_after.empty() && d.grammar_after[token]) {
         // checked at the call's start, so it parses
         d.grammar_state.reset(llama_sampler_init_grammar(llama_model_get_vocab(llama_get_model(run.slot->ctx)),
