@@ -49,12 +49,11 @@ def _speculative(mode: str) -> bool:
 
 
 def _penalties(gen: GenParams, info: ModelInfo) -> dict[str, float]:
-    """The repetition penalties a job runs with: its own, else the GGUF's (spec 4). Read with getattr: GenParams
-    and ModelInfo have them only with the engine's distribution stage; without it they are off."""
+    """The repetition penalties a job runs with: its own, else the GGUF's (spec 4)."""
     out = {}
-    for name, off in (("repeat_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        value = getattr(gen, name, None)
-        out[name] = getattr(info, name, off) if value is None else value
+    for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(gen, name)
+        out[name] = getattr(info, name) if value is None else value
     return out
 
 
@@ -75,9 +74,11 @@ def _params(gen: GenParams, info: ModelInfo, n_predict: int, seed: int, full: bo
         **only(dry_sequence_breakers=[]), "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
         "adaptive_target": -1.0, "adaptive_decay": 0.9, **only(stop=[]),
         "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0, "n_discard": 0,
-        "ignore_eos": gen.stop_ids == (), "stream": False, **only(logit_bias=[]),
-        "n_probs": getattr(gen, "logprobs", None) or 0, "min_keep": 0,
-        **only(grammar="", grammar_lazy=False, grammar_triggers=[], preserved_tokens=[]),
+        "ignore_eos": gen.stop_ids == (), "stream": False,
+        "n_probs": gen.logprobs or 0, "min_keep": 0,
+        **only(logit_bias=[[t, b if b != float("-inf") else False] for t, b in gen.logit_bias]),
+        **only(grammar=gen.grammar or "", grammar_lazy=bool(gen.grammar_after_ids), grammar_triggers=[],
+               preserved_tokens=[]),
         "chat_format": "Content-only", "reasoning_format": "deepseek", "reasoning_in_content": False,
         "generation_prompt": "", "samplers": SAMPLERS,
         "speculative.types": f"clover-{gen.mode}" if spec else "none",
