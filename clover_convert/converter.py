@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, Metadata, naming_convention, si
 from gguf.utility import model_weight_count_rounded_notation
 from tqdm import tqdm
 
-from clover_common.block_settings import Overrides
+from clover_common.block_settings import GENERATION_CONFIG_FILE, Overrides
 from clover_common.config import CONFIG_FILE, CloverConfig
 from clover_common.errors import BadInput, CloverInputError, missing_path_reason, read_json
 
@@ -152,6 +153,33 @@ def _describe_model(writer: GGUFWriter, model_dir: Path, metadata_path: Path | N
     return metadata
 
 
+# generation_config.json's penalties without a general.sampling key (spec 2.2 "penalties", spec 4): the engine's
+# defaults, under the architecture's prefix. repetition_penalty is general.sampling.penalty_repeat (_describe_model).
+PENALTY_KEYS = {"presence_penalty": "sampling.presence_penalty", "frequency_penalty": "sampling.frequency_penalty"}
+
+
+def read_penalties(model_dir: Path) -> dict[str, float]:
+    """{ARCH key suffix: value} of generation_config.json's presence_penalty and frequency_penalty (absent or null:
+    no key). Any other value than a finite number is refused: the engine would refuse the file at load."""
+    path = model_dir / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    generation = read_json(path)
+    if not isinstance(generation, dict):
+        raise CloverInputError(path, "must be a JSON object")
+    out = {}
+    for name, key in PENALTY_KEYS.items():
+        value = generation.get(name)
+        if value is None:
+            continue
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and abs(value) < 3.4e38 else math.nan  # a float32 (a huge int would not even convert)
+        if not math.isfinite(number):
+            raise CloverInputError(path, f"must be a finite number (0 = off), got {value!r}", name)
+        out[key] = number
+    return out
+
+
 def _index_weights(model_dir: Path, dry_run: bool) -> CheckpointIndex | None:
     """The checkpoint's tensors; None for a config-only directory, which only a dry run accepts."""
     index = index_checkpoint(model_dir)
@@ -179,6 +207,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     if sidecar and options.skeleton:
         raise OptionError("--skeleton writes one planning file: leave out --bd-sidecar")
     raw_config = read_json(model_dir / CONFIG_FILE)
+    penalties = read_penalties(model_dir)
     metadata_override = _load_metadata_override(options.metadata)
     quant = quantization_type(options.outtype)
     _check_quantization_options(options, quant)
@@ -206,6 +235,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
         metadata.set_gguf_meta_model(writer)
         add_model_keys(writer, config, raw_config, model_dir / CONFIG_FILE, out_type.file_type,
                        block_diffusion=not sidecar)
+        for key, value in penalties.items():  # in the trunk too: the engine reads its defaults there
+            writer.add_float32(f"{writer.arch}.{key}", value)
         writer.add_quantization_version(GGML_QUANT_VERSION)
         if tokenizer is not None:
             add_tokenizer_keys(writer, tokenizer)

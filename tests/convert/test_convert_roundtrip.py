@@ -413,3 +413,33 @@ def test_arch_name_option_and_sampling_keys(tiny_checkpoint: Path, tmp_path: Pat
     assert got["general.sampling.temp"][1] == pytest.approx(0.6)
     assert got["general.sampling.top_k"][1] == 20
     assert got["general.sampling.penalty_repeat"][1] == pytest.approx(1.05)
+
+
+def test_penalty_keys_from_generation_config(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    """spec 2.2 ("penalties") and 4: generation_config.json's presence_penalty and frequency_penalty become
+    ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty (f32; repetition_penalty is
+    general.sampling.penalty_repeat), in the single file and in a --bd-sidecar trunk, where the engine reads them;
+    absent or null: no key; anything but a finite number is refused, naming the field."""
+    from tests.support.convert import copy_checkpoint
+
+    model = copy_checkpoint(tiny_checkpoint, tmp_path / "model")
+    generation = model / "generation_config.json"
+    generation.write_text(json.dumps({"repetition_penalty": 1.1, "presence_penalty": 1.5, "frequency_penalty": -0.25}))
+    single = fields(convert(capsys, model, tmp_path / "single.gguf", "f32"), "clover_moe")
+    convert(capsys, model, tmp_path / "trunk.gguf", "f32", "--bd-sidecar")
+    trunk, sidecar = fields(tmp_path / "trunk.gguf", "clover_moe"), fields(tmp_path / "trunk.bd.gguf", "clover_moe")
+    for got in (single, trunk):
+        assert got["ARCH.sampling.presence_penalty"] == ([V.FLOAT32], pytest.approx(1.5))
+        assert got["ARCH.sampling.frequency_penalty"] == ([V.FLOAT32], pytest.approx(-0.25))
+        assert got["general.sampling.penalty_repeat"][1] == pytest.approx(1.1)
+    assert not any("sampling" in key for key in sidecar)
+
+    generation.write_text(json.dumps({"presence_penalty": None, "temperature": 0.7}))
+    got = fields(convert(capsys, model, tmp_path / "none.gguf", "f32"), "clover_moe")
+    assert not any(key.startswith("ARCH.sampling.") for key in got)
+
+    for bad in ("high", True, math.nan, math.inf, [1], 1e39, 10**400):
+        generation.write_text(json.dumps({"frequency_penalty": bad}))
+        code, _, err = run_convert(capsys, model, "--outfile", tmp_path / "bad.gguf", "--outtype", "f32")
+        assert code == 2 and "generation_config.json: field 'frequency_penalty'" in err and "finite" in err, err
+        assert not (tmp_path / "bad.gguf").exists()
