@@ -410,7 +410,8 @@ class ChatApp:
         visual = self.visual and self.settings.gen.mode != "ar"
         # the previous turns' prompt, up to where their answer started
         reused = self.model.reuse_prefix(ids, checkpoint_at=[checkpoint_hint])
-        run = self.model.generate(ids[reused:], self.settings.gen, max_tokens=max_tokens, steps=visual)
+        run = self.model.generate(ids[reused:], self.settings.gen, max_tokens=max_tokens, steps=visual,
+                                  **self._grammar_after(in_reasoning))
         printer = AnswerPrinter(self.out, self.style, self.show_reasoning)
         pipeline = TextPipeline(lambda t: self.model.detokenize(t, special=False),
                                 parser=OutputParser(in_reasoning, parse_tools=False))
@@ -450,6 +451,16 @@ class ChatApp:
         assert run.stats is not None
         return Turn(tokens, run.stats, run.cancelled, printer.reasoning, printer.content, reused)
 
+    def _grammar_after(self, in_reasoning: bool) -> dict[str, Any]:
+        """With a grammar (--grammar, -j, ...) and an answer that opens with reasoning, the grammar applies after
+        ``</think>``: the reasoning stays free (as in serve; docs/decoding.md, "Constrained decoding")."""
+        if not self.settings.gen.grammar or not in_reasoning:
+            return {}
+        ids = self.model.tokenize("</think>")
+        if len(ids) != 1:
+            raise BadInput("a grammar with thinking needs </think> as one token of the vocabulary; /think off")
+        return {"grammar_after_ids": tuple(ids)}
+
     def _frame(self, user_text: str, tokens: list[int], canvas: list[int] | None, step: int) -> None:
         """One visual frame: the committed text, then the block canvas (masked targets as '_')."""
         mask = self.model.info.mask_token_id
@@ -484,6 +495,7 @@ def run_chat(args: argparse.Namespace) -> int:
                         enable_thinking=args.think == "on")
     model = options.open_model(args)  # with the prefix cache of --cache-ram (docs/serve.md)
     try:
+        options.check_grammar(model, args, settings.gen)
         template = load_template(model.llama_model, args.model, args.chat_template)
         if template is None:
             raise BadInput(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")

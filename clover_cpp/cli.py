@@ -2,6 +2,10 @@
 
     clover-cpp generate -m MODEL.gguf -p TEXT [--mode auto|ar|diffusion|spec] [--block-size B] [--threshold T]
                         [-n N] [--draft-steps S] [--temp T --top-k K --top-p P -s S] [--json]
+                        [--repeat-penalty N --presence-penalty N --frequency-penalty N]
+                        [--grammar GBNF | --grammar-file F | -j/--json-schema SCHEMA | -jf/--json-schema-file F]
+    generate and chat take llama.cpp's penalty and grammar flags (spec 4's distribution stage; docs/decoding.md,
+    "Constrained decoding").
     generate, chat and serve also take llama.cpp's names for the common options, as aliases of the same option:
     --temp (--temperature), -s/--seed, -n/--n-predict (--max-tokens), --top-k, --top-p, -c, -t, -ngl.
     generate, chat and serve take llama.cpp's offload flags: -ngl N, -ncmoe/--n-cpu-moe N, -cmoe/--cpu-moe,
@@ -41,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_model_args(gen)
     gen.add_argument("-p", "--prompt", required=True)
     options.add_generation_args(gen, max_tokens=64, max_tokens_help="tokens to generate (default 64)", seed=0,
-                                draft_steps=True)
+                                draft_steps=True, distribution=True)
     gen.add_argument("--json", action="store_true",
                      help="print text, token ids and stats as one JSON object (docs/generate-output.schema.json)")
 
@@ -66,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_chat(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="interactive multi-turn chat with the model's chat template")
     options.add_engine_args(chat)
-    options.add_generation_args(chat, max_tokens=1024, max_tokens_help="most tokens per answer", seed=0)
+    options.add_generation_args(chat, max_tokens=1024, max_tokens_help="most tokens per answer", seed=0,
+                                distribution=True)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--reasoning", choices=["show", "hide"], default="show",
                       help="show the <think> reasoning dimmed, or hide it")
@@ -80,7 +85,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     options.add_engine_args(serve)
     # llama-server's sampling options: defaults for what a request leaves out
     options.add_generation_args(serve, max_tokens=None, seed=None, max_tokens_help="max_tokens of a chat request "
-                                "that sets none (default: what the context leaves)")
+                                "that sets none (default: what the context leaves)", penalties=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
     serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
@@ -118,6 +123,7 @@ def run_generate(args: argparse.Namespace) -> int:
     options.check_model_args(args)
     params = options.gen_params(args)
     with options.open_model(args) as model:
+        options.check_grammar(model, args, params)
         prompt_ids = model.tokenize(args.prompt)
         if not prompt_ids:
             raise BadInput("the prompt is empty after tokenization (--prompt)")

@@ -3,9 +3,10 @@ offload and generation arguments (llama.cpp's names and meanings where llama.cpp
 
 - ``add_model_args``: the GGUF, its sidecar, the context, threads and llama.cpp's offload flags;
   ``add_engine_args`` adds what chat and serve keep across turns (largest block size, prefix cache, template).
-- ``add_generation_args``: mode, block settings and sampling.
+- ``add_generation_args``: mode, block settings and sampling; for generate and chat also llama.cpp's penalty and
+  grammar flags (spec 4's distribution stage).
 - ``check_model_args`` / ``gen_params``: each value is checked once, here or by ``GenParams``, whose errors are
-  turned into the option's name.
+  turned into the option's name; ``check_grammar`` checks a grammar against the loaded vocabulary.
 - ``open_model``: the ``Model`` generate, chat and serve run on.
 """
 
@@ -13,6 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from clover_common.errors import BadInput
@@ -28,7 +34,9 @@ CORESET_HELP = ("the block expert coreset's top_p in (0, 1] for block passes (sp
 # the option that sets each GenParams field, for the messages of GenParamError
 FLAGS = {"mode": "--mode", "block_size": "--block-size", "threshold": "--threshold",
          "coreset_top_p": "--coreset-top-p", "draft_steps": "--draft-steps", "max_tokens": "-n/--max-tokens",
-         "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "seed": "-s/--seed"}
+         "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "seed": "-s/--seed",
+         "repeat_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
+         "frequency_penalty": "--frequency-penalty"}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -64,9 +72,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_generation_args(p: argparse.ArgumentParser, *, max_tokens: int | None, max_tokens_help: str,
-                        seed: int | None, draft_steps: bool = False) -> None:
+                        seed: int | None, draft_steps: bool = False, distribution: bool = False,
+                        penalties: bool = False) -> None:
     """Mode, block settings and sampling, with llama.cpp's names for the common ones (--temp, -s/--seed,
-    -n/--n-predict, --top-k, --top-p). ``max_tokens`` and ``seed`` are the command's defaults."""
+    -n/--n-predict, --top-k, --top-p). ``max_tokens`` and ``seed`` are the command's defaults. ``distribution``:
+    llama.cpp's penalty and grammar flags too (add_distribution_args); ``penalties``: the penalty flags only (serve's
+    defaults for what a request leaves out)."""
     p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
                    help=f"{DEFAULT_MODE} (default): lossless, faster than ar where drafts are accepted; "
                         "diffusion changes the output")
@@ -81,6 +92,118 @@ def add_generation_args(p: argparse.ArgumentParser, *, max_tokens: int | None, m
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("-s", "--seed", type=int, default=seed)
+    if distribution or penalties:
+        add_distribution_args(p, grammar=distribution)
+
+
+def add_distribution_args(p: argparse.ArgumentParser, grammar: bool = True) -> None:
+    """llama.cpp's penalty and (with ``grammar``) grammar flags (common/arg.cpp's names): spec 4's distribution
+    stage. The penalties count the answer's tokens only, with no last-n window (docs/decoding.md, "Constrained
+    decoding")."""
+    g = p.add_argument_group("penalties and constrained decoding (spec 4; docs/decoding.md, \"Constrained decoding\")")
+    g.add_argument("--repeat-penalty", type=float, default=None, metavar="N",
+                   help="a token already in the answer has a positive logit divided by N, a negative one multiplied "
+                        "(1 = off; default: the GGUF's general.sampling.penalty_repeat, else 1)")
+    g.add_argument("--presence-penalty", type=float, default=None, metavar="N",
+                   help="subtracted from the logit of a token already in the answer (0 = off; default: the GGUF's "
+                        "ARCH.sampling.presence_penalty, else 0)")
+    g.add_argument("--frequency-penalty", type=float, default=None, metavar="N",
+                   help="times its count, subtracted from the logit of a token already in the answer (0 = off; "
+                        "default: the GGUF's ARCH.sampling.frequency_penalty, else 0)")
+    if not grammar:
+        return
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                     help="GBNF grammar the answer must match (llama.cpp's grammars/README.md)")
+    one.add_argument("--grammar-file", default=None, metavar="FNAME", help="read the GBNF grammar from a file")
+    one.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                     help="JSON schema the answer must match, e.g. '{\"type\": \"object\"}' for any JSON object "
+                          "(converted to GBNF as llama.cpp converts it)")
+    one.add_argument("-jf", "--json-schema-file", default=None, metavar="FILE",
+                     help="read the JSON schema from a file")
+
+
+def _read_text(path: str, what: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path}: cannot read the {what}: not UTF-8 text (byte {exc.start}) ({flag})") from None
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read the {what} ({exc.strerror or exc}) ({flag})") from None
+
+
+@contextmanager
+def _native_stderr() -> Iterator[list[str]]:
+    """What native code writes to stderr (fd 2) inside the body, as a list of lines after it; sys.stderr is left
+    alone. llama.cpp prints a GBNF parse error's reason and the schema converter's warnings with fprintf, past its
+    log callback: caught here, they become part of one error line, or warnings of their own."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines.extend(line for line in tmp.read().decode("utf-8", "replace").splitlines() if line.strip())
+
+
+def grammar_flag(args: argparse.Namespace) -> str | None:
+    """The option that gives the grammar, with its file: --grammar, --grammar-file F, -j/--json-schema or
+    -jf/--json-schema-file F; None without one."""
+    if getattr(args, "grammar", None):
+        return "--grammar"
+    if getattr(args, "grammar_file", None):
+        return f"--grammar-file {args.grammar_file}"
+    if getattr(args, "json_schema", None) is not None:
+        return "-j/--json-schema"
+    if getattr(args, "json_schema_file", None):
+        return f"-jf/--json-schema-file {args.json_schema_file}"
+    return None
+
+
+def grammar_arg(args: argparse.Namespace) -> str | None:
+    """The GBNF of --grammar, --grammar-file, -j/--json-schema or -jf/--json-schema-file (a schema converted as
+    llama.cpp converts it); None without one. An unreadable file or a schema the converter refuses is a BadInput
+    naming the option."""
+    flag = grammar_flag(args)
+    if flag is None:
+        return None
+    if flag == "--grammar":
+        return str(args.grammar)
+    if args.grammar_file:
+        return _read_text(args.grammar_file, "grammar", "--grammar-file")
+    schema = args.json_schema if args.json_schema is not None else \
+        _read_text(args.json_schema_file, "JSON schema", "-jf/--json-schema-file")
+    from . import libclover
+
+    with _native_stderr() as printed:
+        try:
+            grammar = libclover.json_schema_to_grammar(schema)
+        except libclover.NativeError as exc:
+            raise BadInput(f"{flag}: {exc}") from None
+    for line in dict.fromkeys(printed):  # the converter's warnings (a pattern it cannot enforce, say), once each
+        print(f"clover-cpp: warning: {flag}: {line.removeprefix('WARNING: ')}", file=sys.stderr)
+    return grammar
+
+
+def check_grammar(model: Model, args: argparse.Namespace, params: GenParams) -> None:
+    """The grammar parses against the model's vocabulary and allows some token at its start (Model.check_grammar);
+    a BadInput naming the option and, for a syntax error, llama.cpp's reason."""
+    if not params.grammar:
+        return
+    flag = grammar_flag(args) or "grammar"
+    with _native_stderr() as printed:
+        try:
+            model.check_grammar(params.grammar)
+            return
+        except BadInput as exc:
+            message = str(exc).removeprefix("grammar: ")
+    reasons = [line.split("error parsing grammar: ", 1)[1] for line in printed if "error parsing grammar: " in line]
+    raise BadInput(f"{flag}: {message}" + (f" ({reasons[0]})" if reasons else ""))
 
 
 def at_least(*checks: tuple[str, int | float | None, int]) -> None:
@@ -120,6 +243,12 @@ def gen_params(args: argparse.Namespace, **fields: Any) -> GenParams:
         values["max_tokens"] = args.max_tokens
     if args.seed is not None:
         values["seed"] = args.seed
+    for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):  # None: the GGUF's
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    grammar = grammar_arg(args)
+    if grammar:
+        values["grammar"] = grammar
     values.update(fields)
     try:
         return GenParams(**values)

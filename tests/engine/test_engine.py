@@ -482,6 +482,113 @@ def test_cli_bad_input(tiny: Engine, tmp_path: Path, args: list[str]) -> None:
     assert len(lines) == 1 and lines[0].startswith("clover-cpp: error:"), done.stderr
 
 
+CLI_SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+                                              "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["kind", "n"], "additionalProperties": False}
+
+
+def test_cli_distribution_flags_reach_gen_params(tiny: Engine, tmp_path: Path) -> None:
+    """generate and chat take llama.cpp's --repeat-penalty, --presence-penalty, --frequency-penalty, --grammar,
+    --grammar-file, -j/--json-schema and -jf/--json-schema-file (spec 4); left out, the penalties are the GGUF's
+    (None) and there is no grammar."""
+    from clover_cpp import options
+    from clover_cpp.cli import build_parser
+    from clover_cpp.libclover import json_schema_to_grammar
+
+    schema = json.dumps(CLI_SCHEMA)
+    (tmp_path / "s.json").write_text(schema)
+    (tmp_path / "g.gbnf").write_text('root ::= "yes" | "no"\n')
+    parser = build_parser()
+    for command in ("generate", "chat"):
+        base = [command, "-m", str(tiny.gguf)] + (["-p", "x"] if command == "generate" else [])
+        plain = options.gen_params(parser.parse_args(base))
+        assert (plain.repeat_penalty, plain.presence_penalty, plain.frequency_penalty, plain.grammar) == (None,) * 4
+        got = options.gen_params(parser.parse_args(base + ["--repeat-penalty", "1.1", "--presence-penalty", "-0.5",
+                                                           "--frequency-penalty", "0.25", "-j", schema]))
+        assert (got.repeat_penalty, got.presence_penalty, got.frequency_penalty) == (1.1, -0.5, 0.25)
+        assert got.grammar == json_schema_to_grammar(schema)
+        for flags, want in ((["-jf", str(tmp_path / "s.json")], json_schema_to_grammar(schema)),
+                            (["--grammar-file", str(tmp_path / "g.gbnf")], 'root ::= "yes" | "no"\n'),
+                            (["--grammar", 'root ::= "a"'], 'root ::= "a"')):
+            assert options.gen_params(parser.parse_args(base + flags)).grammar == want, flags
+
+
+def test_cli_generate_with_penalties_and_grammar(tiny: Engine, tmp_path: Path) -> None:
+    """The flags give what Model.run gives with the same fields, and the answer matches the schema."""
+    from clover_cpp.libclover import json_schema_to_grammar
+    from tests.support.schema import validate
+
+    (tmp_path / "s.json").write_text(json.dumps(CLI_SCHEMA))
+    (tmp_path / "g.gbnf").write_text('root ::= "{" [a-z]{1,5} "}"\n')
+    prompt = "def fibonacci(n):"
+    penalties = {"repeat_penalty": 1.3, "presence_penalty": -1.5, "frequency_penalty": 0.4}
+    cases = ((["--mode", "ar", "-jf", str(tmp_path / "s.json"), "--repeat-penalty", "1.3", "--presence-penalty",
+               "-1.5", "--frequency-penalty", "0.4"],
+              {"mode": "ar", "grammar": json_schema_to_grammar(json.dumps(CLI_SCHEMA))} | penalties),
+             (["--mode", "spec", "--block-size", "8", "--grammar-file", str(tmp_path / "g.gbnf")],
+              {"mode": "spec", "block_size": 8, "grammar": 'root ::= "{" [a-z]{1,5} "}"\n'}))
+    for flags, fields in cases:
+        done = _cli("generate", "-m", str(tiny.gguf), "-p", prompt, "-n", "100", "--json", *flags)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        with tiny.fresh() as m:
+            want = m.run(m.tokenize(prompt), max_tokens=100, **fields)
+        assert out["tokens"] == want.tokens and out["stats"]["stop_reason"] == "eos", (flags, out)
+        if "-jf" in flags:
+            assert not validate(json.loads(out["text"]), CLI_SCHEMA), out["text"]
+
+
+def test_cli_chat_with_a_json_schema(tiny: Engine, tmp_path: Path) -> None:
+    """chat -jf: with thinking off the answer is JSON matching the schema; with the answer opening a reasoning block
+    the grammar waits for </think> (grammar_after_ids), and without a grammar nothing is passed."""
+    from types import SimpleNamespace
+
+    from clover_cpp.chat import ChatApp
+    from clover_cpp.gen_params import GenParams
+    from tests.support.chat import ChatProcess
+    from tests.support.schema import validate
+
+    (tmp_path / "s.json").write_text(json.dumps(CLI_SCHEMA))
+    chat = ChatProcess(tiny.gguf, "--mode", "ar", "--think", "off", "-n", "100", "-jf", str(tmp_path / "s.json"))
+    try:
+        out = chat.send("hello")
+        answer = out.split("hello\n", 1)[1].rsplit("\n[ar]", 1)[0]
+        assert "stop: eos" in out and not validate(json.loads(answer), CLI_SCHEMA), out
+    finally:
+        chat.kill()
+    (think_close,) = tiny.model.tokenize("</think>")
+    constrained = SimpleNamespace(model=tiny.model, settings=SimpleNamespace(gen=GenParams(grammar='root ::= "a"')))
+    assert ChatApp._grammar_after(constrained, True) == {"grammar_after_ids": (think_close,)}  # type: ignore[arg-type]
+    assert ChatApp._grammar_after(constrained, False) == {}  # type: ignore[arg-type]
+    free = SimpleNamespace(model=tiny.model, settings=SimpleNamespace(gen=GenParams()))
+    assert ChatApp._grammar_after(free, True) == {}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--grammar-file", "/nonexistent/g.gbnf"], "/nonexistent/g.gbnf: cannot read the grammar (No such file"),
+    (["--grammar-file", "NOT_UTF8"], "cannot read the grammar: not UTF-8 text"),
+    (["-jf", "/nonexistent/s.json"], "/nonexistent/s.json: cannot read the JSON schema"),
+    (["-j", "{x"], "-j/--json-schema: JSON schema: [json.exception.parse_error.101] parse error"),
+    (["-j", '{"type": "nonsense"}'], "-j/--json-schema: JSON schema: JSON schema conversion failed: JSON schema "
+                                     "error at #: unrecognized type nonsense"),
+    (["--grammar", "root ::= foo"], "--grammar: llama.cpp's GBNF parser rejected it: failed to parse grammar "
+                                    "(Undefined rule identifier 'foo')"),
+    (["--grammar", 'root ::= "\\u0000"'], "--grammar: it allows no token of the vocabulary at its start"),
+    (["--grammar", 'root ::= "a"', "-j", "{}"], "not allowed with argument"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must be a finite number > 0"),
+    (["--presence-penalty", "nan"], "--presence-penalty must be finite"),
+])
+def test_cli_distribution_flags_bad_input(tiny: Engine, tmp_path: Path, flags: list[str], needle: str) -> None:
+    """One line, exit status 2, naming the option, the file or llama.cpp's reason (its GBNF parser prints that to
+    stderr itself; the CLI folds it into the line)."""
+    (tmp_path / "latin1.gbnf").write_bytes('root ::= "é"'.encode("latin-1"))
+    flags = [str(tmp_path / "latin1.gbnf") if f == "NOT_UTF8" else f for f in flags]
+    done = _cli("generate", "-m", str(tiny.gguf), "-p", "x", "-n", "4", *flags)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clover-cpp: error:") and needle in lines[0], done.stderr
+
+
 # ------------------------------------------------------------------------------------------ last: the budget
 def test_near_tie_budget() -> None:
     """At most 1 in 20 compared cases may end at a near-tie (runs after the parity tests of this module)."""
