@@ -334,7 +334,11 @@ class _Call:
             raise self.error
         if rc < 0:
             message = self.model.last_error() or "clover_slot_generate failed"
-            raise GrammarDeadEnd(message) if "(a dead end of the grammar)" in message else EngineError(message)
+            if "(a dead end of the grammar)" in message:
+                raise GrammarDeadEnd(message)
+            if message.startswith("grammar:"):  # the call's grammar was refused before anything ran
+                raise BadInput(message)
+            raise EngineError(message)
 
 
 class Generation:
