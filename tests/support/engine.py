@@ -202,6 +202,18 @@ class Ledger:
         gap, tol = causal_gap(model, context + ref[:i], banned, self.rel_tol)
         self._tie(name, f"token {i}", gap, tol, native, ref)
 
+    def check_margin(self, name: str, native: list[int], ref: list[int],
+                     margin: Callable[[int], tuple[float, float]]) -> None:
+        """``check`` for token lists whose decisions are not the reference's raw ones: the distribution stage (spec 4:
+        logit_bias, penalties, a grammar) moves the top-2 gap, so ``margin(i)`` gives the (gap, tolerance) of the
+        decision at the first differing token i, as the caller measured it."""
+        self.compared += 1
+        if native == ref:
+            return
+        i = next((k for k, (a, b) in enumerate(zip(native, ref)) if a != b), min(len(native), len(ref)))
+        gap, tol = margin(i)
+        self._tie(name, f"token {i}", gap, tol, native, ref)
+
     def check_rounds(self, name: str, native: list[int], ref: list[int], drafts: list[DraftTrace]) -> None:
         """Spec rounds with equal output may still accept different lengths: a draft that is a near-tie of
         the reference's draft pass can go either way without changing a token. At the first round whose

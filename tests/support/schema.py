@@ -1,6 +1,7 @@
 """Validate JSON against a JSON Schema: `jsonschema` when installed, otherwise a small validator of the subset
-the project's schema files use (type, required, properties, additionalProperties, propertyNames.pattern,
-items, enum, minimum, maximum and local $ref). Returns a list of error strings (empty = valid)."""
+the project's schema files and tests use (type, required, properties, additionalProperties, propertyNames.pattern,
+items, enum, minimum, maximum, minLength, maxLength, minItems, maxItems and local $ref). Returns a list of error
+strings (empty = valid)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ _TYPES: dict[str, Any] = {
     "null": lambda v: v is None,
 }
 _SUPPORTED = {"$schema", "$defs", "$ref", "title", "description", "type", "required", "properties",
-              "additionalProperties", "propertyNames", "pattern", "items", "enum", "minimum", "maximum"}
+              "additionalProperties", "propertyNames", "pattern", "items", "enum", "minimum", "maximum",
+              "minLength", "maxLength", "minItems", "maxItems"}
 
 
 def load_schema(path: Path) -> dict[str, Any]:
@@ -61,6 +63,12 @@ def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], where: str,
         errors.append(f"{where}: {value!r} is less than the minimum {schema['minimum']}")
     if "maximum" in schema and _TYPES["number"](value) and value > schema["maximum"]:
         errors.append(f"{where}: {value!r} is more than the maximum {schema['maximum']}")
+    for key, kind, low in (("minLength", str, True), ("maxLength", str, False), ("minItems", list, True),
+                           ("maxItems", list, False)):
+        if key in schema and isinstance(value, kind) and (len(value) < schema[key] if low
+                                                          else len(value) > schema[key]):
+            errors.append(f"{where}: {value!r} has {len(value)} {'characters' if kind is str else 'items'}, "
+                          f"{key} is {schema[key]}")
     if "pattern" in schema and isinstance(value, str) and not re.search(schema["pattern"], value):
         errors.append(f"{where}: {value!r} does not match {schema['pattern']}")
     if isinstance(value, list) and "items" in schema:
