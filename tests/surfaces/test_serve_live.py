@@ -22,7 +22,7 @@ import pytest
 from tests.support.chat import Reference
 from tests.support.engine import run_concurrently
 from tests.support.serve import MODEL_ID, THINK_OFF, auth as _auth, get as _get, post as _post, post_raw as _post_raw
-from tests.support.serve import serve as _serve  # test_webui.py takes it from here too
+from tests.support.serve import serve as _serve
 
 pytestmark = pytest.mark.native  # every test here runs a live server (skipped without the build; a failure in CI)
 

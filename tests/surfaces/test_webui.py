@@ -28,7 +28,7 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.support.native import REPO_ROOT, clover_convert, skip_or_fail
-from tests.surfaces.test_serve_live import _serve
+from tests.support.serve import serve
 
 pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)
 
@@ -87,7 +87,7 @@ def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path) -> Iterator[str]:
-    with _serve(demo_gguf, demo_gguf.parent) as (url, _, _):
+    with serve(demo_gguf, demo_gguf.parent) as (url, _, _):
         yield url
 
 
@@ -259,7 +259,7 @@ def test_canvas_chunks_are_opt_in(server: str) -> None:
 
 
 def test_api_key_is_asked_for_and_sent(demo_gguf: Path, browser: Any) -> None:
-    with _serve(demo_gguf, demo_gguf.parent, "--api-key", KEY) as (url, _, _):
+    with serve(demo_gguf, demo_gguf.parent, "--api-key", KEY) as (url, _, _):
         for path in ("/", "/webui/app.js", "/webui/style.css"):
             assert _http(url + path)[0] == 200, f"{path} must load without the key, as llama-server's UI"
         assert _http(url + "/v1/models")[0] == 401
@@ -278,7 +278,7 @@ def test_api_key_is_asked_for_and_sent(demo_gguf: Path, browser: Any) -> None:
 
 
 def test_no_webui_gives_404(demo_gguf: Path) -> None:
-    with _serve(demo_gguf, demo_gguf.parent, "--no-webui") as (url, _, _):
+    with serve(demo_gguf, demo_gguf.parent, "--no-webui") as (url, _, _):
         for path in ("/", "/webui/app.js"):
             status, _, body = _http(url + path)
             assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
