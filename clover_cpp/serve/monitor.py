@@ -6,7 +6,6 @@ all need the API key (llama-server's only open paths are /health and its web UI)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +15,7 @@ from .. import cpu, loader
 from ..gen_params import GenParams
 from ..model import ModelInfo
 from .metrics import CONTENT_TYPE
+from .security import Endpoints
 from .worker import Job
 
 if TYPE_CHECKING:
@@ -24,15 +24,6 @@ if TYPE_CHECKING:
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "a random seed for each request"
 MEDIA_MARKER = "<__media__>"  # llama-server's is random per process; no media reaches this server (modalities)
 SAMPLERS = ["temperature", "top_k", "top_p"]  # the engine's sampling chain, in its order (clover-sampling.cpp)
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """llama-server's switches for these endpoints: ``--slots``/``--no-slots``, ``--metrics``, ``--props``."""
-
-    slots: bool = True
-    metrics: bool = False
-    props: bool = False
 
 
 def _not_supported(what: str, flag: str) -> JSONResponse:

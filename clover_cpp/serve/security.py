@@ -13,6 +13,16 @@ from .schema import error_body
 
 
 @dataclass(frozen=True)
+class Endpoints:
+    """llama-server's switches for its monitoring endpoints (serve/monitor.py): ``--slots``/``--no-slots``,
+    ``--metrics``, ``--props``."""
+
+    slots: bool = True
+    metrics: bool = False
+    props: bool = False
+
+
+@dataclass(frozen=True)
 class Limits:
     """What one request may cost before the engine sees it (docs/serve.md, "Limits"); 0 = no limit."""
 

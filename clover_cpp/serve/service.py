@@ -18,10 +18,9 @@ from ..model import Model
 from ..output_parser import Event, OutputParser
 from ..text_stream import TextPipeline
 from .metrics import Meter
-from .monitor import Endpoints
 from .prepare import Defaults, Prepared, Preparer
 from .schema import APIError
-from .security import Limits
+from .security import Endpoints, Limits
 from .worker import Canvas, EngineWorker, Job
 
 DISCONNECT_POLL_S = 0.25

@@ -12,10 +12,9 @@ from clover_common.errors import BadInput
 from .. import options
 from ..chat_template import load_template
 from ..model import EngineError
-from .monitor import Endpoints
 from .prepare import Defaults
 from .routes import create_app
-from .security import Limits, Security, loopback_hosts
+from .security import Endpoints, Limits, Security, loopback_hosts
 from .service import CloverService
 
 
