@@ -6,6 +6,7 @@ the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from dataclasses import dataclass
@@ -44,6 +45,12 @@ class Prepared:
     checkpoint_hint: int = 0  # where the generation prompt starts: the next turn's prompt shares what lies before
     cache_prompt: bool = True  # reuse the slot's history prefix (llama-server's request field of that name)
     n: int = 1  # answers to the same prompt, each on its own slot (seeds seed, seed + 1, ...)
+
+
+def answers(prep: Prepared) -> list[Prepared]:
+    """The n answers a request asks for: answer i samples with seed + i (llama-server's n, one slot each)."""
+    seeds = [(prep.params.seed + i) & 0xFFFFFFFF for i in range(prep.n)]
+    return [prep] + [dataclasses.replace(prep, params=prep.params.replace(seed=s)) for s in seeds[1:]]
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..output_parser import Event, TextEvent, collect
 from ..text_stream import TextPipeline
-from .prepare import Prepared
+from .prepare import Prepared, answers
 from . import monitor, utility, web
 from .logprobs import chat_logprobs, completion_logprobs
 from .schema import (APIError, ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                     TokenizeRequest, error_body, finish_reason, invalid, new_id, now, tool_call_dict, usage)
+                     TokenizeRequest, error_body, finish_reason, merged_usage, new_id, now, tool_call_dict, usage)
 from .security import Guard, Security
 from .service import CloverService, run_to_end
 from .streaming import ChatChunks, CompletionChunks, streamer
@@ -43,13 +43,8 @@ async def _respond(svc: CloverService, request: Request, prepare: Callable[[], P
     prep = await svc.run_prepare(prepare)
     svc.check_queue()
     if stream is not None:
-        if prep.n > 1:
-            raise invalid("n > 1 is served for whole answers only; send stream = false, or one request per answer",
-                          "n", "unsupported_value")
         return EventSourceResponse(stream(prep), sep="\n", ping=15)
-    # n answers at once, one per slot; answer i samples with seed + i (llama-server's n, up to its slots)
-    preps = [prep] + [dataclasses.replace(prep, params=prep.params.replace(seed=(prep.params.seed + i) & 0xFFFFFFFF))
-                      for i in range(1, prep.n)]
+    preps = answers(prep)  # n answers at once, one per slot (llama-server's n, up to its slots)
     runs = await asyncio.gather(*(run_to_end(svc, p, request, chat=chat) for p in preps))
     if any(done is None for done in runs):
         return Response(status_code=499)  # the client is gone; nobody reads this
@@ -60,13 +55,8 @@ def _merge(bodies: list[dict[str, Any]]) -> dict[str, Any]:
     """The answers of n > 1 as one body: their choices, indexed in order, and their usage summed (the prompt
     counted once, as OpenAI does)."""
     first = bodies[0]
-    if len(bodies) == 1:
-        return first
     first["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
-    u = first["usage"]
-    u["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
-    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
-    u["clover"] = [b["usage"]["clover"] for b in bodies]
+    first["usage"] = merged_usage([b["usage"] for b in bodies])
     return first
 
 

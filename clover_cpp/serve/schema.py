@@ -209,6 +209,18 @@ def usage(prompt_tokens: int, stats: Stats | None, cached_tokens: int = 0) -> di
             "clover": stats.to_dict() if stats is not None else None}
 
 
+def merged_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of n answers to one prompt: the prompt counted once (as OpenAI does), the completions summed, and
+    ``clover`` the list of each answer's statistics (one answer: its usage unchanged)."""
+    if len(usages) == 1:
+        return usages[0]
+    out = dict(usages[0])
+    out["completion_tokens"] = sum(u["completion_tokens"] for u in usages)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    out["clover"] = [u["clover"] for u in usages]
+    return out
+
+
 def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": call.id, "type": "function",
                            "function": {"name": call.name, "arguments": call.arguments}}

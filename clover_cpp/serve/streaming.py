@@ -3,6 +3,7 @@ and of a text completion, a job's events as they come, and the finish, usage and
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -12,9 +13,9 @@ from ..model import TokenLogprob
 from ..output_parser import Event, TextEvent, ToolCallEvent
 from ..text_stream import TextPipeline
 from .logprobs import chat_entries, completion_logprobs
-from .prepare import Prepared
+from .prepare import Prepared, answers
 from .schema import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, completion_chunk, error_body,
-                     finish_reason, new_id, now, tool_call_dict, usage)
+                     finish_reason, merged_usage, new_id, now, tool_call_dict, usage)
 from .service import CloverService, event_batches, raise_job_error
 from .worker import Canvas, Job
 
@@ -39,10 +40,12 @@ class ChatChunks:
         self.cid, self.created, self.model = new_id("chatcmpl"), now(), svc.model_id
         self.req, self.prep, self.n_calls = req, prep, 0
         self.svc = svc
+        self.index = 0  # the choice's index (n > 1)
         self.pending: list[TokenLogprob] = []  # logprobs of tokens whose text no chunk has carried yet
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, extra: dict[str, Any] | None = None,
               usage_block: dict[str, Any] | None = None) -> dict[str, str]:
+        extra = {**(extra or {}), "index": self.index} if self.index else extra
         return _sse(chat_chunk(self.cid, self.created, self.model, delta, finish, extra, usage_block))
 
     def opening(self) -> list[dict[str, str]]:
@@ -99,11 +102,13 @@ class CompletionChunks:
     def __init__(self, svc: CloverService, req: CompletionRequest, prep: Prepared) -> None:
         self.cid, self.created, self.model = new_id("cmpl"), now(), svc.model_id
         self.req, self.prep, self.svc = req, prep, svc
+        self.index = 0  # the choice's index (n > 1)
         self.pending: list[TokenLogprob] = []
         self.offset = len(prep.echo_text)  # text_offset of the next token
 
     def chunk(self, text: str | None, finish: str | None = None, extra: dict[str, Any] | None = None,
               usage_block: dict[str, Any] | None = None) -> dict[str, str]:
+        extra = {**(extra or {}), "index": self.index} if self.index else extra
         return _sse(completion_chunk(self.cid, self.created, self.model, text, finish, extra, usage_block))
 
     def opening(self) -> list[dict[str, str]]:
@@ -132,12 +137,13 @@ class CompletionChunks:
         return self.chunk(None, usage_block=block)
 
 
-async def _stream(svc: CloverService, prep: Prepared, chat: bool, include_usage: bool,
-                  chunks: ChatChunks | CompletionChunks, canvas: bool = False) -> AsyncIterator[dict[str, str]]:
-    """A streamed answer: queued when the stream starts (not before), events as they come, then the finish
-    chunk, the usage chunk when asked for, and [DONE]; an engine error ends the stream with an error body.
-    ``canvas``: the step canvases too (``clover_canvas``)."""
+async def _answer(svc: CloverService, prep: Prepared, chat: bool, chunks: ChatChunks | CompletionChunks,
+                  canvas: bool, jobs: list[Job]) -> AsyncIterator[dict[str, str]]:
+    """One streamed answer's chunks: queued when the stream starts (not before), events as they come, then the
+    finish chunk, or an error body when the engine failed. ``canvas``: the step canvases too (``clover_canvas``).
+    Its job goes to ``jobs``."""
     job = svc.worker.submit(prep.prompt_ids, prep.params, prep.checkpoint_hint, prep.cache_prompt, canvas=canvas)
+    jobs.append(job)
     pipeline = svc.pipeline(prep, chat=chat)
     tokens: list[int] = []
     try:
@@ -155,15 +161,74 @@ async def _stream(svc: CloverService, prep: Prepared, chat: bool, include_usage:
             yield _sse(_job_error_body(job))
             return
         yield chunks.finish(job, pipeline, tokens)
-        if include_usage:
-            yield chunks.usage(usage(len(prep.prompt_ids), job.stats, job.cached_tokens))
-        yield _sse("[DONE]")
     finally:
         job.cancel()  # a disconnect lands here (the task is cancelled): stop the engine
+
+
+_END = object()
+
+
+async def _interleave(streams: list[AsyncIterator[dict[str, str]]]) -> AsyncIterator[dict[str, str]]:
+    """The chunks of several answers as they come (n > 1: each answer on its own slot)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[dict[str, str]]) -> None:
+        try:
+            async with aclosing(stream) as items:
+                async for item in items:
+                    await queue.put(item)
+        finally:
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            item = await queue.get()
+            if item is _END:
+                ended += 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(svc: CloverService, preps: list[Prepared], chat: bool, include_usage: bool,
+                  chunks: list[ChatChunks | CompletionChunks], canvas: bool = False) -> AsyncIterator[dict[str, str]]:
+    """A streamed response: each answer's chunks (interleaved when n > 1, each choice with its index), then the
+    usage chunk when asked for (the answers' usage merged) and [DONE]; an engine error ends the stream with an
+    error body."""
+    jobs: list[Job] = []
+    answers = [_answer(svc, p, chat, c, canvas, jobs) for p, c in zip(preps, chunks)]
+    async with aclosing(answers[0] if len(answers) == 1 else _interleave(answers)) as items:
+        async for item in items:
+            yield item
+    if any(job.error is not None for job in jobs):
+        return
+    if include_usage:
+        prep = preps[0]
+        yield chunks[0].usage(merged_usage([usage(len(prep.prompt_ids), j.stats, j.cached_tokens) for j in jobs]))
+    yield _sse("[DONE]")
 
 
 def streamer(svc: CloverService, req: Any, chat: bool, chunks: Callable[..., ChatChunks | CompletionChunks]
               ) -> Callable[[Prepared], AsyncIterator[dict[str, str]]]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     canvas = bool(getattr(req, "clover_canvas", False))  # a chat request's extension (docs/serve.md, "Web chat")
-    return lambda prep: _stream(svc, prep, chat, include_usage, chunks(svc, req, prep), canvas)
+
+    def stream(prep: Prepared) -> AsyncIterator[dict[str, str]]:
+        preps, per_answer = _per_answer(prep, lambda p: chunks(svc, req, p))
+        return _stream(svc, preps, chat, include_usage, per_answer, canvas)
+
+    return stream
+
+
+def _per_answer(prep: Prepared, make: Callable[[Prepared], ChatChunks | CompletionChunks]
+                ) -> tuple[list[Prepared], list[ChatChunks | CompletionChunks]]:
+    """n answers: answer i samples with seed + i; their chunks share the response's id and carry their index."""
+    preps = answers(prep)
+    chunks = [make(p) for p in preps]
+    for i, c in enumerate(chunks):
+        c.cid, c.created, c.index = chunks[0].cid, chunks[0].created, i
+    return preps, chunks

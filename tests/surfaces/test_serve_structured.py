@@ -234,6 +234,23 @@ def test_n_answers_on_slots(server: str) -> None:
     assert status == 400 and body["error"]["param"] == "n"
 
 
+def test_n_answers_streamed(client: Any, server: str) -> None:
+    """Streamed, the two answers' chunks interleave under one id, each choice with its index, and each answer's
+    text equals the whole (non-streamed) answer of the same request."""
+    request = dict(n=2, temperature=1.0, seed=21, max_tokens=12)
+    whole = _chat(client, "two streams", **request)
+    texts, finished, ids = ["", ""], [None, None], set()
+    for chunk in _chat(client, "two streams", stream=True, stream_options={"include_usage": True}, **request):
+        ids.add(chunk.id)
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finished[c.index] = c.finish_reason or finished[c.index]
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert len(ids) == 1 and all(finished)
+    assert texts == [c.message.content for c in whole.choices]
+
+
 # ------------------------------------------------------------------------------------------ bad input
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
