@@ -164,14 +164,18 @@ bool clover_block_draft(clover_run & run, int32_t width, const std::vector<llama
         conf[j]   = prefix_rate.q(j + 1);
     }
     clover_window_counts counts(run, canvas);  // the prefix counts for the penalties of the targets after it
+    clover_draft_grammar grammar(run);         // drafts the grammar allows after the ones before (verification decides)
+    for (int32_t j = 0; j < k; ++j) {
+        grammar.known(run, prefix[j]);
+    }
     for (int32_t j = k; j < width; ++j) {
         float * logits = clover_get_row(slot, j);
         if (!logits) {
             return false;
         }
         counts.advance(j);
-        clover_dist_apply(run, logits, false);  // drafts skip the grammar: verification enforces it
-        drafts[j] = clover_argmax(run.smp, logits, slot->n_vocab);
+        clover_dist_apply(run, logits, false);
+        drafts[j] = grammar.draft(run, logits);
         conf[j]   = clover_prob(run.smp, logits, slot->n_vocab, drafts[j], logits[drafts[j]]);
     }
     return true;

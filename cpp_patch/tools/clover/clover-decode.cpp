@@ -429,14 +429,19 @@ static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_toke
     }
     std::vector<llama_token> known(canvas);  // the targets known at the start of this pass (spec 4, penalties)
     clover_window_counts counts(run, known);
-    for (int32_t j : masked) {
+    clover_draft_grammar grammar(run);       // drafts the grammar allows after the ones before (verification decides)
+    for (int32_t j = 0; j < width; ++j) {
+        if (known[j] != CLOVER_EMPTY) {
+            grammar.known(run, known[j]);
+            continue;
+        }
         float * logits = clover_get_row(slot, j);
         if (!logits) {
             return false;
         }
         counts.advance(j);
-        clover_dist_apply(run, logits, false);  // drafts skip the grammar: verification enforces it
-        canvas[j] = clover_argmax(run.smp, logits, slot->n_vocab);
+        clover_dist_apply(run, logits, false);
+        canvas[j] = grammar.draft(run, logits);
     }
     return true;
 }

@@ -256,6 +256,22 @@ inline constexpr llama_token CLOVER_EMPTY = -1;  // an unfilled canvas target
 
 void clover_dist_count(clover_run & run, llama_token token, int32_t delta);
 
+// Drafts under the call's grammar (spec and auto): a copy of its state, advanced over the window's tokens in order,
+// so that each draft is the best token the grammar allows after the drafts before it, and grammatical drafts can be
+// accepted. Verification still decides; a window the grammar cannot follow ends the copy (later drafts are plain).
+class clover_draft_grammar {
+  public:
+    explicit clover_draft_grammar(const clover_run & run);
+    // a token the window already holds (an n-gram prefix, a target a LowConfidence step filled)
+    void        known(clover_run & run, llama_token token);
+    // the draft for the next target, from its adjusted logits
+    llama_token draft(clover_run & run, float * logits);
+
+  private:
+    llama_sampler_ptr state;  // NULL: no grammar, or the window left it
+    clover_utf8       utf8;
+};
+
 // The penalties inside a window (spec 4): for a target, the window's targets known at the start of the step, at
 // earlier positions, count as well. advance(j) counts the known targets before j (call it with rising j); the
 // counts are taken back when this goes out of scope.

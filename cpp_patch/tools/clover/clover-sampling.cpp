@@ -224,22 +224,22 @@ static const std::vector<std::string> & clover_pieces(clover_slot * slot) {
 
 // whether the token keeps the constrained text well-formed UTF-8 (an end-of-generation token: when no character
 // is left half-written)
-static bool clover_utf8_allows(clover_run & run, llama_token token) {
+static bool clover_utf8_allows(clover_run & run, const clover_utf8 & utf8, llama_token token) {
     if (run.is_stop(token)) {
-        return run.dist.utf8.need == 0;
+        return utf8.need == 0;
     }
-    clover_utf8 next = run.dist.utf8;
+    clover_utf8 next = utf8;
     return next.feed(clover_pieces(run.slot)[token]);
 }
 
 // the grammar's full mask: what it forbids after the response so far goes to -inf. Only the candidates that can
 // still win are checked: the excluded ids and -inf logits stay out of the grammar's work.
-static void clover_grammar_mask(clover_run & run, float * logits) {
+static void clover_grammar_mask(clover_run & run, llama_sampler * grammar, const clover_utf8 & utf8, float * logits) {
     clover_dist & d = run.dist;
     d.cur.clear();
     for (int32_t i = 0; i < run.slot->n_vocab; ++i) {
         if (!run.smp.excluded[i] && logits[i] != -std::numeric_limits<float>::infinity()) {
-            if (clover_utf8_allows(run, i)) {
+            if (clover_utf8_allows(run, utf8, i)) {
                 d.cur.push_back({ i, logits[i], 0.0f });
             } else {
                 logits[i] = -std::numeric_limits<float>::infinity();
@@ -247,7 +247,7 @@ static void clover_grammar_mask(clover_run & run, float * logits) {
         }
     }
     llama_token_data_array arr = { d.cur.data(), d.cur.size(), -1, false };
-    llama_sampler_apply(d.grammar_state.get(), &arr);
+    llama_sampler_apply(grammar, &arr);
     for (size_t k = 0; k < arr.size; ++k) {
         logits[arr.data[k].id] = arr.data[k].logit;
     }
@@ -272,7 +272,7 @@ void clover_dist_apply(clover_run & run, float * logits, bool full_grammar) {
         }
     }
     if (full_grammar && d.constrained()) {
-        clover_grammar_mask(run, logits);
+        clover_grammar_mask(run, d.grammar_state.get(), d.utf8, logits);
     }
 }
 
@@ -281,22 +281,68 @@ bool clover_dist_needs_mask(const clover_run & run) {
 }
 
 // whether the grammar allows the token next (one candidate: cheap)
-static bool clover_grammar_allows(clover_run & run, llama_token token, float logit) {
-    if (!clover_utf8_allows(run, token)) {
+static bool clover_grammar_allows(clover_run & run, llama_sampler * grammar, const clover_utf8 & utf8,
+                                  llama_token token, float logit) {
+    if (!clover_utf8_allows(run, utf8, token)) {
         return false;
     }
     llama_token_data one = { token, logit, 0.0f };
     llama_token_data_array arr = { &one, 1, -1, false };
-    llama_sampler_apply(run.dist.grammar_state.get(), &arr);
+    llama_sampler_apply(grammar, &arr);
     return one.logit != -std::numeric_limits<float>::infinity();
+}
+
+// The argmax the grammar allows: the plain argmax when allowed (one check), else the best after the full mask.
+// -1 when nothing is left.
+static llama_token clover_grammar_argmax(clover_run & run, llama_sampler * grammar, const clover_utf8 & utf8,
+                                         float * logits) {
+    const int32_t n_vocab = run.slot->n_vocab;
+    llama_token best = clover_argmax(run.smp, logits, n_vocab);
+    if (!clover_grammar_allows(run, grammar, utf8, best, logits[best])) {
+        clover_grammar_mask(run, grammar, utf8, logits);
+        best = clover_argmax(run.smp, logits, n_vocab);
+    }
+    return logits[best] == -std::numeric_limits<float>::infinity() ? -1 : best;
+}
+
+clover_draft_grammar::clover_draft_grammar(const clover_run & run) {
+    if (run.dist.constrained()) {
+        state.reset(llama_sampler_clone(run.dist.grammar_state.get()));
+        utf8 = run.dist.utf8;
+    }
+}
+
+void clover_draft_grammar::known(clover_run & run, llama_token token) {
+    if (!state) {
+        return;
+    }
+    if (run.is_stop(token) || !clover_grammar_allows(run, state.get(), utf8, token, 0.0f)) {
+        state.reset();  // the drafts after it cannot all be accepted anyway
+        return;
+    }
+    llama_sampler_accept(state.get(), token);
+    utf8.feed(clover_pieces(run.slot)[token]);
+}
+
+llama_token clover_draft_grammar::draft(clover_run & run, float * logits) {
+    if (!state) {
+        return clover_argmax(run.smp, logits, run.slot->n_vocab);
+    }
+    const llama_token best = clover_grammar_argmax(run, state.get(), utf8, logits);
+    if (best < 0) {
+        state.reset();
+        return clover_argmax(run.smp, logits, run.slot->n_vocab);
+    }
+    known(run, best);
+    return best;
 }
 
 llama_token clover_dist_argmax(clover_run & run, float * logits) {
     const int32_t n_vocab = run.slot->n_vocab;
     llama_token best = clover_argmax(run.smp, logits, n_vocab);
-    if (run.dist.constrained() && !clover_dist_needs_mask(run) && !clover_grammar_allows(run, best, logits[best])) {
-        clover_grammar_mask(run, logits);  // the winner is forbidden: the next best the grammar allows
-        best = clover_argmax(run.smp, logits, n_vocab);
+    if (run.dist.constrained() && !clover_dist_needs_mask(run)) {
+        // the winner when allowed, else the next best the grammar allows
+        best = std::max(0, clover_grammar_argmax(run, run.dist.grammar_state.get(), run.dist.utf8, logits));
     }
     if (logits[best] == -std::numeric_limits<float>::infinity()) {
         run.slot->last_error = run.dist.constrained()
