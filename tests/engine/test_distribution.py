@@ -174,8 +174,8 @@ def test_logit_bias_keeps_spec_and_auto_equal_to_ar(tiny: Tiny) -> None:
 
 @pytest.mark.parametrize("extra", ["grammar", "grammar+penalties+bias"])
 def test_grammar_keeps_spec_auto_and_diffusion_equal_to_ar(tiny: Tiny, extra: str) -> None:
-    """A grammar is enforced in verification (drafts ignore it), so constrained spec and auto stay lossless; diffusion
-    with a grammar runs as auto, so it equals ar too."""
+    """A grammar is enforced in verification (the drafts follow it, verification decides), so constrained spec and
+    auto stay lossless; diffusion with a grammar runs as auto, so it equals ar too."""
     opts: dict[str, Any] = {"grammar": tiny.grammar, "max_tokens": 200}
     if extra != "grammar":  # a bias towards the ASCII tokens, and one letter banned
         (x,) = tiny.model.tokenize("x")
