@@ -341,10 +341,10 @@ llama_token clover_dist_argmax(clover_run & run, float * logits) {
     const int32_t n_vocab = run.slot->n_vocab;
     llama_token best = clover_argmax(run.smp, logits, n_vocab);
     if (run.dist.constrained() && !clover_dist_needs_mask(run)) {
-        // the winner when allowed, else the next best the grammar allows
-        best = std::max(0, clover_grammar_argmax(run, run.dist.grammar_state.get(), run.dist.utf8, logits));
+        // the winner when allowed, else the next best the grammar allows (-1: none)
+        best = clover_grammar_argmax(run, run.dist.grammar_state.get(), run.dist.utf8, logits);
     }
-    if (logits[best] == -std::numeric_limits<float>::infinity()) {
+    if (best < 0 || logits[best] == -std::numeric_limits<float>::infinity()) {
         run.slot->last_error = run.dist.constrained()
             ? "the grammar allows no token here (with the banned ids and logit_bias): the response cannot go on "
               "(a dead end of the grammar)"
