@@ -215,10 +215,9 @@ struct clover_dist {
     std::vector<uint8_t>     listed;   // n_vocab: already in `seen`
     std::vector<llama_token> seen;     // the ids that were ever counted (the ones a penalty may touch)
 
-    std::string              grammar;       // GBNF, empty = none
-    std::string              grammar_root;
-    std::vector<uint8_t>     grammar_after; // n_vocab, or empty: the grammar starts after one of these tokens
-    llama_sampler_ptr        grammar_state; // NULL until the grammar applies
+    std::vector<uint8_t>     grammar_after;   // n_vocab, or empty: the grammar starts after one of these tokens
+    llama_sampler_ptr        grammar_waiting; // the parsed grammar until one of them comes (grammar_after)
+    llama_sampler_ptr        grammar_state;   // NULL until the grammar applies
     clover_utf8              utf8;          // the constrained text so far: a grammar judges code points, and llama.cpp's
                                             // decoder takes stray or overlong bytes as some, so the mask keeps the
                                             // text well-formed UTF-8 itself

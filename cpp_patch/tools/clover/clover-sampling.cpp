@@ -338,12 +338,10 @@ llama_token clover_draft_grammar::draft(clover_run & run, float * logits) {
 }
 
 llama_token clover_dist_argmax(clover_run & run, float * logits) {
-    const int32_t n_vocab = run.slot->n_vocab;
-    llama_token best = clover_argmax(run.smp, logits, n_vocab);
-    if (run.dist.constrained() && !clover_dist_needs_mask(run)) {
-        // the winner when allowed, else the next best the grammar allows (-1: none)
-        best = clover_grammar_argmax(run, run.dist.grammar_state.get(), run.dist.utf8, logits);
-    }
+    // under a grammar without its full mask: the winner when allowed, else the next best it allows (-1: none)
+    const llama_token best = run.dist.constrained() && !clover_dist_needs_mask(run)
+        ? clover_grammar_argmax(run, run.dist.grammar_state.get(), run.dist.utf8, logits)
+        : clover_argmax(run.smp, logits, run.slot->n_vocab);
     if (best < 0 || logits[best] == -std::numeric_limits<float>::infinity()) {
         run.slot->last_error = run.dist.constrained()
             ? "the grammar allows no token here (with the banned ids and logit_bias): the response cannot go on "
@@ -372,10 +370,8 @@ void clover_dist_produce(clover_run & run, llama_token token) {
     if (d.constrained()) {
         llama_sampler_accept(d.grammar_state.get(), token);
         d.utf8.feed(clover_pieces(run.slot)[token]);
-    } else if (!d.grammar.empty() && !d.grammar_after.empty() && d.grammar_after[token]) {
-        // checked at the call's start, so it parses
-        d.grammar_state.reset(llama_sampler_init_grammar(llama_model_get_vocab(llama_get_model(run.slot->ctx)),
-                                                         d.grammar.c_str(), d.grammar_root.c_str()));
+    } else if (d.grammar_waiting && d.grammar_after[token]) {
+        d.grammar_state = std::move(d.grammar_waiting);  // parsed at the call's start
     }
 }
 
@@ -484,19 +480,22 @@ static bool clover_grammar_opens(llama_sampler * smpl, int32_t n_vocab, const st
     return false;
 }
 
+// A grammar that parses (root NULL or "" = "root") and, unless excluded is NULL, allows some token but the
+// excluded ones at its start; NULL with a message otherwise.
+static llama_sampler * clover_grammar_load(const llama_vocab * vocab, const char * grammar, const char * root,
+                                           const std::vector<uint8_t> * excluded, std::string & err) {
+    llama_sampler_ptr smpl(clover_grammar_init(vocab, grammar ? grammar : "", root && root[0] ? root : "root", err));
+    if (smpl && excluded && !clover_grammar_opens(smpl.get(), llama_vocab_n_tokens(vocab), *excluded)) {
+        err = "grammar: it allows no token of the vocabulary at its start (the mask token and banned ids aside), so "
+              "nothing could be generated";
+        return nullptr;
+    }
+    return smpl.release();
+}
+
 int32_t clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root,
                              const std::vector<uint8_t> & excluded, std::string & err) {
-    const std::string r = root && root[0] ? root : "root";
-    llama_sampler_ptr smpl(clover_grammar_init(vocab, grammar ? grammar : "", r, err));
-    if (!smpl) {
-        return -1;
-    }
-    if (!clover_grammar_opens(smpl.get(), llama_vocab_n_tokens(vocab), excluded)) {
-        err = "grammar: it allows no token of the vocabulary at its start (the mask token aside), so nothing could "
-              "be generated";
-        return -1;
-    }
-    return 0;
+    return llama_sampler_ptr(clover_grammar_load(vocab, grammar, root, &excluded, err)) ? 0 : -1;
 }
 
 // the call's penalties: its own, or the GGUF's where it gives NaN (spec 4)
@@ -554,14 +553,8 @@ bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params
     if (!params->grammar || !params->grammar[0]) {
         return true;
     }
-    d.grammar      = params->grammar;
-    d.grammar_root = params->grammar_root && params->grammar_root[0] ? params->grammar_root : "root";
-    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(slot->ctx));
-    llama_sampler_ptr smpl(clover_grammar_init(vocab, d.grammar, d.grammar_root, err));
-    if (!smpl) {
-        return false;
-    }
-    if (params->n_grammar_after_ids > 0) {
+    const bool lazy = params->n_grammar_after_ids > 0;  // no start check: the grammar starts after a trigger token
+    if (lazy) {
         d.grammar_after.assign(slot->n_vocab, 0);
         for (int32_t i = 0; i < params->n_grammar_after_ids; ++i) {
             const llama_token id = params->grammar_after_ids[i];
@@ -571,14 +564,13 @@ bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params
             }
             d.grammar_after[id] = 1;
         }
-        return true;
     }
-    if (!clover_grammar_opens(smpl.get(), slot->n_vocab, excluded)) {
-        err = "grammar: it allows no token of the vocabulary at its start (the mask token and banned ids aside), so "
-              "nothing could be generated";
+    llama_sampler_ptr smpl(clover_grammar_load(llama_model_get_vocab(llama_get_model(slot->ctx)), params->grammar,
+                                               params->grammar_root, lazy ? nullptr : &excluded, err));
+    if (!smpl) {
         return false;
     }
-    d.grammar_state = std::move(smpl);
+    (lazy ? d.grammar_waiting : d.grammar_state) = std::move(smpl);
     return true;
 }
 // flags[t] = 1 for each of the n ids; an id outside the vocabulary is an error naming `what`
