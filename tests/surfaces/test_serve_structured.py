@@ -220,13 +220,15 @@ def test_logit_bias(server: str) -> None:
 
 def test_n_answers_on_slots(server: str) -> None:
     """n = 2 runs on the two slots; answer i samples with seed + i, so answer 1 equals a lone request with seed + 1."""
+    # ar: a sampled auto answer depends on its timed draft decisions, so only ar's is fixed by the seed
     status, body = post(server + "/v1/chat/completions", {"model": MODEL_ID, "n": 2, "temperature": 1.0, "seed": 11,
+                                                          "mode": "ar",
                                                           "max_tokens": 16, "return_token_ids": True, **THINK_OFF,
                                                           "messages": [{"role": "user", "content": "two answers"}]})
     assert status == 200, body
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
-    (alone,) = _ids(server, "two answers", temperature=1.0, seed=12, max_tokens=16)
+    (alone,) = _ids(server, "two answers", temperature=1.0, seed=12, max_tokens=16, mode="ar")
     assert body["choices"][1]["token_ids"] == alone
     status, body = post(server + "/v1/chat/completions", {"model": MODEL_ID, "n": 3, "max_tokens": 4,
                                                           "messages": [{"role": "user", "content": "x"}]})
