@@ -5,6 +5,7 @@ the near-tie rule of the engine tests), and the passes must really have been bat
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,7 @@ def test_slots_that_do_not_fit_host_memory_are_refused_with_the_numbers(tiny_ggu
         assert one.n_parallel == 1
 
 
+@pytest.mark.native
 def test_slots_with_the_block_coreset_equal_their_solo_runs(tiny_checkpoint: Path, tiny_model: Any,
                                                             tmp_path: Path) -> None:
     """spec 3.3 in a batched pass: one coreset per sequence's window. Two diffusion slots of a GGUF whose
@@ -104,18 +106,30 @@ def test_slots_with_the_block_coreset_equal_their_solo_runs(tiny_checkpoint: Pat
     from clover_cpp.model import Model
 
     gguf = clover_convert(tiny_checkpoint, tmp_path / "tiny-core05.gguf", "f32", "--coreset-top-p", "0.5")
+    # A tiny model's 24 tokens take milliseconds, so two threads started together need not overlap at all. Slot 0
+    # holds its first tokens' callback (the engine lets the other slots on meanwhile) until slot 1 is about to
+    # generate, and then a while longer so that slot 1 enters the rounds before slot 0's next pass.
+    slot1_starting = threading.Event()
 
-    def diffusion(model: Any, i: int) -> tuple[list[int], list[int]]:
+    def hold_for_slot1(_: Any) -> bool:
+        if not slot1_starting.is_set():
+            assert slot1_starting.wait(60), "slot 1 did not start"
+            time.sleep(0.5)
+        return True
+
+    def diffusion(model: Any, i: int, overlap: bool = False) -> tuple[list[int], list[int]]:
         model.reset()
         ids = model.tokenize(PROMPTS[i])
+        if overlap and i == 1:
+            slot1_starting.set()
         return ids, list(model.run(ids, mode="diffusion", block_size=8, threshold=0.006, max_tokens=24,
-                                   stop_ids=[]).tokens)
+                                   stop_ids=[], on_tokens=hold_for_slot1 if overlap and i == 0 else None).tokens)
 
     with Model(gguf, n_ctx=1024) as solo:
         assert abs(solo.info.coreset_top_p - 0.5) < 1e-7
         want = [diffusion(solo, i) for i in range(2)]
     with Model(gguf, n_ctx=2048, n_parallel=2) as model:
-        got = run_concurrently(lambda i: diffusion(model.slot(i), i), 2)
+        got = run_concurrently(lambda i: diffusion(model.slot(i), i, overlap=True), 2)
         passes, rounds = model.pass_stats()
     ledger = Ledger()
     for i in range(2):
