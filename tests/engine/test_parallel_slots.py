@@ -22,6 +22,28 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Point:\n    
 FOLLOW_UPS = ["\n# now the tests\n", "\ndef main():\n", "\n    def norm(self):\n", "\nprint('done')\n", "\nx = 1\n"]
 
 
+class Overlap:
+    """Makes two slots' generations overlap. A tiny model's answer takes milliseconds, so two threads started
+    together need not meet in a round at all on a loaded machine. Slot 0 holds its first tokens' callback, which
+    the engine runs outside the shared lock with the slot still counted as generating, until slot 1 is about to
+    generate, and half a second longer so that slot 1 is inside the engine before slot 0's next pass."""
+
+    def __init__(self) -> None:
+        self.first_started = threading.Event()
+        self.second_starting = threading.Event()
+
+    def first_tokens(self, _: list[int]) -> bool:
+        if not self.second_starting.is_set():
+            self.first_started.set()
+            assert self.second_starting.wait(60), "slot 1 did not start"
+            time.sleep(0.5)
+        return True
+
+    def second_starts(self) -> None:
+        assert self.first_started.wait(60), "slot 0 did not start"
+        self.second_starting.set()
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("slots") / "tiny-f32.gguf", "f32")
@@ -106,30 +128,22 @@ def test_slots_with_the_block_coreset_equal_their_solo_runs(tiny_checkpoint: Pat
     from clover_cpp.model import Model
 
     gguf = clover_convert(tiny_checkpoint, tmp_path / "tiny-core05.gguf", "f32", "--coreset-top-p", "0.5")
-    # A tiny model's 24 tokens take milliseconds, so two threads started together need not overlap at all. Slot 0
-    # holds its first tokens' callback (the engine lets the other slots on meanwhile) until slot 1 is about to
-    # generate, and then a while longer so that slot 1 enters the rounds before slot 0's next pass.
-    slot1_starting = threading.Event()
+    overlap = Overlap()
 
-    def hold_for_slot1(_: Any) -> bool:
-        if not slot1_starting.is_set():
-            assert slot1_starting.wait(60), "slot 1 did not start"
-            time.sleep(0.5)
-        return True
-
-    def diffusion(model: Any, i: int, overlap: bool = False) -> tuple[list[int], list[int]]:
+    def diffusion(model: Any, i: int, concurrent: bool = False) -> tuple[list[int], list[int]]:
         model.reset()
         ids = model.tokenize(PROMPTS[i])
-        if overlap and i == 1:
-            slot1_starting.set()
+        if concurrent and i == 1:
+            overlap.second_starts()
         return ids, list(model.run(ids, mode="diffusion", block_size=8, threshold=0.006, max_tokens=24,
-                                   stop_ids=[], on_tokens=hold_for_slot1 if overlap and i == 0 else None).tokens)
+                                   stop_ids=[], on_tokens=overlap.first_tokens if concurrent and i == 0 else None)
+                         .tokens)
 
     with Model(gguf, n_ctx=1024) as solo:
         assert abs(solo.info.coreset_top_p - 0.5) < 1e-7
         want = [diffusion(solo, i) for i in range(2)]
     with Model(gguf, n_ctx=2048, n_parallel=2) as model:
-        got = run_concurrently(lambda i: diffusion(model.slot(i), i, overlap=True), 2)
+        got = run_concurrently(lambda i: diffusion(model.slot(i), i, concurrent=True), 2)
         passes, rounds = model.pass_stats()
     ledger = Ledger()
     for i in range(2):
@@ -151,13 +165,13 @@ def test_a_long_prompt_in_chunks_shares_its_rounds(tiny_gguf: Path, tiny_model: 
     long = [(7 * i) % 2900 + 50 for i in range(300)]
     with Model(tiny_gguf, n_ctx=1024) as solo:
         want = [solo.run(p, mode="ar", max_tokens=n, stop_ids=[]).tokens for p, n in ((short, 48), (long, 8))]
-    decoding = threading.Event()  # the prompt is chunked only while another slot generates: slot 1 goes first
+    overlap = Overlap()  # the prompt is chunked only while another slot generates: slot 0 goes first
 
     def run(i: int) -> list[int]:
         if i == 1:
-            assert decoding.wait(60), "slot 0 did not start"
+            overlap.second_starts()
         return model.slot(i).run((short, long)[i], mode="ar", max_tokens=(48, 8)[i], stop_ids=[],
-                                 on_tokens=lambda _: decoding.set() or True).tokens
+                                 on_tokens=overlap.first_tokens if i == 0 else None).tokens
 
     with Model(tiny_gguf, n_ctx=2048, n_parallel=2, prefill_chunk=16) as model:
         got = run_concurrently(run, 2)
