@@ -225,7 +225,9 @@ class _Call:
                  on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None) -> None:
         L = libclover.lib()
         self.model = model
-        self.mode = params.mode
+        # the engine runs a constrained diffusion call as auto (docs/decoding.md, "Constrained decoding"): its stats
+        # are auto's, so they are named so
+        self.mode = "auto" if params.mode == "diffusion" and params.grammar else params.mode
         self.block_size = int(params.block_size or model.info.block_size)
         self.threshold = float(model.info.threshold_for(self.block_size) if params.threshold is None
                                else params.threshold)

@@ -142,6 +142,7 @@ def _compare_modes(e: Tiny, name: str, prompt: list[int], opts: dict[str, Any], 
             "auto/block": e.run(prompt, "auto", costs=BLOCK, block_size=8, **opts)}
     if diffusion:
         runs["diffusion"] = e.run(prompt, "diffusion", block_size=8, threshold=0.5, **opts)
+        assert runs["diffusion"].stats.mode == "auto" and runs["diffusion"].stats.auto_rounds, "named as it ran"
     for mode, r in runs.items():
         LEDGER.check_margin(f"{name}/{mode}", r.tokens, ar.tokens, margin)
     return ar, runs
