@@ -135,8 +135,8 @@ def _read_text(path: str, what: str, flag: str) -> str:
 @contextmanager
 def _native_stderr() -> Iterator[list[str]]:
     """What native code writes to stderr (fd 2) inside the body, as a list of lines after it; sys.stderr is left
-    alone. llama.cpp prints a GBNF parse error's reason and the schema converter's warnings with fprintf, past its
-    log callback: caught here, they become part of one error line, or warnings of their own."""
+    alone. llama.cpp's JSON-schema converter prints its warnings with fprintf, past its log callback: caught here,
+    they become warnings of their own."""
     lines: list[str] = []
     sys.stderr.flush()
     with tempfile.TemporaryFile() as tmp:
@@ -195,15 +195,10 @@ def check_grammar(model: Model, args: argparse.Namespace, params: GenParams) -> 
     a BadInput naming the option and, for a syntax error, llama.cpp's reason."""
     if not params.grammar:
         return
-    flag = grammar_flag(args) or "grammar"
-    with _native_stderr() as printed:
-        try:
-            model.check_grammar(params.grammar)
-            return
-        except BadInput as exc:
-            message = str(exc).removeprefix("grammar: ")
-    reasons = [line.split("error parsing grammar: ", 1)[1] for line in printed if "error parsing grammar: " in line]
-    raise BadInput(f"{flag}: {message}" + (f" ({reasons[0]})" if reasons else ""))
+    try:
+        model.check_grammar(params.grammar)
+    except BadInput as exc:
+        raise BadInput(f"{grammar_flag(args) or 'grammar'}: {str(exc).removeprefix('grammar: ')}") from None
 
 
 def at_least(*checks: tuple[str, int | float | None, int]) -> None:

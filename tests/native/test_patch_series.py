@@ -14,7 +14,7 @@ from scripts import patch_series
 from clover_cpp import cpu, loader
 
 UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-rollback", "model-load-hparams-errors",
-                       "graph-cache"}
+                       "graph-cache", "grammar-parse-error-to-log"}
 
 
 @pytest.mark.native

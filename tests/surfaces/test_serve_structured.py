@@ -280,6 +280,20 @@ def test_bad_input_is_a_400(server: str, fields: dict[str, Any], param: str) -> 
     assert body["error"]["param"].startswith(param.split(".")[0]), body
 
 
+@pytest.mark.parametrize(("grammar", "reason"), [
+    ("root ::= undefined-rule", "Undefined rule identifier 'undefined-rule'"),
+    ('root ::= "a', "unexpected end of input"),
+    ("root ::= [a-", "unexpected end of input"),
+])
+def test_a_grammar_error_gives_llama_cpps_reason(server: str, grammar: str, reason: str) -> None:
+    """The 400 tells the client why its GBNF does not parse, in llama.cpp's words."""
+    status, body = post(server + "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 4, **THINK_OFF,
+                                                          "grammar": grammar,
+                                                          "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and body["error"]["param"] == "grammar", body
+    assert f"llama.cpp's GBNF parser rejected it: {reason}" in body["error"]["message"], body
+
+
 def test_grammar_that_allows_nothing(server: str) -> None:
     """A grammar whose only token is the mask token (always banned) is refused before anything runs; one that
     dead-ends after its first token ends the answer with a 400, never a hang."""

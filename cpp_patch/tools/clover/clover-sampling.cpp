@@ -415,7 +415,9 @@ clover_logprob clover_dist_logprob(const clover_run & run, const float * logits,
     return out;
 }
 
-// llama.cpp's messages while a grammar is parsed (its parser reports through the log callback), kept for the error
+// llama.cpp's messages while a grammar is parsed (its parser reports through the log callback): the errors are
+// kept for the error the caller gets, and only there (a caller's bad grammar is not the host's error to log); the
+// rest go on to the host's callback
 struct clover_log_capture {
     ggml_log_callback prev_cb   = nullptr;
     void            * prev_data = nullptr;
@@ -425,12 +427,38 @@ struct clover_log_capture {
         auto * self = (clover_log_capture *) data;
         if (level == GGML_LOG_LEVEL_ERROR) {
             self->errors += text;
-        }
-        if (self->prev_cb) {
+        } else if (self->prev_cb) {
             self->prev_cb(level, text, self->prev_data);
         }
     }
 };
+
+// The reason in llama.cpp's grammar errors: the parser's "parse: error parsing grammar: <why>\n\n<source>" gives
+// <why> (its first line, cut at 200 bytes: it quotes the rest of the source), else the messages on one line
+static std::string clover_grammar_reason(const std::string & errors) {
+    static const std::string tag = "error parsing grammar: ";
+    std::string why;
+    const size_t at = errors.find(tag);
+    if (at != std::string::npos) {
+        why = errors.substr(at + tag.size());
+        why = why.substr(0, why.find('\n'));
+        if (why.size() > 200) {
+            size_t n = 200;
+            while (n > 0 && ((unsigned char) why[n] & 0xC0) == 0x80) {
+                n--;  // not inside a UTF-8 character
+            }
+            why = why.substr(0, n) + "...";
+        }
+    } else {
+        for (char c : errors) {
+            why += c == '\n' ? ' ' : c;
+        }
+    }
+    while (!why.empty() && why.back() == ' ') {
+        why.pop_back();
+    }
+    return why;
+}
 
 // A grammar sampler for the vocabulary, or NULL with a message: the parse errors llama.cpp logged, and a grammar
 // that allows no token at its start. The log callback is swapped for the call, under a lock, so that two checks
@@ -452,10 +480,7 @@ static llama_sampler * clover_grammar_init(const llama_vocab * vocab, const std:
         llama_log_set(capture.prev_cb, capture.prev_data);
     }
     if (!smpl) {
-        std::string why = capture.errors;
-        while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) {
-            why.pop_back();
-        }
+        const std::string why = clover_grammar_reason(capture.errors);
         err = "grammar: llama.cpp's GBNF parser rejected it" + (why.empty() ? std::string() : ": " + why);
         return nullptr;
     }
