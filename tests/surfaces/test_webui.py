@@ -3,7 +3,8 @@ browser: Debian's chromium driven by selenium, against a live server on the ship
 (models/clover-demo, converted to f16), never a mocked engine.
 
 The page loads and answers a chat (text, the reasoning block, the stats); the block canvas fills during a
-diffusion answer (the stream is held at one canvas frame to look at the page mid-answer); with --api-key the page
+diffusion answer (the stream is held at one canvas frame to look at the page mid-answer); Stop keeps the partial
+answer and New chat starts an empty conversation; with --api-key the page
 asks for the key and then works; --no-webui gives a 404. A missing chromium or chromedriver is a skip, and a
 failure under CLOVER_REQUIRE_NATIVE=1 (`make setup` installs them). CLOVER_WEBUI_SCREENSHOTS=DIR also saves the
 docs' screenshots there (``CLOVER_WEBUI_SCREENSHOTS=docs/img pytest tests/surfaces/test_webui.py``).
@@ -242,6 +243,40 @@ def test_canvas_fills_during_a_diffusion_answer(server: str, browser: Any, tmp_p
     assert int(answer.get_attribute("data-canvas-mixed")) >= 1
     assert int(answer.get_attribute("data-canvas-frames")) >= int(_stat(answer, "passes").split()[0]) // 2
     assert _stat(answer, "mode").startswith("diffusion B=32")
+
+
+def test_stop_keeps_the_partial_answer_and_new_chat_starts_afresh(server: str, browser: Any) -> None:
+    """Stop ends the answer where it is and keeps it (the stream is held mid-answer, so Stop comes before the end);
+    New chat empties the page and the conversation: its next request holds only the new prompt."""
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    alone = json.loads(_http(server + "/v1/chat/completions", body)[2])["usage"]["prompt_tokens"]
+
+    _open(browser, server)
+    browser.execute_script(HOLD_JS)
+    _settings(browser, mode="diffusion", thinking=False, max_tokens=128)
+    index = _send(browser, PROMPT)
+    _wait(browser, lambda d: d.execute_script("return window.__hold.held")
+          or _answers(d)[index].get_attribute("data-state") != "streaming")
+    assert browser.execute_script("return window.__hold.held"), "no canvas frame to hold after a committed block"
+    stop, send = browser.find_element(By.ID, "stop"), browser.find_element(By.ID, "send")
+    assert stop.is_displayed() and not send.is_displayed()
+    shown = _answers(browser)[index].find_element(By.CSS_SELECTOR, ".content").text
+    stop.click()
+    browser.execute_script("window.__hold.release()")
+    _wait(browser, lambda d: _answers(d)[index].get_attribute("data-state") != "streaming")
+    answer = _answers(browser)[index]
+    assert answer.get_attribute("data-state") == "stopped"
+    kept = answer.find_element(By.CSS_SELECTOR, ".content").text
+    assert shown and kept.startswith(shown), (shown, kept)
+    assert send.is_displayed() and not stop.is_displayed()
+
+    browser.find_element(By.ID, "new-chat").click()
+    assert not browser.find_elements(By.CSS_SELECTOR, ".msg")
+    _settings(browser, mode="ar", max_tokens=4)
+    _finished(browser, _send(browser, PROMPT))
+    recent = json.loads(_http(server + "/health")[2])["recent"]
+    assert recent[-1]["prompt_tokens"] == alone, "New chat: the request holds the new prompt only"
 
 
 def test_canvas_chunks_are_opt_in(server: str) -> None:
