@@ -206,7 +206,7 @@ class EngineWorker:
                 "cached_tokens": job.cached_tokens,
                 "generated_tokens": s.generated_tokens if s else 0,
                 "stop_reason": s.stop_reason if s else ("cancelled" if job.cancelled else "error"),
-                "mode": job.params.mode,
+                "mode": s.mode if s else job.params.mode,  # the mode it ran (diffusion with a grammar: auto)
                 "slot": slot,
                 "seconds": round(time.perf_counter() - start, 4),
             })

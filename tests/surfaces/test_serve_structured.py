@@ -96,6 +96,8 @@ def test_json_schema_at_temperature(client: Any, mode: str) -> None:
                   max_tokens=160, extra_body={"mode": mode})
         _json_answer(r.choices[0], schema)
         finished += r.choices[0].finish_reason == "stop"
+        ran = (r.usage.model_extra or {})["clover"]["mode"]
+        assert ran == ("auto" if mode == "diffusion" else mode), "usage names the mode the answer ran in"
     assert finished >= 10, f"only {finished} of 20 answers finished within 160 tokens: the test checks too little"
 
 
