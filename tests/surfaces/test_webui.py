@@ -167,6 +167,18 @@ def _send(driver: Any, text: str) -> int:
     return n
 
 
+def _held_diffusion_answer(driver: Any, url: str) -> int:
+    """A fresh page sends PROMPT in diffusion, its stream held at one canvas frame (HOLD_JS); the answer's index."""
+    _open(driver, url)
+    driver.execute_script(HOLD_JS)
+    _settings(driver, mode="diffusion", thinking=False, max_tokens=128)
+    index = _send(driver, PROMPT)
+    _wait(driver, lambda d: d.execute_script("return window.__hold.held")
+          or _answers(d)[index].get_attribute("data-state") != "streaming")
+    assert driver.execute_script("return window.__hold.held"), "no canvas frame to hold after a committed block"
+    return index
+
+
 def _finished(driver: Any, index: int) -> Any:
     _wait(driver, lambda d: _answers(d)[index].get_attribute("data-state") != "streaming")
     answer = _answers(driver)[index]
@@ -219,13 +231,7 @@ def test_page_answers_with_reasoning_and_stats(server: str, browser: Any, tmp_pa
 
 
 def test_canvas_fills_during_a_diffusion_answer(server: str, browser: Any, tmp_path: Path) -> None:
-    _open(browser, server)
-    browser.execute_script(HOLD_JS)
-    _settings(browser, mode="diffusion", thinking=False, max_tokens=128)
-    index = _send(browser, PROMPT)
-    _wait(browser, lambda d: d.execute_script("return window.__hold.held")
-          or _answers(d)[index].get_attribute("data-state") != "streaming")
-    assert browser.execute_script("return window.__hold.held"), "no canvas frame to hold after a committed block"
+    index = _held_diffusion_answer(browser, server)
     answer = _answers(browser)[index]
     assert answer.get_attribute("data-state") == "streaming"
     frame = browser.execute_script("return window.__hold.frame")
@@ -252,13 +258,7 @@ def test_stop_keeps_the_partial_answer_and_new_chat_starts_afresh(server: str, b
             "chat_template_kwargs": {"enable_thinking": False}}
     alone = json.loads(_http(server + "/v1/chat/completions", body)[2])["usage"]["prompt_tokens"]
 
-    _open(browser, server)
-    browser.execute_script(HOLD_JS)
-    _settings(browser, mode="diffusion", thinking=False, max_tokens=128)
-    index = _send(browser, PROMPT)
-    _wait(browser, lambda d: d.execute_script("return window.__hold.held")
-          or _answers(d)[index].get_attribute("data-state") != "streaming")
-    assert browser.execute_script("return window.__hold.held"), "no canvas frame to hold after a committed block"
+    index = _held_diffusion_answer(browser, server)
     stop, send = browser.find_element(By.ID, "stop"), browser.find_element(By.ID, "send")
     assert stop.is_displayed() and not send.is_displayed()
     shown = _answers(browser)[index].find_element(By.CSS_SELECTOR, ".content").text
