@@ -24,6 +24,7 @@ CLOVER_MODE_DIFFUSION = 1
 CLOVER_MODE_SPEC = 2
 CLOVER_MODE_AUTO = 3
 MODES = {"ar": CLOVER_MODE_AR, "diffusion": CLOVER_MODE_DIFFUSION, "spec": CLOVER_MODE_SPEC, "auto": CLOVER_MODE_AUTO}
+MODE_NAMES = {v: k for k, v in MODES.items()}
 
 # enum clover_draft_kind (clover_stats.auto_rounds)
 DRAFT_KINDS = ("none", "ngram", "block")
@@ -165,6 +166,7 @@ class clover_stats(ctypes.Structure):
         ("auto_accepted_block", ctypes.c_int32),
         ("costs", clover_pass_costs),
         ("n_graph_reuses", ctypes.c_int32),
+        ("mode", ctypes.c_int32),
     ]
 
 

@@ -147,8 +147,9 @@ class Stats(RunStats):
     graph_reuses: int = 0  # decode-time passes that reused a built graph; the others built theirs
 
     @classmethod
-    def from_c(cls, s: libclover.clover_stats, mode: str, block_size: int, threshold: float,
-               wall_s: float, threads: int) -> "Stats":
+    def from_c(cls, s: libclover.clover_stats, block_size: int, threshold: float, wall_s: float,
+               threads: int) -> "Stats":
+        mode = libclover.MODE_NAMES[int(s.mode)]  # the mode the call ran in (diffusion with a grammar: auto)
         auto = mode == "auto"
         return cls(mode, block_size, threshold, int(s.n_prompt_tokens), int(s.n_generated),
                    int(s.n_block_passes), int(s.n_causal_passes), float(s.t_prefill_ms), float(s.t_block_ms),
@@ -225,9 +226,6 @@ class _Call:
                  on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None) -> None:
         L = libclover.lib()
         self.model = model
-        # the engine runs a constrained diffusion call as auto (docs/decoding.md, "Constrained decoding"): its stats
-        # are auto's, so they are named so
-        self.mode = "auto" if params.mode == "diffusion" and params.grammar else params.mode
         self.block_size = int(params.block_size or model.info.block_size)
         self.threshold = float(model.info.threshold_for(self.block_size) if params.threshold is None
                                else params.threshold)
@@ -329,7 +327,7 @@ class _Call:
         return int(rc), time.perf_counter() - start
 
     def result_stats(self, wall_s: float) -> Stats:
-        return Stats.from_c(self.stats, self.mode, self.block_size, self.threshold, wall_s, self.model.n_threads)
+        return Stats.from_c(self.stats, self.block_size, self.threshold, wall_s, self.model.n_threads)
 
     def raise_for(self, rc: int) -> None:
         if self.error is not None:

@@ -189,15 +189,16 @@ static bool clover_auto_costs(clover_slot * slot) {
 }
 
 bool clover_dispatch(clover_run & run) {
-    if (run.budget == 0) {
-        run.stats->stop_reason = CLOVER_STOP_LENGTH;
-        return true;
-    }
     // A constrained diffusion call runs as auto (docs/decoding.md, "Constrained decoding"): LowConfidence fills
     // targets out of order, where a grammar can only judge a token after the ones before it; auto's verification
     // keeps the output grammatical and equal to ar's.
     const bool constrained = run.params->grammar && run.params->grammar[0];
     const int32_t mode = run.params->mode == CLOVER_MODE_DIFFUSION && constrained ? CLOVER_MODE_AUTO : run.params->mode;
+    run.stats->mode = mode;
+    if (run.budget == 0) {
+        run.stats->stop_reason = CLOVER_STOP_LENGTH;
+        return true;
+    }
     switch (mode) {
         case CLOVER_MODE_AR:        return clover_run_ar(run);
         case CLOVER_MODE_DIFFUSION: return clover_run_diffusion(run);

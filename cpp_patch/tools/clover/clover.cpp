@@ -320,6 +320,7 @@ int32_t clover_slot_generate(struct clover_slot * slot, const llama_token * prom
     if (!params) {
         params = &defaults;
     }
+    stats->mode = params->mode;  // clover_dispatch names the mode it runs
 
     clover_run run;
     std::string err;

@@ -213,6 +213,8 @@ struct clover_stats {
     int32_t n_graph_reuses;           // of the block and causal passes, those that reused a built graph (the last
                                       // one or a kept one, n_graph_cache); the others built theirs. With several
                                       // slots, a pass counts the reuses of the rounds it waited in.
+    int32_t mode;                     // enum clover_mode the call ran in: the one asked for, except that a call in
+                                      // CLOVER_MODE_DIFFUSION with a grammar runs as CLOVER_MODE_AUTO
 };
 
 // Committed tokens, once per commit (a diffusion block, an accepted draft; ar: per token). Return false to cancel.

@@ -432,7 +432,7 @@ static void clover_cli_print_json(const llama_vocab * vocab, const clover_model_
            "\"steps_per_block\": %s, \"accepted_lengths\": %s, \"stop_reason\": \"%s\", "
            "\"threads\": %d, \"block_ms\": %.17g, \"causal_ms\": %.17g}}\n",
            clover_cli_json_str(text).c_str(), clover_cli_json_ids(prompt_ids).c_str(),
-           clover_cli_json_ids(tokens).c_str(), clover_cli_mode_name(gparams.mode), block_size, (double) threshold,
+           clover_cli_json_ids(tokens).c_str(), clover_cli_mode_name(stats.mode), block_size, (double) threshold,
            stats.n_prompt_tokens, n_out, stats.n_block_passes, stats.n_causal_passes,
            passes ? (double) n_out / passes : 0.0, stats.t_prefill_ms, t_gen,
            stats.t_prefill_ms > 0 ? stats.n_prompt_tokens / (stats.t_prefill_ms / 1000.0) : 0.0,
@@ -496,7 +496,7 @@ int main(int argc, char ** argv) {
         const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
         printf("\n");
         fprintf(stderr, "[%s] %d tokens, %d block + %d causal passes, %.2f tokens/pass, %.1f tok/s, %d threads, stop: %s\n",
-                clover_cli_mode_name(a.gparams.mode), stats.n_generated, stats.n_block_passes, stats.n_causal_passes,
+                clover_cli_mode_name(stats.mode), stats.n_generated, stats.n_block_passes, stats.n_causal_passes,
                 passes ? (double) stats.n_generated / passes : 0.0, t_gen > 0 ? stats.n_generated / (t_gen / 1000.0) : 0.0,
                 n_threads, clover_cli_stop_name(stats.stop_reason));
     }
