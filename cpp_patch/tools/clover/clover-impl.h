@@ -267,6 +267,9 @@ class clover_draft_grammar {
     llama_token draft(clover_run & run, float * logits);
 
   private:
+    // the state after the token, or none when the grammar forbids it or it ends the text
+    void advance(clover_run & run, llama_token token, bool forbidden);
+
     llama_sampler_ptr state;  // NULL: no grammar, or the window left it
     clover_utf8       utf8;
 };

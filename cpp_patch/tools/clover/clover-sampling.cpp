@@ -313,15 +313,9 @@ clover_draft_grammar::clover_draft_grammar(const clover_run & run) {
 }
 
 void clover_draft_grammar::known(clover_run & run, llama_token token) {
-    if (!state) {
-        return;
+    if (state) {
+        advance(run, token, !clover_grammar_allows(run, state.get(), utf8, token, 0.0f));
     }
-    if (run.is_stop(token) || !clover_grammar_allows(run, state.get(), utf8, token, 0.0f)) {
-        state.reset();  // the drafts after it cannot all be accepted anyway
-        return;
-    }
-    llama_sampler_accept(state.get(), token);
-    utf8.feed(clover_pieces(run.slot)[token]);
 }
 
 llama_token clover_draft_grammar::draft(clover_run & run, float * logits) {
@@ -333,8 +327,17 @@ llama_token clover_draft_grammar::draft(clover_run & run, float * logits) {
         state.reset();
         return clover_argmax(run.smp, logits, run.slot->n_vocab);
     }
-    known(run, best);
+    advance(run, best, false);  // clover_grammar_argmax has checked it
     return best;
+}
+
+void clover_draft_grammar::advance(clover_run & run, llama_token token, bool forbidden) {
+    if (forbidden || run.is_stop(token)) {
+        state.reset();  // the drafts after it cannot all be accepted anyway
+        return;
+    }
+    llama_sampler_accept(state.get(), token);
+    utf8.feed(clover_pieces(run.slot)[token]);
 }
 
 llama_token clover_dist_argmax(clover_run & run, float * logits) {
@@ -523,6 +526,19 @@ int32_t clover_check_grammar(const llama_vocab * vocab, const char * grammar, co
     return llama_sampler_ptr(clover_grammar_load(vocab, grammar, root, &excluded, err)) ? 0 : -1;
 }
 
+// flags[t] = 1 for each of the n ids; an id outside the vocabulary is an error naming `what`
+static bool clover_mark_ids(const clover_slot * slot, const llama_token * ids, int32_t n, const char * what,
+                            std::vector<uint8_t> & flags, std::string & err) {
+    for (int32_t i = 0; i < n; ++i) {
+        if (ids[i] < 0 || ids[i] >= slot->n_vocab) {
+            err = clover_format("%s id %d is outside the vocabulary (%d)", what, ids[i], slot->n_vocab);
+            return false;
+        }
+        flags[ids[i]] = 1;
+    }
+    return true;
+}
+
 // the call's penalties: its own, or the GGUF's where it gives NaN (spec 4)
 static bool clover_init_penalties(const clover_slot * slot, const clover_gen_params * params, clover_dist & d,
                                   std::string & err) {
@@ -581,13 +597,9 @@ bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params
     const bool lazy = params->n_grammar_after_ids > 0;  // no start check: the grammar starts after a trigger token
     if (lazy) {
         d.grammar_after.assign(slot->n_vocab, 0);
-        for (int32_t i = 0; i < params->n_grammar_after_ids; ++i) {
-            const llama_token id = params->grammar_after_ids[i];
-            if (id < 0 || id >= slot->n_vocab) {
-                err = clover_format("grammar_after id %d is outside the vocabulary (%d)", id, slot->n_vocab);
-                return false;
-            }
-            d.grammar_after[id] = 1;
+        if (!clover_mark_ids(slot, params->grammar_after_ids, params->n_grammar_after_ids, "grammar_after",
+                             d.grammar_after, err)) {
+            return false;
         }
     }
     llama_sampler_ptr smpl(clover_grammar_load(llama_model_get_vocab(llama_get_model(slot->ctx)), params->grammar,
@@ -598,19 +610,6 @@ bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params
     (lazy ? d.grammar_waiting : d.grammar_state) = std::move(smpl);
     return true;
 }
-// flags[t] = 1 for each of the n ids; an id outside the vocabulary is an error naming `what`
-static bool clover_mark_ids(const clover_slot * slot, const llama_token * ids, int32_t n, const char * what,
-                            std::vector<uint8_t> & flags, std::string & err) {
-    for (int32_t i = 0; i < n; ++i) {
-        if (ids[i] < 0 || ids[i] >= slot->n_vocab) {
-            err = clover_format("%s id %d is outside the vocabulary (%d)", what, ids[i], slot->n_vocab);
-            return false;
-        }
-        flags[ids[i]] = 1;
-    }
-    return true;
-}
-
 // banned and stop ids, temperature, top-k/p and the seeded RNG
 bool clover_init_sampler(const clover_slot * slot, const clover_gen_params * params, clover_sampler & smp,
                                 std::string & err) {
