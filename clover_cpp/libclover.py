@@ -316,11 +316,13 @@ def json_schema_to_grammar(schema_json: str) -> str:
     with the converter's message for text that is not JSON or a schema it cannot express."""
     L = lib()
     err = ctypes.create_string_buffer(2048)
-    n = int(L.clover_json_schema_to_grammar(schema_json.encode(), None, 0, err, len(err)))
+    out = ctypes.create_string_buffer(1 << 16)  # most grammars fit: one conversion (its warnings printed once)
+    n = int(L.clover_json_schema_to_grammar(schema_json.encode(), out, len(out), err, len(err)))
     if n < 0:
         raise NativeError(err.value.decode(errors="replace"))
-    out = ctypes.create_string_buffer(n + 1)
-    L.clover_json_schema_to_grammar(schema_json.encode(), out, len(out), err, len(err))
+    if n >= len(out):  # it did not fit: the length is known now
+        out = ctypes.create_string_buffer(n + 1)
+        L.clover_json_schema_to_grammar(schema_json.encode(), out, len(out), err, len(err))
     return out.value.decode()
 
 
