@@ -28,7 +28,7 @@ from .chat_template import ChatTemplate, TemplateError, load_template
 from .gen_params import MODES, GenParams
 from .model import EngineError, Generation, Model, Stats
 from .loader import NativeError
-from .output_parser import OutputParser, TextEvent, opens_reasoning
+from .output_parser import THINK_CLOSE, OutputParser, TextEvent, opens_reasoning, think_close_id
 from .text_stream import TextPipeline
 
 HELP = """commands:
@@ -456,10 +456,10 @@ class ChatApp:
         ``</think>``: the reasoning stays free (as in serve; docs/decoding.md, "Constrained decoding")."""
         if not self.settings.gen.grammar or not in_reasoning:
             return {}
-        ids = self.model.tokenize("</think>")
-        if len(ids) != 1:
-            raise BadInput("a grammar with thinking needs </think> as one token of the vocabulary; /think off")
-        return {"grammar_after_ids": tuple(ids)}
+        token = think_close_id(self.model.tokenize)
+        if token is None:
+            raise BadInput(f"a grammar with thinking needs {THINK_CLOSE} as one token of the vocabulary; /think off")
+        return {"grammar_after_ids": (token,)}
 
     def _frame(self, user_text: str, tokens: list[int], canvas: list[int] | None, step: int) -> None:
         """One visual frame: the committed text, then the block canvas (masked targets as '_')."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +59,12 @@ class ParsedOutput:
 def opens_reasoning(prompt_text: str) -> bool:
     """True when the prompt ends inside an open ``<think>`` block (the template's thinking-on prompt)."""
     return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
+
+
+def think_close_id(tokenize: Callable[[str], list[int]]) -> int | None:
+    """``</think>``'s id when it is one token of the vocabulary (a grammar can start after it), else None."""
+    ids = tokenize(THINK_CLOSE)
+    return ids[0] if len(ids) == 1 else None
 
 
 def parse_tool_call(body: str) -> ToolCall | None:

@@ -16,10 +16,8 @@ from clover_common.errors import BadInput
 
 from .. import libclover
 from ..model import Model
-from ..output_parser import TOOL_CLOSE, TOOL_OPEN
+from ..output_parser import THINK_CLOSE, TOOL_CLOSE, TOOL_OPEN, think_close_id
 from .schema import ChatCompletionRequest, CloverFields, invalid
-
-THINK_CLOSE = "</think>"
 
 
 @dataclass(frozen=True)
@@ -129,8 +127,8 @@ def grammar_after_ids(model: Model, thinking: bool) -> tuple[int, ...]:
     """With thinking on, the grammar applies after ``</think>`` (the reasoning stays free); its token id."""
     if not thinking:
         return ()
-    ids = model.tokenize(THINK_CLOSE, special=True)
-    if len(ids) != 1:
+    token = think_close_id(model.tokenize)
+    if token is None:
         raise invalid(f"structured output with thinking needs {THINK_CLOSE} as one token of the vocabulary; turn "
                       "thinking off (chat_template_kwargs.enable_thinking = false)", "chat_template_kwargs")
-    return tuple(ids)
+    return (token,)
