@@ -15,7 +15,7 @@ def _token(model: Model, token: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def chat_entries(model: Model, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+def _chat_entries(model: Model, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """``logprobs.content`` items of a chat choice (or of one streamed chunk)."""
     out = []
     for e in entries:
@@ -29,7 +29,7 @@ def chat_entries(model: Model, entries: Sequence[TokenLogprob]) -> list[dict[str
 
 
 def chat_logprobs(model: Model, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    return {"content": chat_entries(model, entries), "refusal": None}
+    return {"content": _chat_entries(model, entries), "refusal": None}
 
 
 def completion_logprobs(model: Model, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from ..model import TokenLogprob
 from ..output_parser import Event, TextEvent, ToolCallEvent
 from ..text_stream import TextPipeline
-from .logprobs import chat_entries, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs
 from .prepare import Prepared, answers
 from .schema import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, completion_chunk, error_body,
                      finish_reason, merged_usage, new_id, now, tool_call_dict, usage)
@@ -32,21 +32,37 @@ def _job_error_body(job: Job) -> dict[str, Any]:
     return error_body("generation failed", "server_error")
 
 
-class ChatChunks:
+class _AnswerChunks:
+    """What the chunks of one streamed answer share: the response's id and time, the choice's index (n > 1), and
+    the logprobs of tokens whose text no chunk has carried yet."""
+
+    def __init__(self, svc: CloverService, prep: Prepared, id_prefix: str) -> None:
+        self.cid, self.created, self.model = new_id(id_prefix), now(), svc.model_id
+        self.svc, self.prep = svc, prep
+        self.index = 0
+        self.pending: list[TokenLogprob] = []
+
+    def _choice_extra(self, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A choice's extra fields, with its index when it is not the first answer's."""
+        return {**(extra or {}), "index": self.index} if self.index else extra
+
+    def _take_pending(self) -> list[TokenLogprob]:
+        entries, self.pending = self.pending, []
+        return entries
+
+
+class ChatChunks(_AnswerChunks):
     """The chunks of a streamed chat completion (chat.completion.chunk): deltas of content, reasoning and
     tool calls."""
 
     def __init__(self, svc: CloverService, req: ChatCompletionRequest, prep: Prepared) -> None:
-        self.cid, self.created, self.model = new_id("chatcmpl"), now(), svc.model_id
-        self.req, self.prep, self.n_calls = req, prep, 0
-        self.svc = svc
-        self.index = 0  # the choice's index (n > 1)
-        self.pending: list[TokenLogprob] = []  # logprobs of tokens whose text no chunk has carried yet
+        super().__init__(svc, prep, "chatcmpl")
+        self.req, self.n_calls = req, 0
 
     def chunk(self, delta: dict[str, Any] | None, finish: str | None = None, extra: dict[str, Any] | None = None,
               usage_block: dict[str, Any] | None = None) -> dict[str, str]:
-        extra = {**(extra or {}), "index": self.index} if self.index else extra
-        return _sse(chat_chunk(self.cid, self.created, self.model, delta, finish, extra, usage_block))
+        return _sse(chat_chunk(self.cid, self.created, self.model, delta, finish, self._choice_extra(extra),
+                               usage_block))
 
     def opening(self) -> list[dict[str, str]]:
         first = {"prompt_token_ids": self.prep.prompt_ids} if self.req.return_token_ids else None
@@ -76,8 +92,7 @@ class ChatChunks:
         """The choice's ``logprobs`` for the pending tokens (taken), or None when there are none."""
         if not self.pending:
             return None
-        entries, self.pending = self.pending, []
-        return {"logprobs": {"content": chat_entries(self.svc.model, entries), "refusal": None}}
+        return {"logprobs": chat_logprobs(self.svc.model, self._take_pending())}
 
     def canvas(self, canvas: Canvas) -> dict[str, str]:
         """``clover_canvas`` requests only: a chunk with no choices whose ``clover_canvas`` is the block's cells,
@@ -96,20 +111,18 @@ class ChatChunks:
         return self.chunk(None, usage_block=block)
 
 
-class CompletionChunks:
+class CompletionChunks(_AnswerChunks):
     """The chunks of a streamed text completion (text_completion)."""
 
     def __init__(self, svc: CloverService, req: CompletionRequest, prep: Prepared) -> None:
-        self.cid, self.created, self.model = new_id("cmpl"), now(), svc.model_id
-        self.req, self.prep, self.svc = req, prep, svc
-        self.index = 0  # the choice's index (n > 1)
-        self.pending: list[TokenLogprob] = []
+        super().__init__(svc, prep, "cmpl")
+        self.req = req
         self.offset = len(prep.echo_text)  # text_offset of the next token
 
     def chunk(self, text: str | None, finish: str | None = None, extra: dict[str, Any] | None = None,
               usage_block: dict[str, Any] | None = None) -> dict[str, str]:
-        extra = {**(extra or {}), "index": self.index} if self.index else extra
-        return _sse(completion_chunk(self.cid, self.created, self.model, text, finish, extra, usage_block))
+        return _sse(completion_chunk(self.cid, self.created, self.model, text, finish, self._choice_extra(extra),
+                                     usage_block))
 
     def opening(self) -> list[dict[str, str]]:
         return [self.chunk(self.prep.echo_text)] if self.prep.echo_text else []
@@ -123,8 +136,7 @@ class CompletionChunks:
     def _take_logprobs(self) -> dict[str, Any] | None:
         if not self.pending:
             return None
-        entries, self.pending = self.pending, []
-        lps = completion_logprobs(self.svc.model, entries, self.offset)
+        lps = completion_logprobs(self.svc.model, self._take_pending(), self.offset)
         self.offset += sum(len(t) for t in lps["tokens"])
         return {"logprobs": lps}
 
