@@ -40,7 +40,7 @@ class Security:
 
     api_keys: tuple[str, ...] = ()
     allowed_hosts: frozenset[str] | None = None  # None: any Host header (not bound to loopback)
-    open_paths: frozenset[str] = frozenset()  # answered without a key besides /health: the web chat's files
+    open_paths: frozenset[str] = frozenset({"/health"})  # answered without a key (and the web chat's files)
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
@@ -83,7 +83,8 @@ async def _send_error(send: Callable[..., Any], status: int, body: dict[str, Any
 
 class Guard:
     """ASGI middleware in front of every route: the Host check (loopback binds), the API keys (every path
-    but /health and ``open_paths``), and the body size limit (413), before FastAPI reads or parses anything."""
+    but ``open_paths``: /health and the web chat's files), and the body size limit (413), before FastAPI reads or
+    parses anything."""
 
     def __init__(self, app: Any, security: Security, max_body_bytes: int) -> None:
         self.app = app
@@ -114,8 +115,7 @@ class Guard:
                 "--host to serve other names)", "invalid_request_error", None, "forbidden_host"))
             return
         path = scope.get("path", "")
-        if (self._keys and path != "/health" and path not in self.security.open_paths
-                and not self._key_ok(scope)):  # /v1/... and any other path
+        if self._keys and path not in self.security.open_paths and not self._key_ok(scope):  # /v1/... and the rest
             await _send_error(send, 401, error_body(
                 "Invalid or missing API key: send 'Authorization: Bearer KEY' with one of the server's "
                 "--api-key keys.", "invalid_request_error", None, "invalid_api_key"),
