@@ -113,6 +113,17 @@ def _mask_by_name(model_dir: Path, config_path: Path) -> tuple[int, str]:
                            field="mask_token_id")
 
 
+def read_generation_config(model_dir: Path) -> dict[str, Any] | None:
+    """generation_config.json's object, or None when the checkpoint has none; anything but an object is refused."""
+    path = model_dir / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return None
+    generation = read_json(path)
+    if not isinstance(generation, dict):
+        raise CloverInputError(path, "must be a JSON object")
+    return generation
+
+
 def resolve(model_dir: Path, config: dict[str, Any], overrides: Overrides = Overrides()) -> dict[str, Any]:
     """``config`` (config.json's dict) with the block-diffusion settings filled in under the first name of
     each (the CloverConfig field): from the names of spec 2.2, generation_config.json, the mask token by
@@ -122,11 +133,8 @@ def resolve(model_dir: Path, config: dict[str, Any], overrides: Overrides = Over
     sources: list[tuple[str, dict[str, Any]]] = [(CONFIG_FILE, config)]
     if isinstance(config.get("text_config"), dict):
         sources.append((f"{CONFIG_FILE} text_config", config["text_config"]))
-    generation_path = model_dir / GENERATION_CONFIG_FILE
-    if generation_path.is_file():
-        generation = read_json(generation_path)
-        if not isinstance(generation, dict):
-            raise CloverInputError(generation_path, "must be a JSON object")
+    generation = read_generation_config(model_dir)
+    if generation is not None:
         sources.append((GENERATION_CONFIG_FILE, generation))
     every_name = {name for names in NAMES.values() for name in names}
     out = {k: v for k, v in config.items() if k not in every_name}

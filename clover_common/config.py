@@ -82,7 +82,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -222,10 +222,10 @@ class CloverConfig:
         if self.linear_conv_kernel_dim < 2:
             raise bad("linear_conv_kernel_dim", f"is {self.linear_conv_kernel_dim}; block mode needs at least 2 "
                       "(K_r = linear_conv_kernel_dim - 1 right taps, spec 2.3)")
-        if not _is_number(self.coreset_top_p) or not (0.0 < self.coreset_top_p <= 1.0):
+        if not is_number(self.coreset_top_p) or not (0.0 < self.coreset_top_p <= 1.0):
             raise bad("coreset_top_p", f"must lie in (0, 1], got {self.coreset_top_p!r}")
         if self.history_readout_scale is not None and not (
-                _is_number(self.history_readout_scale) and math.isfinite(self.history_readout_scale)):
+                is_number(self.history_readout_scale) and math.isfinite(self.history_readout_scale)):
             raise bad("history_readout_scale", f"must be a finite number, got {self.history_readout_scale!r}")
         if self.num_shared_experts != 1 or isinstance(self.num_shared_experts, bool):
             raise bad("num_shared_experts", f"is {self.num_shared_experts!r}; only 1 shared expert is supported "
@@ -270,7 +270,7 @@ class CloverConfig:
         for eos in self.eos_token_ids:
             if not _is_int(eos) or not (0 <= eos < self.vocab_size):
                 raise bad("eos_token_id", f"is {eos}, outside the vocabulary [0, {self.vocab_size})")
-        if not _is_number(self.confidence_threshold) or not (0.0 <= self.confidence_threshold <= 1.0):
+        if not is_number(self.confidence_threshold) or not (0.0 <= self.confidence_threshold <= 1.0):
             raise bad("confidence_threshold", f"must lie in [0, 1], got {self.confidence_threshold!r}")
         for name in ("calibrated_block_sizes", "calibrated_thresholds"):
             if not isinstance(getattr(self, name), list):
@@ -287,7 +287,7 @@ class CloverConfig:
                 raise bad(name, f"holds {max(sizes)}; block sizes above {MAX_BLOCK_SIZE} are not supported "
                                 "(the engine keeps B-1 rollback states of the recurrent memory)")
         for threshold in self.calibrated_thresholds:
-            if not _is_number(threshold) or not (0.0 <= threshold <= 1.0):
+            if not is_number(threshold) or not (0.0 <= threshold <= 1.0):
                 raise bad("calibrated_thresholds", f"must hold numbers in [0, 1], got {threshold!r}")
 
     # ----- (de)serialisation -----

@@ -14,8 +14,8 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, Metadata, naming_convention, si
 from gguf.utility import model_weight_count_rounded_notation
 from tqdm import tqdm
 
-from clover_common.block_settings import GENERATION_CONFIG_FILE, Overrides
-from clover_common.config import CONFIG_FILE, CloverConfig
+from clover_common.block_settings import GENERATION_CONFIG_FILE, Overrides, read_generation_config
+from clover_common.config import CONFIG_FILE, CloverConfig, is_number
 from clover_common.errors import BadInput, CloverInputError, missing_path_reason, read_json
 
 from clover_quantize.importance import load_imatrix
@@ -161,19 +161,17 @@ PENALTY_KEYS = {"presence_penalty": "sampling.presence_penalty", "frequency_pena
 def read_penalties(model_dir: Path) -> dict[str, float]:
     """{ARCH key suffix: value} of generation_config.json's presence_penalty and frequency_penalty (absent or null:
     no key). Any other value than a finite number is refused: the engine would refuse the file at load."""
-    path = model_dir / GENERATION_CONFIG_FILE
-    if not path.is_file():
+    generation = read_generation_config(model_dir)
+    if generation is None:
         return {}
-    generation = read_json(path)
-    if not isinstance(generation, dict):
-        raise CloverInputError(path, "must be a JSON object")
+    path = model_dir / GENERATION_CONFIG_FILE
     out = {}
     for name, key in PENALTY_KEYS.items():
         value = generation.get(name)
         if value is None:
             continue
-        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and abs(value) < 3.4e38 else math.nan  # a float32 (a huge int would not even convert)
+        # a float32 (a huge int would not even convert)
+        number = float(value) if is_number(value) and abs(value) < 3.4e38 else math.nan
         if not math.isfinite(number):
             raise CloverInputError(path, f"must be a finite number (0 = off), got {value!r}", name)
         out[key] = number
