@@ -45,7 +45,13 @@ async def _respond(svc: CloverService, request: Request, prepare: Callable[[], P
     if stream is not None:
         return EventSourceResponse(stream(prep), sep="\n", ping=15)
     preps = answers(prep)  # n answers at once, one per slot (llama-server's n, up to its slots)
-    runs = await asyncio.gather(*(run_to_end(svc, p, request, chat=chat) for p in preps))
+    tasks = [asyncio.ensure_future(run_to_end(svc, p, request, chat=chat)) for p in preps]
+    try:
+        runs = await asyncio.gather(*tasks)
+    except BaseException:  # one answer failed (a dead end, say): the others' jobs stop too, freeing their slots
+        for task in tasks:
+            task.cancel()
+        raise
     if any(done is None for done in runs):
         return Response(status_code=499)  # the client is gone; nobody reads this
     return _merge([body(p, done) for p, done in zip(preps, runs) if done is not None])
