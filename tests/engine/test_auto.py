@@ -20,40 +20,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support.engine import Ledger
+from tests.support.engine import BLOCK, CHAIN, Case, Ledger
 from tests.support.native import REPO_ROOT, clover_convert, dump_results, record
 
 from clover_cpp.model import PassCosts
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
-# chains of wide verifications cost little more than an ar step: auto drafts (n-gram chains)
-CHAIN = PassCosts(ar_ms=1.0, causal_fixed_ms=0.6, causal_row_ms=0.02, rebuild_ms=0.5, block_fixed_ms=50.0,
-                  block_row_ms=1.0)
-# ar steps are dear and block passes free: auto tries block drafts as soon as n-gram drafts fail
-BLOCK = PassCosts(ar_ms=20.0, causal_fixed_ms=5.0, causal_row_ms=0.01, rebuild_ms=0.0, block_fixed_ms=0.01,
-                  block_row_ms=0.0)
-# anything but an ar step is dear: auto is ar
+# anything but an ar step is dear: auto is ar (CHAIN and BLOCK: tests/support/engine.py)
 AR = PassCosts(ar_ms=0.1, causal_fixed_ms=10.0, causal_row_ms=1.0, rebuild_ms=1.0, block_fixed_ms=10.0,
                block_row_ms=1.0)
-
-
-class Case:
-    """A model, its f32 GGUF, a native engine and the reference (for near-ties)."""
-
-    def __init__(self, ref: Any, gguf: Path) -> None:
-        from clover_cpp import Model
-
-        self.ref = ref
-        self.gguf = gguf
-        self.model = Model(gguf, n_ctx=1024, max_block_size=32)
-        self.eos = list(ref.config.eos_token_ids)
-
-    def run(self, prompt: list[int], mode: str, costs: PassCosts | None = None, **opts: Any) -> Any:
-        if costs is not None:
-            self.model.pass_costs = costs
-        self.model.reset()
-        return self.model.run(prompt, mode=mode, **opts)
 
 
 @pytest.fixture(scope="module")

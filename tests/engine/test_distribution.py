@@ -24,23 +24,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support.engine import REF_TOL, Ledger, causal_gap
+from tests.support.engine import BLOCK, CHAIN, REF_TOL, Case, Ledger, causal_gap
 from tests.support.native import clover_convert, dump_results, record
 from tests.support.schema import validate
-
-from clover_cpp.model import PassCosts
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
 LEDGER = Ledger()
 NINF = float("-inf")
 F32_EPS = float(np.finfo(np.float32).eps)
-
-# auto's cost tables of tests/engine/test_auto.py: n-gram chains, and block drafts as soon as n-gram drafts fail
-CHAIN = PassCosts(ar_ms=1.0, causal_fixed_ms=0.6, causal_row_ms=0.02, rebuild_ms=0.5, block_fixed_ms=50.0,
-                  block_row_ms=1.0)
-BLOCK = PassCosts(ar_ms=20.0, causal_fixed_ms=5.0, causal_row_ms=0.01, rebuild_ms=0.0, block_fixed_ms=0.01,
-                  block_row_ms=0.0)
 
 # A schema with a nested object, an enum, an array and required fields; strings, arrays and numbers are bounded so
 # that a random model's output ends (the converter's whitespace is bounded too).
@@ -75,27 +67,17 @@ def _record_results() -> Any:
     dump_results()
 
 
-class Tiny:
-    """The tiny f32 GGUF, a native engine on it, the reference (for the parity tolerance's scale) and the JSON
+class Tiny(Case):
+    """The tiny f32 GGUF's Case (tests/support/engine.py), with its vocabulary size, mask token id and the JSON
     schema's grammar."""
 
     def __init__(self, ref: Any, gguf: Path) -> None:
-        from clover_cpp import Model
         from clover_cpp.libclover import json_schema_to_grammar
 
-        self.ref = ref
-        self.gguf = gguf
-        self.model = Model(gguf, n_ctx=1024, max_block_size=32)
+        super().__init__(ref, gguf)
         self.n_vocab = self.model.info.n_vocab
         self.mask = self.model.info.mask_token_id
         self.grammar = json_schema_to_grammar(json.dumps(SCHEMA))
-
-    def run(self, prompt: list[int], mode: str, costs: PassCosts | None = None, **opts: Any) -> Any:
-        """A run on a fresh history (Model.run continues the history otherwise)."""
-        if costs is not None:
-            self.model.pass_costs = costs
-        self.model.reset()
-        return self.model.run(prompt, mode=mode, **opts)
 
     def text(self, tokens: list[int]) -> str:
         return self.model.detokenize(tokens, special=False)
@@ -554,7 +536,7 @@ def test_invalid_gguf_penalty_is_refused(tiny: Tiny, tmp_path: Path, key: str, v
 
 # ------------------------------------------------------------------------------------------ last: the budget
 def test_near_tie_budget() -> None:
-    """At most 1 in 20 compared cases may end at a near-tie (runs after the comparisons of this module)."""
-    record("distribution/near_ties", {"compared": LEDGER.compared, "near_ties": LEDGER.near_ties})
+    """At most 1 in 20 compared cases may end at a near-tie (runs after the comparisons of this module; _record_results
+    records them)."""
     assert LEDGER.compared > 0
     LEDGER.assert_budget()

@@ -1,5 +1,6 @@
 """Helpers for the native engine tests (tests/engine/test_engine.py): a tracing reference session and the
-near-tie rule (docs/decoding.md).
+near-tie rule (docs/decoding.md); auto's cost tables and a test model's engine (tests/engine/test_auto.py,
+test_distribution.py).
 
 Native and reference logits differ by float rounding, so a token comparison may diverge only where the
 decision at the first differing step was a near-tie: the reference's top-2 logit gap, or for a fill
@@ -17,10 +18,12 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from clover_cpp.model import PassCosts
 from clover_ref.decode import Session
 from clover_ref.sampling import Sampler, SamplingParams
 from tests.support.routing import recording_router_probs, routing_near_ties
@@ -33,6 +36,34 @@ REF_TOL = 1e-3  # the parity tolerance of the cpp_patch issue (tests/native/test
 # 2.1e-4). Four f16 units bound a logit's error; a fill margin is a log-probability, which moves by up to twice
 # that (the target's logit and the normaliser), so the margins get eight.
 FLASH_ATTN_TOL = 8 * 2**-11
+
+
+# auto's cost tables (docs/decoding.md, "auto"), injected to steer it into each kind of round:
+# chains of wide verifications cost little more than an ar step: auto drafts (n-gram chains)
+CHAIN = PassCosts(ar_ms=1.0, causal_fixed_ms=0.6, causal_row_ms=0.02, rebuild_ms=0.5, block_fixed_ms=50.0,
+                  block_row_ms=1.0)
+# ar steps are dear and block passes free: auto tries block drafts as soon as n-gram drafts fail
+BLOCK = PassCosts(ar_ms=20.0, causal_fixed_ms=5.0, causal_row_ms=0.01, rebuild_ms=0.0, block_fixed_ms=0.01,
+                  block_row_ms=0.0)
+
+
+class Case:
+    """A model, its f32 GGUF, a native engine and the reference (for near-ties)."""
+
+    def __init__(self, ref: Any, gguf: Path) -> None:
+        from clover_cpp import Model
+
+        self.ref = ref
+        self.gguf = gguf
+        self.model = Model(gguf, n_ctx=1024, max_block_size=32)
+        self.eos = list(ref.config.eos_token_ids)
+
+    def run(self, prompt: list[int], mode: str, costs: PassCosts | None = None, **opts: Any) -> Any:
+        """A run on a fresh history (Model.run continues the history otherwise)."""
+        if costs is not None:
+            self.model.pass_costs = costs
+        self.model.reset()
+        return self.model.run(prompt, mode=mode, **opts)
 
 
 class NearTieError(AssertionError):
@@ -178,8 +209,8 @@ class Ledger:
               ref_trace: list[StepTrace] | None = None) -> None:
         """Tokens (and, when given, the diffusion canvases step by step) must be equal, or diverge first at a
         near-tie of the reference. ``context`` is everything before the generated tokens."""
-        self.compared += 1
         if native_canvases is not None and ref_trace is not None:
+            self.compared += 1
             for k, step in enumerate(ref_trace):
                 got = native_canvases[k] if k < len(native_canvases) else None
                 if got != step.canvas:
@@ -196,11 +227,7 @@ class Ledger:
                                      f"{len(ref_trace)}, with equal canvases up to there")
             assert native == ref, f"{name}: equal canvases but different tokens:\n{native}\n{ref}"
             return
-        if native == ref:
-            return
-        i = next((k for k, (a, b) in enumerate(zip(native, ref)) if a != b), min(len(native), len(ref)))
-        gap, tol = causal_gap(model, context + ref[:i], banned, self.rel_tol)
-        self._tie(name, f"token {i}", gap, tol, native, ref)
+        self.check_margin(name, native, ref, lambda i: causal_gap(model, context + ref[:i], banned, self.rel_tol))
 
     def check_margin(self, name: str, native: list[int], ref: list[int],
                      margin: Callable[[int], tuple[float, float]]) -> None:
