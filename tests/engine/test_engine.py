@@ -461,25 +461,46 @@ def test_cli_generate_json(tiny: Engine) -> None:
     assert plain.returncode == 0 and plain.stdout.startswith(prompt), plain.stdout + plain.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["generate", "-m", "MODEL", "-p", "x", "--mode", "beam"],
-    ["generate", "-m", "/nonexistent.gguf", "-p", "x"],
-    ["generate", "-m", "MODEL", "-p", "x", "--block-size", "0"],
-    ["generate", "-m", "MODEL", "-p", "x", "--top-p", "2"],
-    ["generate", "-m", "MODEL", "-p", ""],
-    ["generate", "-m", "MODEL", "-p", "x", "--mode", "spec", "--temperature", "0.7", "--draft-steps", "2"],
-    ["generate", "-m", "BADFILE", "-p", "x"],
-    ["generate", "-p", "x"],
-    ["frobnicate"],
-])
-def test_cli_bad_input(tiny: Engine, tmp_path: Path, args: list[str]) -> None:
+# bad command lines: (arguments, what the error line says, "" where only its form is checked); MODEL is the tiny
+# GGUF, BADFILE a file that is no GGUF and NOT_UTF8 a grammar file in Latin-1
+CLI_BAD: list[tuple[list[str], str]] = [
+    (["generate", "-m", "MODEL", "-p", "x", "--mode", "beam"], ""),
+    (["generate", "-m", "/nonexistent.gguf", "-p", "x"], ""),
+    (["generate", "-m", "MODEL", "-p", "x", "--block-size", "0"], ""),
+    (["generate", "-m", "MODEL", "-p", "x", "--top-p", "2"], ""),
+    (["generate", "-m", "MODEL", "-p", ""], ""),
+    (["generate", "-m", "MODEL", "-p", "x", "--mode", "spec", "--temperature", "0.7", "--draft-steps", "2"], ""),
+    (["generate", "-m", "BADFILE", "-p", "x"], ""),
+    (["generate", "-p", "x"], ""),
+    (["frobnicate"], ""),
+] + [(["generate", "-m", "MODEL", "-p", "x", "-n", "4", *flags], needle) for flags, needle in [
+    (["--grammar-file", "/nonexistent/g.gbnf"], "/nonexistent/g.gbnf: cannot read the grammar (No such file"),
+    (["--grammar-file", "NOT_UTF8"], "cannot read the grammar: not UTF-8 text"),
+    (["-jf", "/nonexistent/s.json"], "/nonexistent/s.json: cannot read the JSON schema"),
+    (["-j", "{x"], "-j/--json-schema: JSON schema: [json.exception.parse_error.101] parse error"),
+    (["-j", '{"type": "nonsense"}'], "-j/--json-schema: JSON schema: JSON schema conversion failed: JSON schema "
+                                     "error at #: unrecognized type nonsense"),
+    (["--grammar", "root ::= foo"], "--grammar: llama.cpp's GBNF parser rejected it: Undefined rule identifier 'foo'"),
+    (["--grammar", 'root ::= "a'], "--grammar: llama.cpp's GBNF parser rejected it: unexpected end of input"),
+    (["--grammar", 'root ::= "\\u0000"'], "--grammar: it allows no token of the vocabulary at its start"),
+    (["--grammar", 'root ::= "a"', "-j", "{}"], "not allowed with argument"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must be a finite number > 0"),
+    (["--presence-penalty", "nan"], "--presence-penalty must be finite"),
+]]
+
+
+@pytest.mark.parametrize("args,needle", CLI_BAD)
+def test_cli_bad_input(tiny: Engine, tmp_path: Path, args: list[str], needle: str) -> None:
+    """One line, exit status 2, naming the option, the file or llama.cpp's reason where the table says what (its
+    GBNF parser logs that, and the engine returns it in the error instead of passing it on to the log)."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF garbage")
-    args = [str(tiny.gguf) if a == "MODEL" else str(bad) if a == "BADFILE" else a for a in args]
-    done = _cli(*args)
+    (tmp_path / "latin1.gbnf").write_bytes('root ::= "é"'.encode("latin-1"))
+    files = {"MODEL": str(tiny.gguf), "BADFILE": str(bad), "NOT_UTF8": str(tmp_path / "latin1.gbnf")}
+    done = _cli(*[files.get(a, a) for a in args])
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("clover-cpp: error:"), done.stderr
+    assert len(lines) == 1 and lines[0].startswith("clover-cpp: error:") and needle in lines[0], done.stderr
 
 
 CLI_SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
@@ -562,31 +583,6 @@ def test_cli_chat_with_a_json_schema(tiny: Engine, tmp_path: Path) -> None:
     assert ChatApp._grammar_after(constrained, False) == {}  # type: ignore[arg-type]
     free = SimpleNamespace(model=tiny.model, settings=SimpleNamespace(gen=GenParams()))
     assert ChatApp._grammar_after(free, True) == {}  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("flags,needle", [
-    (["--grammar-file", "/nonexistent/g.gbnf"], "/nonexistent/g.gbnf: cannot read the grammar (No such file"),
-    (["--grammar-file", "NOT_UTF8"], "cannot read the grammar: not UTF-8 text"),
-    (["-jf", "/nonexistent/s.json"], "/nonexistent/s.json: cannot read the JSON schema"),
-    (["-j", "{x"], "-j/--json-schema: JSON schema: [json.exception.parse_error.101] parse error"),
-    (["-j", '{"type": "nonsense"}'], "-j/--json-schema: JSON schema: JSON schema conversion failed: JSON schema "
-                                     "error at #: unrecognized type nonsense"),
-    (["--grammar", "root ::= foo"], "--grammar: llama.cpp's GBNF parser rejected it: Undefined rule identifier 'foo'"),
-    (["--grammar", 'root ::= "a'], "--grammar: llama.cpp's GBNF parser rejected it: unexpected end of input"),
-    (["--grammar", 'root ::= "\\u0000"'], "--grammar: it allows no token of the vocabulary at its start"),
-    (["--grammar", 'root ::= "a"', "-j", "{}"], "not allowed with argument"),
-    (["--repeat-penalty", "0"], "--repeat-penalty must be a finite number > 0"),
-    (["--presence-penalty", "nan"], "--presence-penalty must be finite"),
-])
-def test_cli_distribution_flags_bad_input(tiny: Engine, tmp_path: Path, flags: list[str], needle: str) -> None:
-    """One line, exit status 2, naming the option, the file or llama.cpp's reason (its GBNF parser logs that, and
-    the engine returns it in the error instead of passing it on to the log)."""
-    (tmp_path / "latin1.gbnf").write_bytes('root ::= "é"'.encode("latin-1"))
-    flags = [str(tmp_path / "latin1.gbnf") if f == "NOT_UTF8" else f for f in flags]
-    done = _cli("generate", "-m", str(tiny.gguf), "-p", "x", "-n", "4", *flags)
-    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("clover-cpp: error:") and needle in lines[0], done.stderr
 
 
 # ------------------------------------------------------------------------------------------ last: the budget
