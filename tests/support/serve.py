@@ -60,15 +60,26 @@ def get(url: str) -> dict[str, Any]:
         return json.loads(r.read())
 
 
+def http(url: str, body: bytes | dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+         method: str | None = None, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers by lower-case name, body) of any answer, an error's included. A dict ``body`` is sent as
+    JSON; ``method`` is POST with a body and GET without unless given; Content-Type is JSON unless ``headers`` say
+    otherwise."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+
+
 def post_raw(url: str, body: bytes, content_type: str = "application/json",
              method: str = "POST", headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, data=body if method == "POST" else None, method=method,
-                                 headers={"Content-Type": content_type, **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    status, _, answer = http(url, body if method == "POST" else None, {"Content-Type": content_type, **(headers or {})},
+                             method, timeout=60)
+    return status, json.loads(answer)
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

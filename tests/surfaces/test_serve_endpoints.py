@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.chat import Reference
-from tests.support.serve import MODEL_ID, THINK_OFF, auth, get, post_raw, serve
+from tests.support.serve import MODEL_ID, THINK_OFF, auth, get, http, post_raw, serve
 
 pytestmark = pytest.mark.native  # live servers (skipped without the build; a failure in CI)
 
@@ -100,16 +98,6 @@ def client(server: str) -> Any:
     return OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _http(url: str, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
-    """(status, headers by lower-case name, body text) of any answer."""
-    req = urllib.request.Request(url, data=b"{}" if method == "POST" else None, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read().decode()
-
-
 def _chat(client: Any, content: str, max_tokens: int, **extra: Any) -> Any:
     return client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": content}],
                                           max_tokens=max_tokens, temperature=0, extra_body={**THINK_OFF, **extra})
@@ -139,7 +127,7 @@ def test_props_as_llama_server(server: str, tiny_gguf: Path, ref: Reference) -> 
     assert isinstance(props["media_marker"], str) and isinstance(props["build_info"], str) and props["build_info"]
     assert props["is_sleeping"] is False and props["cors_proxy_enabled"] is False and props["ui_settings"] == {}
     assert (props["endpoint_slots"], props["endpoint_metrics"], props["endpoint_props"]) == (True, True, True)
-    assert props["ui"] == (_http(server + "/")[0] == 200)
+    assert props["ui"] == (http(server + "/")[0] == 200)
     assert props["eos_token"] == ref.tokenizer.id_to_token(3002)  # config.json's first eos id, the GGUF's eos
     assert isinstance(props["bos_token"], str)  # none in the GGUF: llama.cpp's default for its vocabulary type
 
@@ -171,8 +159,8 @@ def test_props_as_llama_server(server: str, tiny_gguf: Path, ref: Reference) -> 
 
 # ------------------------------------------------------------------------------------------ /slots
 def _slots(url: str, query: str = "") -> tuple[int, Any]:
-    status, _, text = _http(url + "/slots" + query)
-    return status, json.loads(text)
+    status, _, body = http(url + "/slots" + query)
+    return status, json.loads(body)
 
 
 def _check_slot_shape(slot: dict[str, Any], i: int) -> None:
@@ -245,7 +233,8 @@ def test_slots_while_both_decode(server: str, client: Any) -> None:
 # ------------------------------------------------------------------------------------------ /metrics
 def _scrape(url: str) -> tuple[dict[str, float], dict[str, tuple[str, str]], dict[str, str]]:
     """(samples by name, with a mode label as name{mode="m"}; (TYPE, HELP) by name; the answer's headers)."""
-    status, headers, text = _http(url + "/metrics")
+    status, headers, body = http(url + "/metrics")
+    text = body.decode()
     assert status == 200, text
     samples: dict[str, float] = {}
     kinds: dict[str, str] = {}
@@ -341,14 +330,15 @@ def test_switched_off_and_the_api_key(bare: str) -> None:
             ("GET", "/slots", "This server does not support slots endpoint. Start it with `--slots`"),
             ("GET", "/metrics", "This server does not support metrics endpoint. Start it with `--metrics`"),
             ("POST", "/props", "This server does not support changing global properties. Start it with `--props`")):
-        status, _, text = _http(bare + path, method, key)
-        assert status == 501 and json.loads(text) == {"error": {"message": message, "type": "not_supported_error",
-                                                                "param": None, "code": 501}}, (path, text)
-        status, _, text = _http(bare + path, method)
-        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key", (path, text)
-    assert _http(bare + "/props")[0] == 401
-    status, _, text = _http(bare + "/props", headers=key)
-    props = json.loads(text)
+        body = b"{}" if method == "POST" else None
+        status, _, raw = http(bare + path, body, key, method)
+        assert status == 501 and json.loads(raw) == {"error": {"message": message, "type": "not_supported_error",
+                                                               "param": None, "code": 501}}, (path, raw)
+        status, _, raw = http(bare + path, body, method=method)
+        assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key", (path, raw)
+    assert http(bare + "/props")[0] == 401
+    status, _, raw = http(bare + "/props", headers=key)
+    props = json.loads(raw)
     assert status == 200 and props["total_slots"] == 1 and props["default_generation_settings"]["n_ctx"] == 4096
     assert (props["endpoint_slots"], props["endpoint_metrics"], props["endpoint_props"]) == (False, False, False)
     params = props["default_generation_settings"]["params"]

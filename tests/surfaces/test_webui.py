@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.support.native import REPO_ROOT, clover_convert, skip_or_fail
-from tests.support.serve import serve
+from tests.support.serve import http, serve
 
 pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)
 
@@ -121,16 +119,6 @@ def _screenshot(driver: Any, tmp_path: Path, name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _http(url: str, body: dict[str, Any] | None = None, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), err.read()
-
-
 def _wait(driver: Any, condition: Any, timeout: float = TIMEOUT_S) -> Any:
     return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition)
 
@@ -198,11 +186,11 @@ def _sse_chunks(raw: bytes) -> list[Any]:
 
 # ------------------------------------------------------------------------------------------ tests
 def test_page_answers_with_reasoning_and_stats(server: str, browser: Any, tmp_path: Path) -> None:
-    status, headers, page = _http(server + "/")
+    status, headers, page = http(server + "/")
     assert status == 200 and headers["content-type"].startswith("text/html") and b"webui/app.js" in page
     assert "script-src 'self'" in headers["content-security-policy"]
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
-        status, headers, _ = _http(f"{server}/webui/{name}")
+        status, headers, _ = http(f"{server}/webui/{name}")
         assert status == 200 and headers["content-type"].startswith(kind)
 
     _open(browser, server)
@@ -224,7 +212,7 @@ def test_page_answers_with_reasoning_and_stats(server: str, browser: Any, tmp_pa
     passes = int(_stat(second, "passes").split()[0])
     tokens = int(_stat(second, "tokens").split()[0])
     assert 0 < passes <= tokens <= 48
-    recent = json.loads(_http(server + "/health")[2])["recent"]
+    recent = json.loads(http(server + "/health")[2])["recent"]
     assert recent[-1]["prompt_tokens"] > recent[-2]["prompt_tokens"] + recent[-2]["generated_tokens"] // 2, \
         "the second turn's prompt holds the first turn (the page keeps the conversation)"
     _screenshot(browser, tmp_path, "webui-chat.png")
@@ -256,7 +244,7 @@ def test_stop_keeps_the_partial_answer_and_new_chat_starts_afresh(server: str, b
     New chat empties the page and the conversation: its next request holds only the new prompt."""
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1,
             "chat_template_kwargs": {"enable_thinking": False}}
-    alone = json.loads(_http(server + "/v1/chat/completions", body)[2])["usage"]["prompt_tokens"]
+    alone = json.loads(http(server + "/v1/chat/completions", body)[2])["usage"]["prompt_tokens"]
 
     index = _held_diffusion_answer(browser, server)
     stop, send = browser.find_element(By.ID, "stop"), browser.find_element(By.ID, "send")
@@ -275,7 +263,7 @@ def test_stop_keeps_the_partial_answer_and_new_chat_starts_afresh(server: str, b
     assert not browser.find_elements(By.CSS_SELECTOR, ".msg")
     _settings(browser, mode="ar", max_tokens=4)
     _finished(browser, _send(browser, PROMPT))
-    recent = json.loads(_http(server + "/health")[2])["recent"]
+    recent = json.loads(http(server + "/health")[2])["recent"]
     assert recent[-1]["prompt_tokens"] == alone, "New chat: the request holds the new prompt only"
 
 
@@ -283,9 +271,9 @@ def test_canvas_chunks_are_opt_in(server: str) -> None:
     """The stream carries ``clover_canvas`` chunks (no choices; a piece or null per cell) only when asked."""
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "mode": "diffusion",
             "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False}}
-    plain = _sse_chunks(_http(server + "/v1/chat/completions", body)[2])
+    plain = _sse_chunks(http(server + "/v1/chat/completions", body)[2])
     assert plain and not any("clover_canvas" in c for c in plain)
-    chunks = _sse_chunks(_http(server + "/v1/chat/completions", body | {"clover_canvas": True})[2])
+    chunks = _sse_chunks(http(server + "/v1/chat/completions", body | {"clover_canvas": True})[2])
     frames = [c for c in chunks if "clover_canvas" in c]
     assert frames and all(c["choices"] == [] and len(c["clover_canvas"]) == 32 for c in frames)
     assert any(None in f["clover_canvas"] for f in frames)
@@ -296,8 +284,8 @@ def test_canvas_chunks_are_opt_in(server: str) -> None:
 def test_api_key_is_asked_for_and_sent(demo_gguf: Path, browser: Any) -> None:
     with serve(demo_gguf, demo_gguf.parent, "--api-key", KEY) as (url, _, _):
         for path in ("/", "/webui/app.js", "/webui/style.css"):
-            assert _http(url + path)[0] == 200, f"{path} must load without the key, as llama-server's UI"
-        assert _http(url + "/v1/models")[0] == 401
+            assert http(url + path)[0] == 200, f"{path} must load without the key, as llama-server's UI"
+        assert http(url + "/v1/models")[0] == 401
         _open(browser, url, ready=False)
         panel = browser.find_element(By.ID, "key-panel")
         _wait(browser, lambda d: panel.is_displayed())
@@ -315,6 +303,6 @@ def test_api_key_is_asked_for_and_sent(demo_gguf: Path, browser: Any) -> None:
 def test_no_webui_gives_404(demo_gguf: Path) -> None:
     with serve(demo_gguf, demo_gguf.parent, "--no-webui") as (url, _, _):
         for path in ("/", "/webui/app.js"):
-            status, _, body = _http(url + path)
+            status, _, body = http(url + path)
             assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
-        assert _http(url + "/health")[0] == 200
+        assert http(url + "/health")[0] == 200
