@@ -11,7 +11,6 @@ import json
 import signal
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -432,6 +431,24 @@ BAD_CHAT = [
     ("enable_thinking type", _chat_body(chat_template_kwargs={"enable_thinking": "yes"}), 400,
      "chat_template_kwargs.enable_thinking", None),
     ("logit_bias out of range", _chat_body(logit_bias={"5": 300}), 400, "logit_bias", None),
+    ("logit_bias just above 100", _chat_body(logit_bias={"5": 101}), 400, "logit_bias", None),
+    ("logit_bias token outside the vocabulary", _chat_body(logit_bias={"999999": 1}), 400, "logit_bias", None),
+    # the distribution stage (tests/surfaces/test_serve_structured.py): schemas, grammars and penalties
+    ("schema with a dangling $ref", _chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), 400,
+     "response_format.json_schema.schema", None),
+    ("schema not an object", _chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": ["not", "a", "schema"]}}), 400, "response_format.json_schema.schema", None),
+    # left recursion: llama.cpp's parser refuses it
+    ("left-recursive grammar", _chat_body(grammar='root ::= root "a"'), 400, "grammar", None),
+    # a token id outside the vocabulary
+    ("grammar token outside the vocabulary", _chat_body(grammar="root ::= <[999999]>"), 400, "grammar", None),
+    # two constraints at once
+    ("grammar and json_schema", _chat_body(grammar='root ::= "a"', json_schema={"type": "object"}), 400,
+     "json_schema", None),
+    ("presence_penalty", _chat_body(presence_penalty=2.5), 400, "presence_penalty", None),
+    ("frequency_penalty", _chat_body(frequency_penalty=-3), 400, "frequency_penalty", None),
+    ("repeat_penalty 0", _chat_body(repeat_penalty=0), 400, "repeat_penalty", None),
     ("stream type", _chat_body(stream="maybe"), 400, "stream", None),
     # strict types: pydantic's lax mode read these as true, 8, 1 and 0.5
     ("stream string yes", _chat_body(stream="yes"), 400, "stream", "invalid_type"),
