@@ -95,7 +95,7 @@ async function connect() {
     return;
   }
   if (resp.status === 401) {
-    askKey(apiKey() ? 'The server refused this key.' : '');
+    askKey();
     return;
   }
   if (!resp.ok) {
@@ -113,11 +113,12 @@ async function connect() {
   document.body.dataset.ready = '1';
 }
 
-function askKey(error) {
+// the server answered 401: ask for a key, saying so when the one sent was refused
+function askKey() {
   delete document.body.dataset.ready;
   $('send').disabled = true;
   $('model').textContent = 'API key needed';
-  $('key-error').textContent = error || '';
+  $('key-error').textContent = apiKey() ? 'The server refused this key.' : '';
   $('key-panel').hidden = false;
   $('api-key').focus();
 }
@@ -223,13 +224,10 @@ class Answer {
     let filled = 0;
     cells.forEach((piece, i) => {
       const cell = this.canvas.children[i];
-      if (piece === null) {
-        cell.className = 'cell masked';
-        cell.textContent = '';
-        return;
-      }
+      // still masked: a fresh window's cells start masked, and within a window a filled cell never empties
+      if (piece === null) return;
       filled += 1;
-      const isNew = fresh || !prev || prev[i] !== piece;
+      const isNew = fresh || prev[i] !== piece;
       cell.className = isNew ? 'cell filled new' : 'cell filled';
       cell.textContent = cellText(piece);
       cell.title = JSON.stringify(piece);
@@ -327,7 +325,7 @@ async function send(event) {
       userNode.remove();
       answer.node.remove();
       $('prompt').value = text;
-      askKey(apiKey() ? 'The server refused this key.' : '');
+      askKey();
       return;
     }
     if (!resp.ok) {
