@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from clover_cpp import cpu, libclover
+    from clover_native import cpu, libclover
     from clover_cpp.model import Model
     from tests.support.native import clover_convert
 

@@ -118,7 +118,7 @@ def block_pass_ms(path: Path, top_ps: tuple[float, ...], reps: int = 7) -> dict:
     """{top_p: {W: ms}}: the native block pass over a 64-token history, the minimum of ``reps`` after a warm-up."""
     import time
 
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     model = bindings.LlamaModel(path)
     ids = np.random.default_rng(0).integers(0, 3000, size=64 + max(NATIVE_WIDTHS)).tolist()

@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K_M")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    from clover_cpp import cpu, bindings
+    from clover_native import cpu, bindings
     from tests.support.extra_bufts_probe import buffer_types
     from tests.support.native import quantize
 

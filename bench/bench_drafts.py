@@ -180,7 +180,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.files, args.runs, args.prompts = "f16", 1, 3
-    from clover_cpp import Model, cpu
+    from clover_native import cpu
+    from clover_cpp import Model
     from tests.support.native import clover_convert, quantize
 
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ For the `tiny` and `mid` random checkpoints (seed 0), at f32 and q8_0 (llama-qua
 - decode tok/s, ms per pass and TPF of the engine in ar, diffusion and spec (default B and calibrated
   threshold; spec with draft_steps 0), greedy;
 - the cost ratio of one B-token block pass (all B rows asked, as in a block's first step) to one 1-token
-  causal pass, timed with clover_cpp.bindings (median of several);
+  causal pass, timed with clover_native.bindings (median of several);
 - stock llama.cpp `qwen35moe` AR decode tok/s on the Clover-stripped twin (llama.cpp's own converter), and
   our clover GGUF through the very same llama-cpp-python low-level loop, so the difference is the patch's
   cost to the causal graph (budget: at most 5 %);
@@ -105,7 +105,7 @@ def engine_runs(path: Path, name: str, threads: int) -> dict[str, Any]:
 
 
 def cost_ratio(path: Path, block: int, threads: int, reps: int = 9) -> dict[str, float]:
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     model = bindings.LlamaModel(path)
     ctx = bindings.Context(model, n_ctx=1024, n_ubatch=max(64, block), n_threads=threads)
@@ -131,7 +131,7 @@ def cost_ratio(path: Path, block: int, threads: int, reps: int = 9) -> dict[str,
 def lowlevel_ar(paths: dict[str, Path], n_tokens: int, threads: int, rounds: int = 3) -> dict[str, float]:
     """Greedy AR decode tok/s through llama-cpp-python low-level calls, the same loop for every file;
     the files take turns over several rounds (best round each), so a noisy neighbour hits both alike."""
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     ids = prompt_ids(32, seed=2)
     state = {}
@@ -234,7 +234,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["CLOVER_N_GPU_LAYERS"] = str(args.n_gpu_layers)
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
-    from clover_cpp import libclover
+    from clover_native import libclover
 
     ok, reason = libclover.available()
     if not ok:

@@ -58,7 +58,7 @@ def parse_args(description: str, workdir: str) -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0], "bench-imatrix")
-    from clover_cpp import bindings
+    from clover_native import bindings
     from clover_ref.train import corpus_files
 
     work = args.workdir

@@ -31,7 +31,7 @@ def run(*args: str) -> None:
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0], "bench-imatrix-onepass")
-    from clover_cpp import bindings
+    from clover_native import bindings
     from clover_ref.train import corpus_files
 
     work = args.workdir

@@ -61,7 +61,7 @@ def model_path(name: str, work: Path) -> Path:
 
 
 def bound(gguf: Path, clients: list[int]) -> dict[str, Any]:
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     model = bindings.LlamaModel(gguf)
     ctx = bindings.Context(model, n_ctx=2048, n_ubatch=64, n_rs_seq=max(clients))
@@ -288,7 +288,7 @@ def main() -> int:
     if args.rss_requests:
         log("memory run")
         res["memory"] = memory(model_path("demo", args.workdir), args.rss_requests, args.workdir)
-    from clover_cpp import cpu
+    from clover_native import cpu
 
     res["machine"] = cpu.read_cpuinfo().summary()
     RESULTS.mkdir(parents=True, exist_ok=True)

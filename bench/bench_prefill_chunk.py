@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--chunks", default="0,128,32")
     ap.add_argument("--tokens", type=int, default=160)
     args = ap.parse_args()
-    from clover_cpp import cpu
+    from clover_native import cpu
 
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)

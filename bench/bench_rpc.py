@@ -101,7 +101,7 @@ def main() -> int:
         print(json.dumps(worker(args.worker, args.rpc)))
         return 0
 
-    from clover_cpp import loader
+    from clover_native import loader
     from tests.support.native import clover_convert
 
     args.workdir.mkdir(parents=True, exist_ok=True)

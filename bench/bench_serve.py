@@ -207,7 +207,7 @@ def main() -> int:
 
 
 def save(res: dict[str, Any], name: str) -> None:
-    from clover_cpp import cpu
+    from clover_native import cpu
 
     res["machine"] = cpu.read_cpuinfo().summary()
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -159,7 +159,7 @@ def main() -> int:
     import os
 
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
-    from clover_cpp import cpu
+    from clover_native import cpu
 
     runs = 1 if args.quick else args.runs
     prompts = held_out_prompts(args.prompts)

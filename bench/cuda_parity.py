@@ -33,7 +33,7 @@ ENGINE_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(ar
 
 
 def cases(path: Path, n_gpu_layers: int, flash_attn: bool | None = None) -> dict[str, np.ndarray]:
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     model = bindings.LlamaModel(path, n_gpu_layers=n_gpu_layers)
     out: dict[str, np.ndarray] = {}

@@ -167,7 +167,7 @@ def native_cpu(name: str, model: Any, ids: list[int], exact: np.ndarray, workdir
     """Causal prompts on the CPU build, flash attention x n_ubatch, against the exact reference."""
     import subprocess
 
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     src = REPO / "models" / "clover-demo" if name == "demo" else workdir / name
     gguf = workdir / f"{name}-f32.gguf"

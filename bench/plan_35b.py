@@ -108,7 +108,7 @@ def context_memory(skeleton: Path, n_ctx: int, block_sizes: list[int],
                    parallel: int = 1) -> dict[int, dict[str, float]]:
     """MiB of each context buffer llama.cpp allocates for the engine's context on the 35B, per B_max, with
     ``parallel`` slots (2 sequences each; n_ctx is the total, shared as in llama-server)."""
-    from clover_cpp import loader, bindings
+    from clover_native import loader, bindings
 
     model = bindings.LlamaModel(skeleton)
     out: dict[int, dict[str, float]] = {}

@@ -71,7 +71,7 @@ def slice_gguf(work: Path, layers: int) -> Path:
 def pass_costs(path: Path, reps: int = 5) -> dict[str, Any]:
     """ms per causal pass of w rows (all / one row asked) and per block pass of w rows; the minimum of the
     repetitions (noise on a shared machine only adds time)."""
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     model = bindings.LlamaModel(path)
     ctx = bindings.Context(model, n_ctx=512, n_ubatch=64, n_rs_seq=max(WIDTHS))
@@ -187,7 +187,7 @@ def main() -> int:
     import os
 
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
-    from clover_cpp import cpu, libclover
+    from clover_native import cpu, libclover
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     l4 = slice_gguf(args.workdir, 4)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from clover_cpp import loader
+from clover_native import loader
 from clover_quantize.file_types import tensor_nbytes
 from clover_common.errors import CloverError
 

@@ -27,7 +27,7 @@ from . import options, session
 from .chat_template import ChatTemplate, TemplateError, load_template
 from .gen_params import MODES, GenParams
 from .model import EngineError, Generation, Model, Stats
-from .loader import NativeError
+from clover_native.loader import NativeError
 from .output_parser import THINK_CLOSE, OutputParser, TextEvent, opens_reasoning, think_close_id
 from .text_stream import TextPipeline
 

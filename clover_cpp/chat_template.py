@@ -17,7 +17,7 @@ import jinja2
 from clover_common.chat_render import render_chat
 from clover_common.errors import BadInput
 
-from . import loader
+from clover_native import loader
 
 
 class TemplateError(BadInput):

@@ -176,7 +176,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
     """Masked calibration over a text file, written in llama.cpp's imatrix GGUF format (clover_cpp/imatrix.py)."""
     from pathlib import Path
 
-    from . import libclover, loader, bindings
+    from clover_native import libclover, loader, bindings
     from .imatrix import collect
 
     at_least(("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from . import libclover, loader, bindings
-from .loader import NativeError
+from clover_native import libclover, loader, bindings
+from clover_native.loader import NativeError
 
 _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_imatrix_init": (ctypes.c_void_p, []),

@@ -27,8 +27,8 @@ from typing import Any
 from clover_common.generate_output import RunStats
 from clover_common.errors import BadInput
 
-from . import libclover, loader, bindings
-from .loader import NativeError
+from clover_native import libclover, loader, bindings
+from clover_native.loader import NativeError
 from .gen_params import GenParams, merge
 from .offload import Offload
 
@@ -488,7 +488,7 @@ def engine_params(n_ctx: int = 0, n_threads: int = 0, max_block_size: int = 0, n
         params.n_threads = int(n_threads)
     else:
         params.n_threads = loader.env_int("CLOVER_THREADS", params.n_threads)
-    if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_cpp.bindings.LlamaModel
+    if n_gpu_layers is None:  # $CLOVER_N_GPU_LAYERS, as clover_native.bindings.LlamaModel
         n_gpu_layers = loader.env_int("CLOVER_N_GPU_LAYERS", 0)
     params.n_gpu_layers = int(n_gpu_layers)
     params.use_extra_bufts = bool(use_extra_bufts)

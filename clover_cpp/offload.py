@@ -89,7 +89,7 @@ def add_rpc_servers(servers: str) -> int:
     """llama.cpp's --rpc: register the rpc-server endpoints ("host:port,...") as devices of this process (each
     endpoint once); the number of devices added. ValueError with libclover's message when an endpoint is malformed,
     unreachable, or the build has no RPC backend."""
-    from . import libclover
+    from clover_native import libclover
 
     err = ctypes.create_string_buffer(1024)
     n = libclover.lib().clover_rpc_add_servers(servers.encode(), err, len(err))

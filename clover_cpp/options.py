@@ -178,7 +178,7 @@ def grammar_arg(args: argparse.Namespace) -> str | None:
         return _read_text(args.grammar_file, "grammar", "--grammar-file")
     schema = args.json_schema if args.json_schema is not None else \
         _read_text(args.json_schema_file, "JSON schema", "-jf/--json-schema-file")
-    from . import libclover
+    from clover_native import libclover
 
     with _native_stderr() as printed:
         try:

@@ -243,7 +243,7 @@ def model_identity(model: Any) -> dict[str, Any]:
     """What ties a session to the GGUF it was saved with: the fingerprint decides, the rest names it."""
     import ctypes
 
-    from . import loader
+    from clover_native import loader
 
     L = loader.llama()
     buf = ctypes.create_string_buffer(256)

@@ -109,7 +109,7 @@ def check_engine_accepts(path: Path) -> None:
     """The engine's own checks of a GGUF, so clover-quantize refuses what clover-cpp refuses: libclover's checks
     of the clover keys and of the file's size, then llama.cpp's loader with the clover architecture's checks of
     hyperparameters and tensor types (``no_alloc``: no weight is read). Raises InputError with the reason."""
-    from clover_cpp import libclover, loader, bindings
+    from clover_native import libclover, loader, bindings
 
     try:
         libclover.read_model_info(str(path))

@@ -20,7 +20,7 @@ from typing import Any
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
-from clover_cpp import loader
+from clover_native import loader
 from clover_common import safe_output
 
 from clover_common.errors import CloverError

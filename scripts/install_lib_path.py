@@ -5,10 +5,10 @@
 
 llama-cpp-python 0.3.36 is installed without its own native build (LLAMA_BUILD=OFF, see the Makefile), so
 `import llama_cpp` fails with "Shared library with base name 'llama' not found" unless LLAMA_CPP_LIB_PATH
-names the folder of libllama.so; clover_cpp.loader sets it, but only for code that imports clover_cpp first.
+names the folder of libllama.so; clover_native.loader sets it, but only for code that imports clover_cpp first.
 Python runs `import` lines of site-packages/*.pth at start-up, so this .pth sets LLAMA_CPP_LIB_PATH to LIBDIR
 in every interpreter of the venv, only when it is not set already (an explicit value wins) and LIBDIR exists.
-It also sets CLOVER_LLAMA_LIB_DEFAULT to the same value: clover_cpp.loader reads it as "this is the venv's
+It also sets CLOVER_LLAMA_LIB_DEFAULT to the same value: clover_native.loader reads it as "this is the venv's
 default, not a user's choice" and may then still use another build ($CLOVER_NATIVE_LIB, a git worktree).
 
 Idempotent: the file is rewritten only when its content would change. Stdlib only.

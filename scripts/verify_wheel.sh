@@ -30,7 +30,7 @@ venv/bin/clover-cpp generate -m demo-q4-onepass.gguf -p "$PROMPT" --mode auto -n
 venv/bin/python - "$PROMPT" <<'PY'
 import json, pathlib, sys
 import llama_cpp
-import clover_cpp.loader as loader
+import clover_native.loader as loader
 lib = pathlib.Path(llama_cpp.llama_cpp._base_path).resolve()
 assert loader.lib_dir().resolve() == lib, (loader.lib_dir(), lib)
 print("libraries:", lib)

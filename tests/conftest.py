@@ -61,7 +61,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The CPU and the native build first (even under -q), so every failure report carries them."""
-    from clover_cpp import cpu, loader
+    from clover_native import cpu, loader
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None or hasattr(session.config, "workerinput"):  # xdist workers have no terminal

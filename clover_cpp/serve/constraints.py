@@ -14,7 +14,7 @@ from typing import Any
 
 from clover_common.errors import BadInput
 
-from .. import libclover
+from clover_native import libclover
 from ..model import Model
 from ..output_parser import THINK_CLOSE, TOOL_CLOSE, TOOL_OPEN, think_close_id
 from .schema import ChatCompletionRequest, CloverFields, invalid

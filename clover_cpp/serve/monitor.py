@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from .. import cpu, loader
+from clover_native import cpu, loader
 from ..gen_params import GenParams
 from ..model import ModelInfo
 from .metrics import CONTENT_TYPE

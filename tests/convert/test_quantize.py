@@ -195,7 +195,7 @@ WINDOW = 16
 
 
 def _quality(f16: Path, tag: str, types: list[str], imatrix: Path | None) -> dict[str, dict[str, float]]:
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     model = bindings.LlamaModel(f16)
     text = (REPO_ROOT / "clover_ref" / "decode.py").read_text()[:4000]

@@ -90,7 +90,7 @@ def llama_cpp_file(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
 @pytest.mark.native
 def test_llama_cpp_clover_file_gives_stock_qwen35moe_logits(llama_cpp_file: tuple[Path, Path]) -> None:
     """spec 6: causal mode on llama.cpp's Clover file == stock qwen35moe on the same trunk."""
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     stock, trunk = llama_cpp_file
     logits = []
@@ -104,7 +104,7 @@ def test_llama_cpp_clover_file_gives_stock_qwen35moe_logits(llama_cpp_file: tupl
 def test_llama_cpp_clover_file_runs_ar_and_auto(llama_cpp_file: tuple[Path, Path], tiny: Path) -> None:
     """A trunk-only file runs ar and auto (n-gram drafts only), with our single file's ar output; diffusion and
     spec say in one line what is missing and how to add it."""
-    from clover_cpp.loader import NativeError
+    from clover_native.loader import NativeError
 
     _, trunk = llama_cpp_file
     ar = _run(trunk, "ar")

@@ -152,7 +152,7 @@ def test_cost_table_is_checked(tiny: Case) -> None:
 # ------------------------------------------------------------------------------------------ threads
 def _default_threads(cpus: str) -> int:
     assert shutil.which("taskset"), "taskset (util-linux) is needed"
-    code = "from clover_cpp import libclover; print(libclover.lib().clover_default_n_threads())"
+    code = "from clover_native import libclover; print(libclover.lib().clover_default_n_threads())"
     done = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO_ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -72,7 +72,7 @@ class Tiny(Case):
     schema's grammar."""
 
     def __init__(self, ref: Any, gguf: Path) -> None:
-        from clover_cpp.libclover import json_schema_to_grammar
+        from clover_native.libclover import json_schema_to_grammar
 
         super().__init__(ref, gguf)
         self.n_vocab = self.model.info.n_vocab
@@ -204,7 +204,7 @@ def test_penalty_arithmetic_in_ar(tiny: Tiny, config: str) -> None:
     """ar with the full vocabulary's logprobs: at step i, the raw logits of the same passes (prefill and one-token
     steps, replayed on a bindings context) with llama.cpp's rule over the counts of tokens[:i] (the response only,
     never the prompt), renormalised, give the engine's distribution."""
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     pen = {"repeat>1": (1.3, 0.0, 0.0), "repeat<1": (0.6, 0.0, 0.0), "presence": (1.0, 0.0, -2.0),
            "frequency": (1.0, 0.8, 0.0), "mixed": (1.3, 0.4, -1.5)}[config]
@@ -251,7 +251,7 @@ def test_penalty_arithmetic_in_a_diffusion_window(tiny: Tiny) -> None:
     """Inside a window the targets known at the start of the step, at earlier positions, count too (spec 4), besides
     the committed response. threshold 1 fills one target per step; each target's logprobs (diffusion: the step that
     filled it) equal the rule applied to a replayed block pass with those counts."""
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     e, V, B = tiny, tiny.n_vocab, 4
     pen = (1.3, 0.4, -1.5)
@@ -503,7 +503,7 @@ def test_converted_penalties_are_the_engine_defaults(tiny_checkpoint: Path, tmp_
     """clover-convert writes generation_config.json's penalties where the engine reads its defaults."""
     import shutil
 
-    from clover_cpp import libclover
+    from clover_native import libclover
 
     model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
     (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.25, "presence_penalty": 0.5,
@@ -524,8 +524,9 @@ def test_converted_penalties_are_the_engine_defaults(tiny_checkpoint: Path, tmp_
 def test_invalid_gguf_penalty_is_refused(tiny: Tiny, tmp_path: Path, key: str, value: Any) -> None:
     from tests.support.fuzz_gguf import F32, STR
 
-    from clover_cpp import EngineError, Model, libclover
-    from clover_cpp.loader import NativeError
+    from clover_native import libclover
+    from clover_cpp import EngineError, Model
+    from clover_native.loader import NativeError
 
     path = _with_keys(tiny.gguf, tmp_path / "bad.gguf", {key: (STR if isinstance(value, str) else F32, value)})
     with pytest.raises(NativeError, match=key.replace(".", r"\.")):

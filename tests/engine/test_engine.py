@@ -394,7 +394,7 @@ def test_spec_drafts_after_rollback(tiny: Engine) -> None:
     exposed with threshold 0 and draft_steps 1: one LowConfidence step that fills every target with argmax P,
     the same block pass and choice as a plain draft (draft_steps 0). The round structure (tokens kept per
     round) follows from the drafts and the output, which equals greedy ar: m = min(c + 1, B, R)."""
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     rng = np.random.default_rng(11)
     compared, ties = 0, []
@@ -514,7 +514,7 @@ def test_cli_distribution_flags_reach_gen_params(tiny: Engine, tmp_path: Path) -
     (None) and there is no grammar."""
     from clover_cpp import options
     from clover_cpp.cli import build_parser
-    from clover_cpp.libclover import json_schema_to_grammar
+    from clover_native.libclover import json_schema_to_grammar
 
     schema = json.dumps(CLI_SCHEMA)
     (tmp_path / "s.json").write_text(schema)
@@ -536,7 +536,7 @@ def test_cli_distribution_flags_reach_gen_params(tiny: Engine, tmp_path: Path) -
 
 def test_cli_generate_with_penalties_and_grammar(tiny: Engine, tmp_path: Path) -> None:
     """The flags give what Model.run gives with the same fields, and the answer matches the schema."""
-    from clover_cpp.libclover import json_schema_to_grammar
+    from clover_native.libclover import json_schema_to_grammar
     from tests.support.schema import validate
 
     (tmp_path / "s.json").write_text(json.dumps(CLI_SCHEMA))

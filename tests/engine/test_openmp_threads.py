@@ -36,7 +36,7 @@ def tiny_q8(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def test_the_load_leaves_no_pool_and_a_pass_pool_can_be_released(tiny_q8: Path) -> None:
     """(Other threads of the test process may end meanwhile, never start: so "no more" where none is made.)"""
-    from clover_cpp import loader
+    from clover_native import loader
     from clover_cpp.model import Model
 
     loader.llama()
@@ -52,7 +52,7 @@ def test_the_load_leaves_no_pool_and_a_pass_pool_can_be_released(tiny_q8: Path) 
 
 def test_slots_decode_on_one_thread(tiny_q8: Path) -> None:
     """Two slots run from two threads: their passes make one pool (the decode thread's), not one per caller."""
-    from clover_cpp import loader
+    from clover_native import loader
     from clover_cpp.model import Model
 
     loader.llama()

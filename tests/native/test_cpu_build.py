@@ -23,7 +23,7 @@ from tests.support.native import REPO_ROOT, VENV_PYTHON
 
 from scripts import check_tilecfg
 
-from clover_cpp import cpu, loader
+from clover_native import cpu, loader
 
 MMQ = Path("ggml/src/ggml-cpu/amx/mmq.cpp")
 # What -DGGML_NATIVE=ON gives on a Sapphire Rapids machine, and the `sapphirerapids` variant of

@@ -46,7 +46,7 @@ from tests.support.native import (REPO_ROOT, VENV_PYTHON, clover_convert, dump_r
 
 from tests.support.routing import NEAR_TIE
 
-from clover_cpp import cpu
+from clover_native import cpu
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 

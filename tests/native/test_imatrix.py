@@ -60,7 +60,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    from clover_cpp import bindings
+    from clover_native import bindings
     d = tmp_path_factory.mktemp("imatrix")
     gguf = clover_convert(tiny_checkpoint, d / "tiny-f32.gguf", "f32")
     calib = d / "calib.txt"
@@ -135,7 +135,7 @@ def test_file_layout_and_counts(tiny: SimpleNamespace) -> None:
 
 @pytest.mark.native
 def test_llama_quantize_uses_it(tiny: SimpleNamespace) -> None:
-    from clover_cpp import loader
+    from clover_native import loader
 
     tool = loader.lib_dir().parent / "bin" / "llama-quantize"
     assert tool.exists(), f"{tool} missing (make native)"
@@ -240,7 +240,7 @@ def test_seed_is_deterministic(tiny: SimpleNamespace) -> None:
 
 @pytest.mark.native
 def test_collector_never_changes_logits(tiny: SimpleNamespace) -> None:
-    from clover_cpp import bindings
+    from clover_native import bindings
     from clover_cpp.imatrix import Collector, masked_window
 
     model = bindings.LlamaModel(tiny.gguf)

@@ -134,7 +134,7 @@ def test_pth_sets_the_path_only_when_unset(tmp_path: Path) -> None:
 def test_plain_import_through_the_pth(tmp_path: Path, tiny_gguf: Path, clover_tokens: dict) -> None:
     """The .pth the script writes makes `import llama_cpp` load our libllama, and Llama's greedy completion
     equals clover-cpp's ar output."""
-    from clover_cpp import loader
+    from clover_native import loader
 
     lib = loader.lib_dir().resolve()
     sp = fake_venv(tmp_path / "venv")
@@ -164,14 +164,14 @@ def test_venv_imports_llama_cpp(tiny_gguf: Path, clover_tokens: dict) -> None:
 # ------------------------------------------------------------------------------------------ clover_cpp and the default
 @pytest.mark.native
 def test_clover_cpp_overrides_only_the_venv_default(tmp_path: Path) -> None:
-    """clover_cpp.loader may replace the .pth's default (another build: $CLOVER_NATIVE_LIB, a git worktree), but
+    """clover_native.loader may replace the .pth's default (another build: $CLOVER_NATIVE_LIB, a git worktree), but
     not a LLAMA_CPP_LIB_PATH that a user set."""
     elsewhere = str(tmp_path)
-    code = ("import os; from clover_cpp import loader; loader.llama(); "
+    code = ("import os; from clover_native import loader; loader.llama(); "
             "print(os.environ['LLAMA_CPP_LIB_PATH'])")
     env = dict(os.environ, LLAMA_CPP_LIB_PATH=elsewhere, CLOVER_LLAMA_LIB_DEFAULT=elsewhere)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
-    from clover_cpp import loader
+    from clover_native import loader
 
     assert done.returncode == 0, done.stderr[-2000:]
     assert Path(done.stdout.strip()).resolve() == loader.lib_dir().resolve()

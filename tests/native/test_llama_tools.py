@@ -128,7 +128,7 @@ def reference_ppl(tokens: list[int], bos: int | None, n_ctx: int, n_chunks: int)
 
 
 def test_llama_perplexity_matches_reference(demo_gguf: Path, tmp_path: Path) -> None:
-    from clover_cpp import loader, bindings
+    from clover_native import loader, bindings
 
     text_file = tmp_path / "held-out.py"
     text_file.write_text(held_out_text(PPL_CHUNKS * PPL_CTX * 6), encoding="utf-8")

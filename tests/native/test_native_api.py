@@ -55,7 +55,7 @@ def test_headers_mark_every_function_clover_api() -> None:
 
 @pytest.mark.native
 def test_libclover_exports_exactly_the_c_api() -> None:
-    from clover_cpp import libclover
+    from clover_native import libclover
 
     lib = libclover.lib_path()
     assert lib.exists(), f"{lib} missing (make native builds it)"

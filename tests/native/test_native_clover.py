@@ -1,6 +1,6 @@
 """Native tests of the `clover` architecture in the patched llama.cpp (spec 3, docs/native.md).
 
-Through llama-cpp-python's low-level API and clover_cpp.bindings. Parity bounds are relative to
+Through llama-cpp-python's low-level API and clover_native.bindings. Parity bounds are relative to
 max(1, max|reference logit|). Every measured difference is written to build/native-parity.json.
 Without the native build these tests skip with the reason; with CLOVER_REQUIRE_NATIVE=1 they fail.
 """
@@ -49,7 +49,7 @@ class Bundle:
     """One test model: reference, f32 GGUF, native model, ids, and cached reference results."""
 
     def __init__(self, name: str, checkpoint: Path, ref_model: Any, tmp: Path) -> None:
-        from clover_cpp import bindings
+        from clover_native import bindings
 
         self.name = name
         self.checkpoint = checkpoint
@@ -81,7 +81,7 @@ class Bundle:
         return self._block_cache[key]
 
     def context(self, **kw: Any):
-        from clover_cpp import bindings
+        from clover_native import bindings
 
         kw.setdefault("n_ctx", 512)
         kw.setdefault("n_ubatch", 64)
@@ -141,7 +141,7 @@ def _block_cases(model: str) -> list[tuple[int, int, str]]:
 @pytest.mark.parametrize("model", ["tiny", "mid"])
 def test_block_pass_parity(request: pytest.FixtureRequest, model: str) -> None:
     bundle: Bundle = request.getfixturevalue(model)
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     worst: dict[str, float] = {"max_abs_diff": 0.0, "rel": 0.0}
     for p in BLOCK_POSITIONS:
@@ -225,7 +225,7 @@ def test_the_coreset_changes_routing_and_one_row_windows_route_per_row(tiny: Bun
 def test_history_c_matters_only_below_history_rows(tiny: Bundle, tmp_path: Path) -> None:
     """spec 3.2 step 5: bd_history_c multiplies ln(W / history_rows): changing it changes nothing at
     W = history_rows (32) and changes the block logits at W < 32."""
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     changed = rewrite_gguf(tiny.gguf, tmp_path / "history-c.gguf",
                            tensor_edit=lambda name, data: data + 1.5 if name.endswith("bd_history_c") else data)
@@ -256,7 +256,7 @@ def test_near_tie_rule_still_fails_a_genuine_error(mid: Bundle, tmp_path: Path) 
     projection in the last layer is scaled so that a decisive row's logits move by about 0.1 (25x the
     tolerance). Every near-tied flip is tried, and the check still fails, naming that row as decisive."""
     import gguf
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     p, b = 1, 32
     window = block_window(mid.ids, p, b, "filled", mid.mask)
@@ -330,7 +330,7 @@ def test_causal_equals_stock_qwen35moe(tiny: Bundle, stock_tiny: Path, tmp_path:
     graph even if the converters round that one computed tensor differently (seen once: 1 ulp). The
     converters' largest weight difference and the as-converted logit difference are recorded alongside."""
     import gguf
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     stock_reader = gguf.GGUFReader(str(stock_tiny))
     stock_tensors = {t.name: np.array(t.data, dtype=np.float32) for t in stock_reader.tensors}
@@ -506,7 +506,7 @@ def test_rewrite_roundtrip_loads(tiny: Bundle, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ q8_0
 def test_q8_0_top1_agreement(bundle: Bundle, tmp_path: Path) -> None:
     import gguf
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     q8 = quantize(bundle.gguf, tmp_path / f"{bundle.name}-q8_0.gguf", "Q8_0")
     reader = gguf.GGUFReader(str(q8))

@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.native import REPO_ROOT, clover_convert
 
-from clover_cpp import libclover
+from clover_native import libclover
 from clover_cpp.cli import build_parser
 from clover_cpp.options import model_kwargs
 from clover_cpp.offload import LLM_FFN_EXPS_REGEX, Offload, device_bytes, ffn_exps_block_regex
@@ -51,7 +51,7 @@ def _c_string(header: str, name: str) -> str:
 def test_n_cpu_moe_patterns_are_llamas(tiny_gguf: Path) -> None:
     """The patterns libclover hands to llama.cpp for --n-cpu-moe / --cpu-moe are llama.cpp's own
     (LLM_FFN_EXPS_REGEX and llm_ffn_block_regex in the pinned tree's common/common.h)."""
-    from clover_cpp import cpu, loader
+    from clover_native import cpu, loader
 
     info = cpu.read_build_info(loader.lib_dir().parent)
     header = (Path(info["build_dir"]).parent / "src" / "common" / "common.h").read_text()
@@ -104,7 +104,7 @@ def test_cli_flags_reach_model_params(command: str, tiny_gguf: Path) -> None:
 
 # ------------------------------------------------------------------------------- real loads on the CPU
 def _load_log(gguf: Path, offload: Offload | None) -> tuple[list[int], list[str]]:
-    from clover_cpp import loader
+    from clover_native import loader
     from clover_cpp.model import Model
 
     lines: list[str] = []
@@ -163,7 +163,7 @@ def test_bad_options_are_refused_at_load(tiny_gguf: Path, offload: Offload, need
 
 def test_unknown_split_mode_is_refused(tiny_gguf: Path) -> None:
     from clover_cpp.model import engine_params
-    from clover_cpp.loader import NativeError
+    from clover_native.loader import NativeError
 
     with pytest.raises(ValueError, match="split-mode"):
         engine_params(offload=Offload(split_mode="tensor"))

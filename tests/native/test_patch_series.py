@@ -11,7 +11,7 @@ import pytest
 
 from scripts import patch_series
 
-from clover_cpp import cpu, loader
+from clover_native import cpu, loader
 
 UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-rollback", "model-load-hparams-errors",
                        "graph-cache", "grammar-parse-error-to-log"}

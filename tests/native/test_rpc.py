@@ -31,7 +31,8 @@ MODES = {"ar": {}, "diffusion": {"block_size": 8}, "spec": {"block_size": 8}}
 # argv: GGUF RPC_SERVERS PROMPT TOKENS MODES_JSON -> one JSON line: the device plan and each mode's tokens and stats
 RPC_SCRIPT = """
 import json, sys
-from clover_cpp import Model, libclover
+from clover_native import libclover
+from clover_cpp import Model
 from clover_cpp.model import engine_params
 from clover_cpp.offload import Offload
 gguf, servers, prompt, n, modes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])

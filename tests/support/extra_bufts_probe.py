@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from clover_cpp import Model, bindings, loader
+from clover_native import bindings, loader
+from clover_cpp import Model
 from tests.support.native import REPO_ROOT, causal_and_block_logits
 from tests.support.routing import NativeRouterMargins
 

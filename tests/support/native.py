@@ -28,7 +28,7 @@ def require_native() -> None:
     CLOVER_REQUIRE_NATIVE=1 (CI). CLOVER_SKIP_NATIVE=1 (`make test-fast`) skips every native test, built or not."""
     if os.environ.get("CLOVER_SKIP_NATIVE") == "1" and os.environ.get("CLOVER_REQUIRE_NATIVE") != "1":
         pytest.skip("CLOVER_SKIP_NATIVE=1: the pure-Python tests only (make test-fast)")
-    from clover_cpp import libclover, loader
+    from clover_native import libclover, loader
 
     for ok, reason in (loader.native_available(), libclover.available()):
         if not ok:
@@ -44,7 +44,7 @@ def skip_or_fail(reason: str) -> None:
 
 def native_tool(name: str) -> Path:
     """A tool of the native build (build/native/bin: llama-server, rpc-server, ...); skip_or_fail when missing."""
-    from clover_cpp import loader
+    from clover_native import loader
 
     path = loader.lib_dir().parent / "bin" / name
     if not path.exists():
@@ -96,7 +96,7 @@ def clover_convert(model_dir: Path, out: Path, outtype: str = "f32", *options: s
 
 
 def quantize(src: Path, dst: Path, qtype: str = "Q8_0") -> Path:
-    from clover_cpp import loader
+    from clover_native import loader
 
     tool = loader.lib_dir().parent / "bin" / "llama-quantize"
     assert tool.exists(), f"{tool} missing (make native)"
@@ -179,7 +179,7 @@ def load_in_subprocess(path: Path) -> subprocess.CompletedProcess[str]:
     """Try to load a GGUF in a fresh interpreter (a crash there cannot take the test session down)."""
     code = (
         "import sys\n"
-        "from clover_cpp import loader, bindings\n"
+        "from clover_native import loader, bindings\n"
         "try:\n"
         "    bindings.LlamaModel(sys.argv[1])\n"
         "except loader.NativeError as exc:\n"
@@ -204,7 +204,7 @@ def causal_and_block_logits(path: Path, docs: list[tuple[list[int], Windows]], w
     ``use_extra_bufts=False`` loads the weights without AMX or repacked layouts. ``router``: a
     routing_support.NativeRouterMargins that collects the native routing margins of the same rows. ``bd_path``: a
     block-diffusion sidecar for a trunk-only ``path``."""
-    from clover_cpp import bindings
+    from clover_native import bindings
 
     model = bindings.LlamaModel(path, use_extra_bufts=use_extra_bufts, bd_path=bd_path)
     ctx = bindings.Context(model, n_ctx=1024, n_ubatch=64, n_batch=512,

@@ -179,7 +179,7 @@ class NativeRouterMargins:
     def __init__(self, top_k: int) -> None:
         import ctypes
 
-        from clover_cpp import loader
+        from clover_native import loader
 
         ggml = ctypes.CDLL(str(loader.lib_dir() / "libggml-base.so"))
         ggml.ggml_get_name.restype = ctypes.c_char_p

@@ -29,7 +29,7 @@ def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _llama_clover() -> Path:
-    from clover_cpp import loader
+    from clover_native import loader
 
     tool = loader.lib_dir().parent / "bin" / "llama-clover"
     assert tool.exists(), f"{tool} missing (make native)"

@@ -70,7 +70,7 @@ def test_wheel_in_a_fresh_venv(tmp_path: Path) -> None:
     assert got["tokens"] == want
 
     code = ("import pathlib, llama_cpp; print(pathlib.Path(llama_cpp.llama_cpp._base_path).resolve()); "
-            "import clover_cpp.loader as n; print(n.lib_dir().resolve())")
+            "import clover_native.loader as n; print(n.lib_dir().resolve())")
     done = run([str(py), "-c", code], tmp_path, 300)
     lib, clover_lib = done.stdout.split()
     assert Path(lib) == Path(clover_lib) and Path(lib).is_relative_to(venv.resolve()), done.stdout

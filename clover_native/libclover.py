@@ -1,7 +1,7 @@
 """ctypes binding of the Clover decoding engine's C API (cpp_patch/tools/clover/clover.h).
 
 The structs and prototypes below mirror clover.h field by field. ``lib()`` loads ``libclover.so`` from the
-folder that holds ``libllama.so`` (``clover_cpp.loader.lib_dir()``), after ``clover_cpp.loader`` has loaded
+folder that holds ``libllama.so`` (``clover_native.loader.lib_dir()``), after ``clover_native.loader`` has loaded
 libllama through llama-cpp-python (RTLD_GLOBAL), so the engine and the Python tokenizer calls share one
 libllama.
 """
