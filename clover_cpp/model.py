@@ -643,9 +643,15 @@ class Model(loader.NativeHandle):
 
     @pass_costs.setter
     def pass_costs(self, costs: PassCosts) -> None:
-        """Fix the table (reproducible auto decisions; tests inject one)."""
+        """Fix the table as given: no correction, no probes (reproducible auto decisions; tests inject one)."""
+        self.set_pass_costs(costs)
+
+    def set_pass_costs(self, costs: PassCosts, adaptive: bool = False) -> None:
+        """Set auto's table. ``adaptive``: a starting table that auto corrects from the passes it times, as it
+        corrects a measured one (docs/decoding.md, "auto"); otherwise the table is kept as given."""
         c = costs.to_c()
-        if libclover.lib().clover_slot_set_costs(self._handle(), ctypes.byref(c)) != 0:
+        setter = libclover.lib().clover_slot_set_cost_prior if adaptive else libclover.lib().clover_slot_set_costs
+        if setter(self._handle(), ctypes.byref(c)) != 0:
             raise BadInput(self.last_error() or "invalid pass costs")
 
     def measure_pass_costs(self) -> PassCosts:

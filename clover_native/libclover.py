@@ -237,6 +237,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_slot_set_history": (ctypes.c_int32, [clover_slot_p, llama_token_p, ctypes.c_int32]),
     "clover_slot_measure_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
     "clover_slot_set_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
+    "clover_slot_set_cost_prior": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
     "clover_slot_get_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
 }
 

@@ -112,6 +112,36 @@ def test_auto_on_the_trained_model(demo: Case) -> None:
     assert accepted > 0 and tokens / passes > 1.3, (tokens, passes, accepted)
 
 
+def test_a_wrong_measured_table_is_corrected(demo: Case) -> None:
+    """A measured table is a starting point (docs/decoding.md, "auto"): given one that overrates every multi-row
+    pass a hundredfold, as a table measured during a disturbance may, auto still probes chains, times them,
+    corrects the table and drafts, where the same table set as fixed keeps it in ar steps (TPF 1.00). Output
+    equals ar's."""
+    m = demo.model
+    # multi-row passes at 50 ms and more: far above any real pass of this model (a fraction of a ms)
+    wrong = PassCosts(ar_ms=0.3, causal_fixed_ms=50.0, causal_row_ms=5.0, rebuild_ms=0.0, block_fixed_ms=50.0,
+                      block_row_ms=5.0)
+    prompt = m.tokenize("def fibonacci(n):\n")
+    ar = demo.run(prompt, "ar", max_tokens=96, stop_ids=[])
+    ledger = Ledger()
+    runs = {}
+    for name, adaptive in (("fixed", False), ("prior", True)):
+        m.set_pass_costs(wrong, adaptive=adaptive)
+        m.reset()
+        runs[name] = m.run(prompt, mode="auto", max_tokens=96, stop_ids=[])
+        ledger.check(f"auto/{name}", runs[name].tokens, ar.tokens, demo.ref, prompt)
+    fixed, prior = runs["fixed"].stats, runs["prior"].stats
+    assert fixed.auto_rounds["ngram"] == fixed.auto_rounds["block"] == 0
+    assert fixed.costs == PassCosts.from_c(wrong.to_c())
+    # the chain probes are timed: the table the last decision used has the chain costs corrected ...
+    assert prior.costs.causal_fixed_ms < wrong.causal_fixed_ms / 2, (prior.costs, wrong)
+    assert m.pass_costs == prior.costs
+    # ... and chains pay on this self-repeating text once the table is right
+    assert prior.auto_rounds["ngram"] > 3 and prior.auto_accepted > 20, (prior.auto_rounds, prior.costs)
+    assert prior.generated_tokens / prior.causal_passes > 1.1, prior
+    ledger.assert_budget()
+
+
 def test_auto_is_reproducible_with_a_given_table(tiny: Case) -> None:
     prompt = [5, 9, 5, 9, 5, 9, 17, 5, 9]
     first = tiny.run(prompt, "auto", costs=CHAIN, block_size=8, max_tokens=40, stop_ids=[])

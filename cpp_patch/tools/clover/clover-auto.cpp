@@ -182,18 +182,33 @@ bool clover_block_draft(clover_run & run, int32_t width, const std::vector<llama
 }
 
 struct clover_auto_state {
-    clover_accept_rate  chain_rate;  // draft tokens of chain rounds (n-gram, padded), verified or shadowed
-    clover_accept_rate  block_rate;  // draft tokens of block rounds
-    clover_shadow_draft shadow;      // the n-gram draft being scored during ar steps
-    int32_t             width = 1;   // width of the previous causal pass (0: a block pass came between)
+    clover_accept_rate     chain_rate;  // draft tokens of chain rounds (n-gram, padded), verified or shadowed
+    clover_accept_rate     block_rate;  // draft tokens of block rounds
+    clover_shadow_draft    shadow;      // the n-gram draft being scored during ar steps
+    int32_t                width = 1;   // width of the previous causal pass (0: a block pass came between)
 };
+
+// expected tokens per ms of a chain pass of width w in a steady chain
+double clover_chain_rate(const clover_pass_costs & c, const clover_auto_state & st, int32_t w, int32_t remaining) {
+    return clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(w, remaining)) /
+           clover_chain_ms(c, w);
+}
+
+// the best chain width of at least w_min (w_min = 2: the best one that verifies a draft)
+int32_t clover_best_chain_width(const clover_pass_costs & c, const clover_auto_state & st, int32_t w_min,
+                                int32_t w_max, int32_t remaining) {
+    int32_t best = w_min;
+    for (int32_t w = w_min + 1; w <= w_max; ++w) {
+        if (clover_chain_rate(c, st, w, remaining) > clover_chain_rate(c, st, best, remaining)) {
+            best = w;
+        }
+    }
+    return best;
+}
 
 // the chain width for the next round: best steady expected tokens per ms, sticky within CLOVER_SWITCH_GAIN
 int32_t clover_chain_width(const clover_pass_costs & c, const clover_auto_state & st, int32_t w_max, int32_t remaining) {
-    auto rate = [&](int32_t w) {
-        return clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(w, remaining)) /
-               clover_chain_ms(c, w);
-    };
+    auto rate = [&](int32_t w) { return clover_chain_rate(c, st, w, remaining); };
     int32_t best = 1;
     for (int32_t w = 2; w <= w_max; ++w) {
         if (rate(w) > rate(best)) {
@@ -206,7 +221,7 @@ int32_t clover_chain_width(const clover_pass_costs & c, const clover_auto_state 
     return best;
 }
 
-// a block round's width and expected rate (0 when no width beats the chain's rate)
+// a block round's width (0 when no width beats `chain_rate`; a probe passes 0 and gets the best width)
 int32_t clover_block_width_for(const clover_pass_costs & c, const clover_auto_state & st, int32_t w_max,
                                int32_t remaining, double chain_rate) {
     int32_t best = 0;
@@ -241,34 +256,83 @@ int32_t clover_verify_width(const clover_pass_costs & c, const std::vector<doubl
 
 } // namespace
 
+namespace {
+
+// a pass another slot's rows shared times the round, not this slot's pass
+bool clover_runs_alone(const clover_slot * slot) {
+    return slot->shared == nullptr || slot->shared->n_generating <= 1;
+}
+
+// what one round's passes took, for the correction: ms of its causal and of its block passes
+struct clover_round_clock {
+    const clover_stats & stats;
+    double causal_ms0;
+    double block_ms0;
+
+    explicit clover_round_clock(const clover_stats & s) : stats(s), causal_ms0(s.t_causal_ms), block_ms0(s.t_block_ms) {}
+
+    double causal_ms() const { return stats.t_causal_ms - causal_ms0; }
+    double  block_ms() const { return stats.t_block_ms - block_ms0; }
+};
+
+// One pass of each round is observed: an ar step, a chain pass or a block draft's block pass (the verification
+// after a block pass reads other memory than a chain pass and is not a sample of either). A pass whose graph was
+// built is observed as it is, build included: a probe's width is often a new shape, and the median outvotes it.
+void clover_correct_costs(clover_cost_correction & correction, const clover_pass_costs & table,
+                          const clover_round_clock & clock, clover_draft_kind kind, int32_t width, int32_t block_w) {
+    switch (kind) {
+        case CLOVER_DRAFT_NONE:  correction.ar.observe(clock.causal_ms(), table.ar_ms); break;
+        case CLOVER_DRAFT_NGRAM: correction.chain.observe(clock.causal_ms(), clover_chain_ms(table, width)); break;
+        case CLOVER_DRAFT_BLOCK: correction.block.observe(clock.block_ms(), clover_block_ms(table, block_w)); break;
+        default: break;
+    }
+}
+
+} // namespace
+
 bool clover_run_auto(clover_run & run) {
     clover_slot * slot = run.slot;
     // a change of pass shape costs a rebuild only without the graph cache: with it, the few shapes auto
     // alternates between (chain widths, block windows, verifications) are each built once
-    clover_pass_costs c = slot->costs;
+    clover_pass_costs table = slot->costs;
     if (llama_get_graph_cache_size(slot->ctx) > 0) {
-        c.rebuild_ms = 0.0f;
+        table.rebuild_ms = 0.0f;
     }
+    const bool adaptive = slot->costs_adaptive;
     clover_auto_state st;
 
     while (run.remaining() > 0) {
         const int32_t w_max = std::min({ run.block_size, slot->max_block_size, slot->n_ctx - slot->n_past });
         if (w_max < 1) {
             run.stats->stop_reason = CLOVER_STOP_CONTEXT;
-            return true;
+            break;
         }
+        const clover_pass_costs c = adaptive ? slot->feedback.correction.apply(table) : table;
         const int32_t remaining = run.remaining();
         // where the history holds no n-gram draft, a chain round would verify padding: the chain is an ar step
         const std::vector<llama_token> ngram = w_max > 1 ? clover_ngram_draft(slot, w_max - 1) : std::vector<llama_token>();
         int32_t width = ngram.empty() ? 1 : clover_chain_width(c, st, w_max, remaining);
+        if (width > 1) {
+            slot->feedback.chain_probe.chosen();
+        } else if (adaptive && !ngram.empty() && w_max > 1 && slot->feedback.chain_probe.due(clover_cost_ratio::MIN)) {
+            width = clover_best_chain_width(c, st, 2, w_max, remaining);
+            slot->feedback.chain_probe.probed(clover_cost_ratio::MIN);
+        }
         const double chain_rate = clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(width, remaining)) /
                                   (clover_chain_ms(c, width) + (width == st.width ? 0.0 : c.rebuild_ms));
         // a file without block passes (trunk-only, or no mask token) drafts from n-grams only
-        const int32_t block_w = slot->can_block ? clover_block_width_for(c, st, w_max, remaining, chain_rate) : 0;
+        int32_t block_w = slot->can_block ? clover_block_width_for(c, st, w_max, remaining, chain_rate) : 0;
+        if (block_w > 0) {
+            slot->feedback.block_probe.chosen();
+        } else if (adaptive && slot->can_block && w_max > 1 && width == 1 && slot->feedback.block_probe.due(clover_cost_ratio::MIN)) {
+            block_w = clover_block_width_for(c, st, w_max, remaining, 0.0);
+            slot->feedback.block_probe.probed(clover_cost_ratio::MIN);
+        }
 
         std::vector<llama_token> drafts;
         clover_draft_kind kind = width > 1 ? CLOVER_DRAFT_NGRAM : CLOVER_DRAFT_NONE;
         int32_t n_from_ngram = 0;  // a block round's drafts that came from the n-gram draft it extends
+        const clover_round_clock clock(*run.stats);
         if (block_w > 0) {
             std::vector<double> conf;
             if (!clover_block_draft(run, block_w, ngram, st.chain_rate, drafts, conf)) {
@@ -288,6 +352,9 @@ bool clover_run_auto(clover_run & run) {
         if (!clover_verify(run, drafts.data(), std::min((int32_t) drafts.size(), width), width, round)) {
             return false;
         }
+        if (adaptive && clover_runs_alone(slot)) {
+            clover_correct_costs(slot->feedback.correction, table, clock, kind, width, block_w);
+        }
         run.stats->auto_rounds[kind]++;
         run.stats->auto_drafted  += round.n_compared;
         run.stats->auto_accepted += round.n_accepted;
@@ -306,10 +373,15 @@ bool clover_run_auto(clover_run & run) {
         }
         if (round.hit_eog) {
             run.stats->stop_reason = CLOVER_STOP_EOG;
-            return true;
+            break;
         }
     }
-    run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    if (run.stats->stop_reason == CLOVER_STOP_NONE) {
+        run.stats->stop_reason = CLOVER_STOP_LENGTH;
+    }
+    if (adaptive) {
+        run.stats->costs = slot->feedback.correction.apply(slot->costs);  // the table the last decision used
+    }
     return true;
 }
 

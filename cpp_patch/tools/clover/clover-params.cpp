@@ -172,14 +172,16 @@ bool clover_prefill(clover_slot * slot, const llama_token * prompt, int32_t n_pr
 // auto mode's cost table: the slot's own, else the one its slots share, else measured now (and then shared)
 static bool clover_auto_costs(clover_slot * slot) {
     if (!slot->has_costs && slot->shared && slot->shared->has_costs) {
-        slot->costs     = slot->shared->costs;  // slots share one context: one table serves all
-        slot->has_costs = true;
+        slot->costs          = slot->shared->costs;  // slots share one context: one table serves all
+        slot->has_costs      = true;
+        slot->costs_adaptive = true;
     }
     if (!slot->has_costs) {
         if (!clover_measure_costs(slot, slot->costs)) {
             return false;
         }
-        slot->has_costs = true;
+        slot->has_costs      = true;
+        slot->costs_adaptive = true;
         if (slot->shared) {
             slot->shared->costs     = slot->costs;
             slot->shared->has_costs = true;

@@ -379,15 +379,17 @@ int32_t clover_slot_measure_costs(struct clover_slot * slot, struct clover_pass_
     if (!clover_measure_costs(slot, costs)) {
         return -1;
     }
-    slot->costs     = costs;
-    slot->has_costs = true;
+    slot->costs          = costs;
+    slot->has_costs      = true;
+    slot->costs_adaptive = true;
+    slot->feedback       = {};
     if (out) {
         *out = costs;
     }
     return 0;
 }
 
-int32_t clover_slot_set_costs(struct clover_slot * slot, const struct clover_pass_costs * costs) {
+static int32_t clover_slot_put_costs(struct clover_slot * slot, const struct clover_pass_costs * costs, bool adaptive) {
     if (!slot) {
         return -1;
     }
@@ -407,16 +409,26 @@ int32_t clover_slot_set_costs(struct clover_slot * slot, const struct clover_pas
         slot->last_error = "the ar step and a 1-row causal pass must cost more than 0 ms";
         return -1;
     }
-    slot->costs     = *costs;
-    slot->has_costs = true;
+    slot->costs          = *costs;
+    slot->has_costs      = true;
+    slot->costs_adaptive = adaptive;
+    slot->feedback       = {};
     return 0;
+}
+
+int32_t clover_slot_set_costs(struct clover_slot * slot, const struct clover_pass_costs * costs) {
+    return clover_slot_put_costs(slot, costs, false);
+}
+
+int32_t clover_slot_set_cost_prior(struct clover_slot * slot, const struct clover_pass_costs * costs) {
+    return clover_slot_put_costs(slot, costs, true);
 }
 
 int32_t clover_slot_get_costs(const struct clover_slot * slot, struct clover_pass_costs * out) {
     if (!slot || !out || !slot->has_costs) {
         return -1;
     }
-    *out = slot->costs;
+    *out = slot->costs_adaptive ? slot->feedback.correction.apply(slot->costs) : slot->costs;
     return 0;
 }
 

@@ -381,11 +381,16 @@ CLOVER_API void    clover_slot_cache_info(const struct clover_slot * slot, struc
 // and the slot reset (the restored sequence does not match the tokens).
 CLOVER_API int32_t clover_slot_set_history(struct clover_slot * slot, const llama_token * tokens, int32_t n_tokens);
 
-// Auto mode's cost table. The first auto generate measures it (about a dozen passes on the scratch sequence;
-// the history is not touched) unless one was set; set_costs makes decisions reproducible (tests, a table
-// measured once and saved). measure_costs measures now. Each returns 0, or -1 on error (last_error).
-CLOVER_API int32_t clover_slot_measure_costs(struct clover_slot * slot, struct clover_pass_costs * out);
-CLOVER_API int32_t clover_slot_set_costs    (struct clover_slot * slot, const struct clover_pass_costs * costs);
+// Auto mode's cost table. The first auto generate measures it (about two dozen passes on the scratch sequence;
+// the history is not touched) unless one was set; measure_costs measures now. A measured table is a starting
+// point: auto corrects it from the passes it times, and probes kinds of rounds the table rules out now and then
+// (docs/decoding.md, "auto"), so a table measured during a disturbance does not decide a whole engine's life.
+// set_costs fixes a table as given, with no correction and no probes (reproducible decisions: tests, a table
+// measured once and saved); set_cost_prior gives a starting table that auto corrects as it corrects a measured
+// one. Each returns 0, or -1 on error (last_error).
+CLOVER_API int32_t clover_slot_measure_costs (struct clover_slot * slot, struct clover_pass_costs * out);
+CLOVER_API int32_t clover_slot_set_costs     (struct clover_slot * slot, const struct clover_pass_costs * costs);
+CLOVER_API int32_t clover_slot_set_cost_prior(struct clover_slot * slot, const struct clover_pass_costs * costs);
 // 0 and the table, or -1 when none was measured or set yet.
 CLOVER_API int32_t clover_slot_get_costs    (const struct clover_slot * slot, struct clover_pass_costs * out);
 
