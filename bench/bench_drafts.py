@@ -20,7 +20,8 @@ a run is repeated --runs times and a ratio is the median over the runs of that r
 
 Per configuration: decode tok/s, ratio to ar, TPF, ms per pass, graph builds per pass, and the rebuild share:
 graph builds x the rebuild cost measured with the cache off, over the decode time. For auto: rounds by kind
-(none / n-gram / block), draft tokens accepted, and the share of them that block passes drafted.
+(none / n-gram / block), draft tokens accepted, and the share of them that block passes drafted. For spec B = 2
+and 4: the ceiling of a fused verify + draft pass (`fused_ceiling`), from the same run's rounds and pass times.
 
 Results: bench/results/bench_drafts.{json,md}.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -119,9 +121,18 @@ def one_run(models: dict[Any, Any], prompts: list[list[int]], tokens: int, tempe
             s = model.run(prompt, mode=mode, max_tokens=tokens, stop_ids=[], temperature=temperature,
                           seed=1000 * run + i, **opts).stats
             t = totals.setdefault(name, {"tokens": 0, "ms": 0.0, "passes": 0, "builds": 0, "none": 0, "ngram": 0,
-                                         "block": 0, "accepted": 0, "accepted_block": 0})
+                                         "block": 0, "accepted": 0, "accepted_block": 0, "block_ms": 0.0,
+                                         "block_passes": 0, "causal_ms": 0.0, "causal_passes": 0, "rounds": 0,
+                                         "full_rounds": 0})
             t["tokens"] += s.generated_tokens
             t["ms"] += s.decode_ms
+            t["block_ms"] += s.block_ms
+            t["block_passes"] += s.block_passes
+            t["causal_ms"] += s.causal_ms
+            t["causal_passes"] += s.causal_passes
+            if mode == "spec":  # accepted_lengths[m]: rounds that kept m tokens; m == B: every draft accepted
+                t["rounds"] += sum(s.accepted_lengths)
+                t["full_rounds"] += s.accepted_lengths[b] if b < len(s.accepted_lengths) else 0
             t["passes"] += s.passes
             t["builds"] += s.passes - s.graph_reuses
             for kind, n in s.auto_rounds.items():
@@ -143,7 +154,32 @@ def bench_set(models: dict[Any, Any], prompts: list[list[int]], tokens: int, tem
             "rounds": {k: agg[k] for k in ("none", "ngram", "block")}, "accepted": agg["accepted"],
             "block_share": agg["accepted_block"] / agg["accepted"] if agg["accepted"] else 0.0,
         }
-    return rows
+    ceilings = {b: fused_ceiling(per_run, b) for b in (2, 4)}
+    return {"rows": rows, "fused_ceiling": {f"spec B={b}": c for b, c in ceilings.items() if c}}
+
+
+def fused_ceiling(per_run: list[dict[str, dict[str, float]]], b: int) -> dict[str, float] | None:
+    """What `spec` B would reach if a round's verification and the next round's block draft were one pass (not
+    implemented; docs/decoding.md): per run, the measured rounds of spec B (tokens per round, and the share of
+    rounds that accepted every draft, whose fused draft of the next window stays valid), each charged one causal
+    pass of 2B rows (timed in the same run as spec 2B's verifications) plus, after a round that rejected a draft,
+    a block pass of B rows (timed as spec B's). The fused pass is taken to cost no more than a causal pass of the
+    same rows and its draft to be as good as a separate one's: a ceiling, against ar's tok/s of the same run."""
+    name, wide = f"spec B={b}", f"spec B={2 * b}"
+    ratios = []
+    for r in per_run:
+        if name not in r or wide not in r or not r[name]["rounds"] or not r[wide]["causal_passes"]:
+            return None
+        spec, ar = r[name], r["ar"]
+        tokens_per_round = spec["tokens"] / spec["rounds"]
+        full = spec["full_rounds"] / spec["rounds"]
+        fused_ms = r[wide]["causal_ms"] / r[wide]["causal_passes"]
+        block_ms = spec["block_ms"] / spec["block_passes"]
+        round_ms = fused_ms + (1.0 - full) * block_ms
+        ratios.append(tokens_per_round / round_ms / (ar["tokens"] / ar["ms"]))
+    agg = {k: sum(r[name][k] for r in per_run) for k in ("tokens", "rounds", "full_rounds")}
+    return {"ratio": statistics.median(ratios), "tokens_per_round": agg["tokens"] / agg["rounds"],
+            "full_share": agg["full_rounds"] / agg["rounds"]}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -156,7 +192,8 @@ def markdown(res: dict[str, Any]) -> str:
         out += [f"## demo {file} (rebuild cost with the cache off: {sets['rebuild_ms']:.3f} ms; with it: "
                 f"{sets['rebuild_ms_cached']:.3f} ms; RSS growth over one run of every mode: {mem[0]:.1f} MiB with "
                 f"the cache off, {mem[6]:.1f} MiB with 6 graphs kept)", ""]
-        for set_name, rows in sets["sets"].items():
+        for set_name, measured in sets["sets"].items():
+            rows = measured["rows"]
             out += [f"### {set_name}", "", "| configuration | tok/s | vs ar | TPF | ms/pass | builds/pass | rebuild "
                     "share | auto rounds none/n-gram/block | accepted drafts (from block passes) |",
                     "|---|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -165,6 +202,10 @@ def markdown(res: dict[str, Any]) -> str:
                 acc = f"{r['accepted']} ({100 * r['block_share']:.0f} %)" if "auto" in name else ""
                 out.append(f"| {name} | {r['tok_s']:.1f} | {r['ratio']:.2f} | {r['tpf']:.2f} | {r['ms_per_pass']:.3f} "
                            f"| {r['builds_per_pass']:.2f} | {100 * r['rebuild_share']:.1f} % | {rounds} | {acc} |")
+            for name, c in measured["fused_ceiling"].items():
+                out.append(f"\nCeiling of a fused verify + draft pass for {name} (`fused_ceiling`): "
+                           f"{c['ratio']:.2f}x ar ({c['tokens_per_round']:.2f} tokens per round, "
+                           f"{100 * c['full_share']:.0f} % of rounds accept every draft).")
             out.append("")
     return "\n".join(out)
 
