@@ -602,6 +602,13 @@ class Model(loader.NativeHandle):
         libclover.lib().clover_engine_pass_stats(self._engine(), ctypes.byref(passes), ctypes.byref(rounds))
         return int(passes.value), int(rounds.value)
 
+    def block_pass_stats(self) -> tuple[int, int]:
+        """pass_stats for block passes only: more passes than rounds means windows of several slots shared a block
+        pass (each with its own coreset top_p, spec 3.3). (0, 0) with one slot."""
+        passes, rounds = ctypes.c_int64(), ctypes.c_int64()
+        libclover.lib().clover_engine_block_pass_stats(self._engine(), ctypes.byref(passes), ctypes.byref(rounds))
+        return int(passes.value), int(rounds.value)
+
     def last_error(self) -> str:
         msg = libclover.lib().clover_slot_last_error(self._handle())
         return msg.decode("utf-8", "replace") if msg else ""

@@ -91,13 +91,31 @@ class LlamaModel(NativeHandle):
             raise NativeError(message)
 
     def set_coreset_top_p(self, top_p: float) -> None:
-        """The block expert coreset's top_p of this model's next block passes (spec 3.3; the patch's
-        llama_clover_set_coreset_top_p, which a reused graph reads at every pass). NativeError outside (0, 1]."""
+        """The model-wide block expert coreset top_p (spec 3.3; the patch's llama_clover_set_coreset_top_p): what
+        the block passes of every sequence without a value of its own use; a reused graph reads it at every pass.
+        NativeError outside (0, 1]."""
         lib = llama().llama_cpp._lib
         lib.llama_clover_set_coreset_top_p.argtypes = [ctypes.c_void_p, ctypes.c_float]
         lib.llama_clover_set_coreset_top_p.restype = ctypes.c_bool
         if not lib.llama_clover_set_coreset_top_p(self.ptr, float(top_p)):
             raise NativeError(f"coreset_top_p must be in (0, 1], got {top_p!r}")
+
+    def set_seq_coreset_top_p(self, seq: int, top_p: float) -> None:
+        """Sequence ``seq``'s own coreset top_p (llama_clover_set_seq_coreset_top_p): each window of a batched
+        block pass routes inside its sequence's coreset. 0 clears it (back to the model-wide value). NativeError
+        outside [0, 1] or for a sequence id out of range."""
+        lib = llama().llama_cpp._lib
+        lib.llama_clover_set_seq_coreset_top_p.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]
+        lib.llama_clover_set_seq_coreset_top_p.restype = ctypes.c_bool
+        if not lib.llama_clover_set_seq_coreset_top_p(self.ptr, int(seq), float(top_p)):
+            raise NativeError(f"sequence {seq}: coreset_top_p must be in [0, 1] (0 clears it), got {top_p!r}")
+
+    def coreset_top_p(self, seq: int) -> float:
+        """The coreset top_p sequence ``seq``'s block passes use: its own, else the model-wide one."""
+        lib = llama().llama_cpp._lib
+        lib.llama_clover_get_seq_coreset_top_p.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_clover_get_seq_coreset_top_p.restype = ctypes.c_float
+        return float(lib.llama_clover_get_seq_coreset_top_p(self.ptr, int(seq)))
 
     def meta(self, key: str) -> str | None:
         """A metadata value as llama.cpp stringifies it (no arrays)."""

@@ -216,6 +216,8 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_engine_n_parallel": (ctypes.c_int32, [clover_engine_p]),
     "clover_engine_pass_stats": (None, [clover_engine_p, ctypes.POINTER(ctypes.c_int64),
                                         ctypes.POINTER(ctypes.c_int64)]),
+    "clover_engine_block_pass_stats": (None, [clover_engine_p, ctypes.POINTER(ctypes.c_int64),
+                                              ctypes.POINTER(ctypes.c_int64)]),
     "clover_slot_n_past": (ctypes.c_int32, [clover_slot_p]),
     "clover_engine_n_ctx": (ctypes.c_int32, [clover_engine_p]),
     "clover_engine_max_block_size": (ctypes.c_int32, [clover_engine_p]),

@@ -222,6 +222,88 @@ def test_the_coreset_changes_routing_and_one_row_windows_route_per_row(tiny: Bun
         tiny.model.set_coreset_top_p(1.0)
 
 
+def _two_window_pass(ctx: Any, windows: list[list[int]], seqs: tuple[int, int]) -> list[np.ndarray]:
+    """One block pass holding two windows of the same width, each on a scratch copy of the history (seq 0) under
+    its own sequence id: the batched pass of two slots (clover_block_decode_seqs' protocol, here in one ubatch
+    of two sequences). The logits of every row, per window."""
+    from clover_native import bindings
+    from clover_native.loader import llama
+
+    L = llama()
+    pos0 = ctx.pos_max(bindings.HISTORY_SEQ) + 1
+    width = len(windows[0])
+    batch = L.llama_batch_init(2 * width, 0, 1)
+    try:
+        for s, (window, seq) in enumerate(zip(windows, seqs)):
+            L.llama_memory_seq_rm(ctx.mem, seq, -1, -1)
+            L.llama_memory_seq_cp(ctx.mem, bindings.HISTORY_SEQ, seq, -1, -1)
+            for j, tok in enumerate(window):
+                i = s * width + j
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos0 + j, 1, 1
+                batch.seq_id[i][0] = seq
+        batch.n_tokens = 2 * width
+        L.llama_set_causal_attn(ctx.ptr, False)
+        rc = L.llama_decode(ctx.ptr, batch)
+        L.llama_set_causal_attn(ctx.ptr, True)
+        assert rc == 0, f"llama_decode returned {rc}"
+        rows = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(ctx.ptr, i), shape=(ctx.model.n_vocab,))
+                         for i in range(2 * width)])
+    finally:
+        for seq in seqs:
+            L.llama_memory_seq_rm(ctx.mem, seq, -1, -1)
+        L.llama_batch_free(batch)
+    return [rows[:width].copy(), rows[width:].copy()]
+
+
+@pytest.mark.parametrize("top_ps", [(0.5, 1.0), (1.0, 0.5), (0.9, 0.5)])
+def test_each_window_of_a_batched_pass_routes_in_its_own_sequences_coreset(tiny: Bundle, top_ps: tuple) -> None:
+    """spec 3.3 per sequence (llama_clover_set_seq_coreset_top_p): two windows with different top_p in one block
+    pass each equal their own solo pass at their own top_p, a window at 1 included (per-row routing inside a
+    graph that has the coreset ops). The model-wide value stays the default of a sequence with none of its own."""
+    from clover_native import bindings
+
+    p, other = 37, 3
+    ctx = tiny.context(n_seq_max=4)
+    ctx.causal(tiny.ids[:p], rows=[p - 1])
+    windows = [block_window(tiny.ids, p, 8, "partly", tiny.mask), block_window(tiny.ids, p, 8, "masked", tiny.mask)]
+    model = tiny.model
+    try:
+        solo = []
+        for window, top_p in zip(windows, top_ps):
+            model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, top_p)
+            solo.append(ctx.block(window))
+        model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, top_ps[0])
+        model.set_seq_coreset_top_p(other, top_ps[1])
+        batched = _two_window_pass(ctx, windows, (bindings.SCRATCH_SEQ, other))
+        for s in range(2):
+            np.testing.assert_allclose(batched[s], solo[s], rtol=1e-5, atol=1e-5 * np.abs(solo[s]).max(),
+                                       err_msg=f"window {s} at top_p {top_ps[s]}")
+        # the coreset is really on for the window below 1: its logits differ from per-row routing
+        model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, 1.0)
+        low = int(np.argmin(top_ps))
+        assert np.abs(ctx.block(windows[low]) - solo[low]).max() > 1e-2
+        # a sequence without a value of its own follows the model-wide one; its own overrides it
+        model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, 0.0)
+        model.set_coreset_top_p(top_ps[low])
+        assert model.coreset_top_p(bindings.SCRATCH_SEQ) == pytest.approx(top_ps[low])
+        np.testing.assert_array_equal(ctx.block(windows[low]), solo[low])
+        model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, 1.0)
+        assert model.coreset_top_p(bindings.SCRATCH_SEQ) == 1.0
+    finally:
+        model.set_coreset_top_p(1.0)  # the GGUF's value: the other tests share the model
+        for seq in (bindings.SCRATCH_SEQ, other):
+            model.set_seq_coreset_top_p(seq, 0.0)
+
+
+def test_sequence_coreset_settings_outside_the_range_are_refused(tiny: Bundle) -> None:
+    from clover_native.loader import NativeError
+
+    for seq, top_p in ((0, 1.5), (0, -0.1), (0, float("nan")), (-1, 0.5), (256, 0.5)):
+        with pytest.raises(NativeError, match=f"sequence {seq}: coreset_top_p must be in"):
+            tiny.model.set_seq_coreset_top_p(seq, top_p)
+    assert tiny.model.coreset_top_p(256) == -1.0
+
+
 def test_history_c_matters_only_below_history_rows(tiny: Bundle, tmp_path: Path) -> None:
     """spec 3.2 step 5: bd_history_c multiplies ln(W / history_rows): changing it changes nothing at
     W = history_rows (32) and changes the block logits at W < 32."""

@@ -13,7 +13,7 @@
 //   l_ij   = bd_logit_scale_h * q^_i . k^_j,  l_iH = bd_history_bias_h + bd_history_c_h * ln(W / history_rows)
 //   o_i    = softmax over {j, H}: sum_j w_ij v_j + w_iH r_i, then gated RMSNorm(z) and ssm_out.
 // MoE layers (3.3): with coreset_top_p < 1 and W > 1, every row of a window picks its top-k inside the window's
-// block coreset (build_coreset_bias). Block mode reads the recurrent state (conv and ssm) and never writes it.
+// block coreset (build_coreset_bias); each window of a batched pass has its own sequence's top_p. Block mode reads the recurrent state (conv and ssm) and never writes it.
 
 #include "models.h"
 #include "llama-impl.h"
@@ -25,6 +25,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 // the largest block size a GGUF may declare (clover.block_size, calibrated sizes); the converter refuses the same
 // (clover_common/config.py MAX_BLOCK_SIZE): every block size needs B-1 rollback states of the recurrent memory
@@ -417,27 +418,54 @@ std::unique_ptr<llm_graph_context> llama_model_clover::build_arch_graph(const ll
     return std::make_unique<graph>(*this, params);
 }
 
-// The block coreset's top_p as a graph input (spec 3.3): a reused block graph reads the model's current setting
-// (llama_clover_set_coreset_top_p) at every pass. A graph is built with the coreset ops when the setting is below 1
-// and without them at 1 (every expert: no cut is computed), so a change across 1 rebuilds the graph.
+float llama_model_clover::coreset_top_p_of(llama_seq_id seq) const {
+    const float own = seq >= 0 && seq < LLAMA_MAX_SEQ ? clover_coreset_top_p_seq[seq].load() : 0.0f;
+    return own > 0.0f ? own : clover_coreset_top_p_now.load();
+}
+
+// the sequence of window s of a block ubatch: split_equal lays the windows out one after the other, W rows each
+static llama_seq_id clover_window_seq(const llama_ubatch & ubatch, uint32_t s) {
+    return ubatch.seq_id[s * ubatch.n_seq_tokens][0];
+}
+
+// whether any window of the ubatch routes inside a coreset (its sequence's top_p is below 1)
+static bool clover_coreset_active(const llama_model_clover & model, const llama_ubatch & ubatch) {
+    for (uint32_t s = 0; s < ubatch.n_seqs; ++s) {
+        if (model.coreset_top_p_of(clover_window_seq(ubatch, s)) < 1.0f) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// The block coreset's top_p as a graph input (spec 3.3), one value per window: a reused block graph reads each
+// sequence's current setting (coreset_top_p_of) at every pass. A graph is built with the coreset ops when some
+// window's top_p is below 1 and without them when none is (every expert: no cut is computed), so a change across
+// 1 rebuilds the graph. In a graph with the coreset ops, a window at top_p 1 gets 2: excl[e] <= 1 < 2 keeps every
+// expert, its bias is 0 and its rows route exactly per row.
 class llm_graph_input_clover_coreset : public llm_graph_input_i {
 public:
     llm_graph_input_clover_coreset(const llama_model_clover & model, bool active) : model(model), active(active) {}
 
     void set_input(const llama_ubatch * ubatch) override {
-        GGML_UNUSED(ubatch);
-        if (top_p != nullptr) {
-            const float v = model.clover_coreset_top_p_now.load();
-            ggml_backend_tensor_set(top_p, &v, 0, sizeof(v));
+        if (top_p == nullptr) {
+            return;
         }
+        GGML_ASSERT(top_p->ne[2] == (int64_t) ubatch->n_seqs);
+        std::vector<float> v(ubatch->n_seqs);
+        for (uint32_t s = 0; s < ubatch->n_seqs; ++s) {
+            const float p = model.coreset_top_p_of(clover_window_seq(*ubatch, s));
+            v[s] = p < 1.0f ? p : 2.0f;
+        }
+        ggml_backend_tensor_set(top_p, v.data(), 0, v.size() * sizeof(float));
     }
 
     bool can_reuse(const llm_graph_params & params) override {
-        GGML_UNUSED(params);
-        return (model.clover_coreset_top_p_now.load() < 1.0f) == active;
+        const bool shape_ok = top_p == nullptr || top_p->ne[2] == (int64_t) params.ubatch.n_seqs;
+        return shape_ok && clover_coreset_active(model, params.ubatch) == active;
     }
 
-    ggml_tensor * top_p = nullptr;  // F32 {1}; nullptr when inactive
+    ggml_tensor * top_p = nullptr;  // F32 {1, 1, n_seqs}; nullptr when inactive
 
 private:
     const llama_model_clover & model;
@@ -449,10 +477,10 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
     const auto & cmodel = static_cast<const llama_model_clover &>(model);
     // block passes of more than one row may route inside a coreset (a one-row window is per-row routing)
     if (!cparams.causal_attn && ubatch.n_seq_tokens > 1 && n_expert_used < n_expert && n_expert > 0) {
-        const bool active = cmodel.clover_coreset_top_p_now.load() < 1.0f;
+        const bool active = clover_coreset_active(cmodel, ubatch);
         auto inp = std::make_unique<llm_graph_input_clover_coreset>(cmodel, active);
         if (active) {
-            inp->top_p = ggml_new_tensor_1d(ctx0, GGML_TYPE_F32, 1);
+            inp->top_p = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, 1, ubatch.n_seqs);
             ggml_set_input(inp->top_p);
             ggml_set_name(inp->top_p, "clover_coreset_top_p");
             coreset_top_p = inp->top_p;
@@ -482,7 +510,8 @@ ggml_tensor * llama_model_clover::graph::build_coreset_bias(ggml_tensor * probs,
     ggml_tensor * excl = ggml_sum_rows(ctx0, ggml_mul(ctx0, g, m_before));          // {1, E, S}
     ggml_tensor * rank = ggml_sum_rows(ctx0, g);                                     // {1, E, S}
 
-    ggml_tensor * in_p = ggml_step(ctx0, ggml_scale(ctx0, ggml_sub(ctx0, excl, coreset_top_p), -1.0f));  // excl < top_p
+    // excl < top_p, top_p {1, 1, S}: each window's own
+    ggml_tensor * in_p = ggml_step(ctx0, ggml_scale(ctx0, ggml_sub(ctx0, excl, coreset_top_p), -1.0f));
     ggml_tensor * in_k = ggml_step(ctx0, ggml_scale_bias(ctx0, rank, -1.0f, (float) n_expert_used - 0.5f)); // rank < k
     ggml_tensor * out  = ggml_step(ctx0, ggml_scale_bias(ctx0, ggml_add(ctx0, in_p, in_k), -1.0f, 0.5f));  // neither
     ggml_tensor * bias = ggml_scale(ctx0, out, -1e30f);                              // {1, E, S}
@@ -659,6 +688,8 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
 extern "C" {
 LLAMA_API bool  llama_clover_set_coreset_top_p(struct llama_model * model, float top_p);
 LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model);
+LLAMA_API bool  llama_clover_set_seq_coreset_top_p(struct llama_model * model, llama_seq_id seq_id, float top_p);
+LLAMA_API float llama_clover_get_seq_coreset_top_p(const struct llama_model * model, llama_seq_id seq_id);
 LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);
 LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * model);
 LLAMA_API bool  llama_clover_attach_block_diffusion(struct llama_model * model, const char * path, char * err, size_t err_size);
@@ -680,6 +711,20 @@ bool llama_clover_set_coreset_top_p(struct llama_model * model, float top_p) {
 float llama_clover_get_coreset_top_p(const struct llama_model * model) {
     const llama_model_clover * m = clover_model_of(model);
     return m ? m->clover_coreset_top_p_now.load() : -1.0f;
+}
+
+bool llama_clover_set_seq_coreset_top_p(struct llama_model * model, llama_seq_id seq_id, float top_p) {
+    const llama_model_clover * m = clover_model_of(model);
+    if (m == nullptr || seq_id < 0 || seq_id >= LLAMA_MAX_SEQ || !(top_p >= 0.0f && top_p <= 1.0f)) {  // NaN fails
+        return false;
+    }
+    m->clover_coreset_top_p_seq[seq_id].store(top_p);
+    return true;
+}
+
+float llama_clover_get_seq_coreset_top_p(const struct llama_model * model, llama_seq_id seq_id) {
+    const llama_model_clover * m = clover_model_of(model);
+    return m && seq_id >= 0 && seq_id < LLAMA_MAX_SEQ ? m->coreset_top_p_of(seq_id) : -1.0f;
 }
 
 float llama_clover_gguf_coreset_top_p(const struct llama_model * model) {

@@ -72,6 +72,8 @@ struct clover_shared {
     double                        t_others_ms  = 0.0;
     std::atomic<int64_t>          n_passes{0};  // read without the lock (/health must not wait for a prefill)
     std::atomic<int64_t>          n_rounds{0};
+    std::atomic<int64_t>          n_block_passes{0};  // the block passes among them, and the rounds that ran them
+    std::atomic<int64_t>          n_block_rounds{0};
     // the decode thread (clover_decode_loop), and a call a slot hands it outside the rounds (clover_shared_call)
     std::thread                      decoder;
     bool                             stopping = false;

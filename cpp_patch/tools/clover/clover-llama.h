@@ -9,13 +9,23 @@
 extern "C" {
 #endif
 
-// The block coreset's top_p (spec 3.3) of the model's next block passes, in (0, 1]; 1 = no coreset (per-row
-// routing). It starts at the GGUF's ARCH.diffusion.coreset_top_p (default 1). A block graph reads it when its
-// inputs are set, so it may change between passes (a change across 1 rebuilds the graph). The setting belongs to
-// the model: contexts that share a model share it. Returns false (nothing set) for a value outside (0, 1] or a
-// model that is not clover_moe.
+// The block coreset's top_p (spec 3.3) of one sequence's next block passes, in (0, 1]; 1 = no coreset (per-row
+// routing); 0 clears it (the sequence then follows the model-wide value below). Each window of a batched block
+// pass routes inside its own sequence's coreset, so sequences with different values share a pass. A block graph
+// reads the values when its inputs are set, so they may change between passes (a pass whose windows all move to
+// or from "every window at 1" rebuilds the graph). The table belongs to the model, indexed by sequence id
+// (0 .. LLAMA_MAX_SEQ - 1): contexts that share a model share it, so give them disjoint sequence ids. Returns
+// false (nothing set) for a value outside [0, 1], a sequence id out of range or a model that is not clover_moe.
+LLAMA_API bool  llama_clover_set_seq_coreset_top_p(struct llama_model * model, llama_seq_id seq_id, float top_p);
+// the value a sequence's block passes use (its own, else the model-wide one); -1 for a sequence id out of range
+// or a model that is not clover_moe
+LLAMA_API float llama_clover_get_seq_coreset_top_p(const struct llama_model * model, llama_seq_id seq_id);
+// The model-wide top_p, in (0, 1]: what every sequence without a value of its own uses (deprecated for the
+// engine, which sets each slot's sequence; kept for direct callers such as clover_block_decode's). It starts at
+// the GGUF's ARCH.diffusion.coreset_top_p (default 1). Returns false (nothing set) for a value outside (0, 1] or
+// a model that is not clover_moe.
 LLAMA_API bool  llama_clover_set_coreset_top_p(struct llama_model * model, float top_p);
-// the current setting; -1 for a model that is not clover_moe
+// the model-wide value; -1 for a model that is not clover_moe
 LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model);
 // the GGUF's value (or its default, 1); -1 for a model that is not clover_moe
 LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);

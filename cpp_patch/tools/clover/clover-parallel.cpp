@@ -91,10 +91,10 @@ int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch,
 namespace {
 
 bool clover_same_kind(const clover_pass_req & a, const clover_pass_req & b) {
-    // block windows of one round have one width (a window is one ubatch) and share the model's coreset setting;
-    // causal passes of any lengths go together (a prefill chunk and other slots' steps: llama.cpp splits them)
-    return a.block == b.block && (!a.block || (a.slot->batch.n_tokens == b.slot->batch.n_tokens &&
-                                               a.slot->coreset_top_p == b.slot->coreset_top_p));
+    // block windows of one round have one width (a window is one ubatch; each has its own sequence's coreset
+    // top_p, set by clover_block); causal passes of any lengths go together (a prefill chunk and other slots'
+    // steps: llama.cpp splits them)
+    return a.block == b.block && (!a.block || a.slot->batch.n_tokens == b.slot->batch.n_tokens);
 }
 
 // Whether prefill chunks sit this round out: a prefilling slot gets at most clover_prefill_share of the decode
@@ -193,7 +193,6 @@ void clover_run_round(clover_shared & sh, const std::vector<clover_pass_req *> &
             history.push_back(r->slot->seq_history);
             scratch.push_back(r->slot->seq_scratch);
         }
-        llama_clover_set_coreset_top_p(group[0]->slot->model, group[0]->slot->coreset_top_p);
         rc = clover_block_decode_seqs(ctx, *batch, history.data(), scratch.data(), (int32_t) group.size());
     } else {
         rc = llama_decode(ctx, *batch);
@@ -205,6 +204,10 @@ void clover_run_round(clover_shared & sh, const std::vector<clover_pass_req *> &
     }
     sh.n_passes += (int64_t) group.size();
     sh.n_rounds += 1;
+    if (block) {
+        sh.n_block_passes += (int64_t) group.size();
+        sh.n_block_rounds += 1;
+    }
 }
 
 // The decode thread: a slot's call outside the rounds, else a round once every slot inside clover_slot_generate

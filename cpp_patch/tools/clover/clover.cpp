@@ -234,6 +234,13 @@ void clover_engine_pass_stats(const struct clover_engine * engine, int64_t * n_p
     }
 }
 
+void clover_engine_block_pass_stats(const struct clover_engine * engine, int64_t * n_passes, int64_t * n_rounds) {
+    const clover_slot * first = clover_first_slot(engine);
+    const bool shared = first && first->shared;
+    *n_passes = shared ? first->shared->n_block_passes.load() : 0;
+    *n_rounds = shared ? first->shared->n_block_rounds.load() : 0;
+}
+
 struct llama_model * clover_engine_model(struct clover_engine * engine) {
     return engine ? engine->model.get() : nullptr;
 }

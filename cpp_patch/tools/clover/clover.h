@@ -245,8 +245,8 @@ CLOVER_API float clover_model_info_threshold(const struct clover_model_info * in
 // (the window, on sequence 1, at the positions after the history) with causal attention off, then remove
 // sequence 1 and turn causal attention back on. The history is never written. Returns llama_decode's code, -1
 // for a NULL argument, or -3 (nothing done) when the model has no block-diffusion tensors (a trunk-only file).
-// The coreset top_p is the model's current setting (llama_clover_set_coreset_top_p in clover-llama.h; the GGUF's
-// value by default).
+// The coreset top_p is sequence 1's (llama_clover_set_seq_coreset_top_p in clover-llama.h), else the model-wide
+// setting (llama_clover_set_coreset_top_p; the GGUF's value by default).
 CLOVER_API int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch * batch);
 
 // Physical cores this process may run on: its CPU affinity mask with SMT siblings counted once, capped by
@@ -301,6 +301,10 @@ CLOVER_API int32_t clover_engine_n_parallel(const struct clover_engine * engine)
 // Passes run by the engine's slots, and the llama_decode rounds they ran in (n_passes > n_rounds: passes of
 // several slots were batched together). Both 0 with a single slot.
 CLOVER_API void    clover_engine_pass_stats(const struct clover_engine * engine, int64_t * n_passes, int64_t * n_rounds);
+// The same for block passes only (diffusion and spec windows): n_passes > n_rounds when windows of several slots
+// shared a block pass, each with its own coreset top_p. Both 0 with a single slot.
+CLOVER_API void    clover_engine_block_pass_stats(const struct clover_engine * engine, int64_t * n_passes,
+                                                  int64_t * n_rounds);
 // The engine's llama_model and llama_context, for llama.cpp calls (tokenizer, state, sampling of your own).
 // Borrowed: owned by the engine, freed by clover_engine_free and valid until then; never free them yourself.
 CLOVER_API struct llama_model   * clover_engine_model  (struct clover_engine * engine);
