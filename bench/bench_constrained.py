@@ -74,7 +74,7 @@ def main() -> int:
 
     from clover_native import cpu, libclover
     from clover_cpp.model import Model
-    from tests.support.native import clover_convert
+    from clover_dev.convert import clover_convert
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     f16 = args.workdir / "clover-demo-f16.gguf"

@@ -32,7 +32,7 @@ def log(msg: str) -> None:
 
 def f16_models(work: Path) -> dict[str, Path]:
     from clover_ref.factory import init_checkpoint
-    from tests.support.native import clover_convert
+    from clover_dev.convert import clover_convert
 
     out = {}
     demo = work / "demo-f16.gguf"
@@ -63,8 +63,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     from clover_native import cpu, bindings
-    from tests.support.extra_bufts_probe import buffer_types
-    from tests.support.native import quantize
+    from clover_dev.convert import quantize
+    from clover_dev.native import buffer_types
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     text = (REPO / "clover_ref" / "decode.py").read_text()

@@ -223,7 +223,7 @@ def main() -> int:
         args.files, args.runs, args.prompts = "f16", 1, 3
     from clover_native import cpu
     from clover_cpp import Model
-    from tests.support.native import clover_convert, quantize
+    from clover_dev.convert import clover_convert, quantize
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     f16 = args.workdir / "demo-f16.gguf"

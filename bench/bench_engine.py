@@ -48,8 +48,7 @@ def log(msg: str) -> None:
 def prepare(name: str, work: Path, stock: bool = True) -> dict[str, Path]:
     """Checkpoint, clover GGUFs (f32, q8_0) and (with ``stock``) the stock twin GGUFs (f32, q8_0)."""
     from clover_ref.factory import init_checkpoint
-    from tests.support.native import clover_convert, quantize
-    from tests.support.convert import make_qwen_twin, vendored_convert
+    from clover_dev.convert import clover_convert, make_qwen_twin, quantize, vendored_convert
 
     d = work / name
     ckpt = d / "checkpoint"

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.support.native import causal_and_block_logits, kl_top1
+from clover_dev.metrics import kl_top1
+from clover_dev.native import causal_and_block_logits
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from bench.bench_imatrix import WINDOW, eval_windows, parse_args, save_kl_table
-from tests.support.native import causal_and_block_logits, kl_top1
+from clover_dev.metrics import kl_top1
+from clover_dev.native import causal_and_block_logits
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -44,7 +44,7 @@ def log(msg: str) -> None:
 
 def model_path(name: str, work: Path) -> Path:
     """mid-Q8_0 (made like bench_serve's) or demo (the shipped model at Q4_K_M, as `make demo` makes it)."""
-    from tests.support.native import clover_convert, quantize
+    from clover_dev.convert import clover_convert, quantize
 
     if name == "demo":
         out = work / "clover-demo-Q4_K_M.gguf"
@@ -85,7 +85,7 @@ def bound(gguf: Path, clients: list[int]) -> dict[str, Any]:
 
 class Server:
     def __init__(self, gguf: Path, n_parallel: int, n_ctx: int, log_path: Path) -> None:
-        from tests.support.chat import cli_command
+        from clover_dev.process import cli_command
 
         with open(log_path, "w") as out:
             self.proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),

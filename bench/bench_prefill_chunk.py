@@ -102,7 +102,7 @@ def main() -> int:
     gguf = work / "mid-Q8_0.gguf"
     if not gguf.exists():  # torch (the reference) only to build the model once
         from clover_ref.factory import init_checkpoint
-        from tests.support.native import clover_convert, quantize
+        from clover_dev.convert import clover_convert, quantize
 
         init_checkpoint(work / "mid-ckpt", "mid", seed=0)
         quantize(clover_convert(work / "mid-ckpt", work / "mid-f16.gguf", "f16"), gguf, "Q8_0")

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support.native import free_port
+from clover_dev.process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,7 +102,7 @@ def main() -> int:
         return 0
 
     from clover_native import loader
-    from tests.support.native import clover_convert
+    from clover_dev.convert import clover_convert
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     gguf = args.workdir / "clover-demo-f16.gguf"

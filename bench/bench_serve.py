@@ -39,7 +39,7 @@ def log(msg: str) -> None:
 
 def make_model(work: Path, preset: str, quant: str) -> Path:
     from clover_ref.factory import init_checkpoint
-    from tests.support.native import clover_convert, quantize
+    from clover_dev.convert import clover_convert, quantize
 
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"{preset}-{quant}.gguf"
@@ -53,7 +53,7 @@ def make_model(work: Path, preset: str, quant: str) -> Path:
 
 
 def start_server(gguf: Path, n_ctx: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    from tests.support.chat import cli_command
+    from clover_dev.process import cli_command
 
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),

@@ -55,7 +55,7 @@ def held_out_prompts(n: int, length: int = 48) -> list[list[int]]:
 def models(work: Path, quick: bool) -> dict[str, tuple[Path, list[tuple[str, int | None]], int]]:
     """name -> (GGUF, configurations, new tokens per prompt)."""
     from clover_ref.factory import init_checkpoint
-    from tests.support.native import clover_convert, quantize
+    from clover_dev.convert import clover_convert, quantize
 
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, tuple[Path, list[tuple[str, int | None]], int]] = {}

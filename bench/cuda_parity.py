@@ -82,8 +82,8 @@ def engine_tokens(path: Path, n_gpu_layers: int) -> dict[str, list[int]]:
 
 
 def compare(gpu: dict[str, np.ndarray], cpu: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Per case the native parity tests' metric (native_support.parity at 1e-3) and a hash of the GPU logits."""
-    from tests.support.native import parity
+    """Per case the native parity tests' metric (clover_dev.metrics.parity at 1e-3) and a hash of the GPU logits."""
+    from clover_dev.metrics import parity
 
     return {k: parity(g, cpu[k], 1e-3) | {"sha256": hashlib.sha256(np.ascontiguousarray(g).tobytes()).hexdigest()[:16]}
             for k, g in gpu.items()}

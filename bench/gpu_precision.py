@@ -103,7 +103,7 @@ def token_by_token(model: Any, ids: list[int]) -> np.ndarray:
 
 
 def block_logits(model: Any, ids: list[int], mask: int) -> dict[str, np.ndarray]:
-    from tests.support.native import block_window
+    from clover_dev.native import block_window
 
     out = {}
     for p in BLOCK_POSITIONS:
@@ -118,8 +118,8 @@ def block_logits(model: Any, ids: list[int], mask: int) -> dict[str, np.ndarray]
 
 
 def diff(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
-    """The native parity tests' metric (tests.support.native.parity), and how many tolerances the difference is."""
-    from tests.support.native import parity
+    """The native parity tests' metric (clover_dev.metrics.parity), and how many tolerances the difference is."""
+    from clover_dev.metrics import parity
 
     m = parity(got, ref, REF_TOL)
     return m | {"over_tol": m["max_abs_diff"] / m["tol"]}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tests.reference.test_reference_parity import load_transformers, prompt
+from clover_dev.reference import load_transformers, prompt
 
 from clover_ref.checkpoint import load_model
 from clover_ref.factory import init_checkpoint

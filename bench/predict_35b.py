@@ -52,7 +52,7 @@ def log(msg: str) -> None:
 def slice_gguf(work: Path, layers: int) -> Path:
     """A Q4_K_M GGUF of a random 35b-shape checkpoint with `layers` layers (the bf16 files are removed)."""
     from clover_ref.factory import init_checkpoint_streaming
-    from tests.support.native import clover_convert, quantize
+    from clover_dev.convert import clover_convert, quantize
 
     out = work / f"35b-{layers}L-Q4_K_M.gguf"
     if out.exists():
@@ -110,7 +110,7 @@ def chain_tokens_per_pass(prompts: int = 24) -> dict[int, float]:
 
     from bench.bench_speed import held_out_prompts
     from clover_cpp import Model
-    from tests.support.native import clover_convert
+    from clover_dev.convert import clover_convert
 
     with tempfile.TemporaryDirectory() as tmp:
         gguf = clover_convert(REPO / "models" / "clover-demo", Path(tmp) / "demo.gguf", "f16")

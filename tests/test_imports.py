@@ -1,6 +1,8 @@
-"""The import graph of the toolkit's packages (docs/architecture.md, "Layout"): no module imports itself through
-others, and the base install (clover_common, clover_convert, clover_quantize, clover_cpp) imports no module of
-clover_ref, the PyTorch reference, which only the [reference] extra installs.
+"""The import graph of the repository's Python (docs/architecture.md, "Layout"): the installed packages, the
+developer tooling (clover_dev), the benchmarks, the scripts and the tests. No module imports itself through others,
+each package imports only the packages its row of LAYERS names, and the base install (clover_common, clover_native,
+clover_convert, clover_quantize, clover_cpp) imports no module of clover_ref, the PyTorch reference, which only the
+[reference] extra installs.
 
 The graph is read from the source (every import statement, inside functions too), so an import that would run
 only on some path counts as much as one at the top of a module.
@@ -12,10 +14,25 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.support.native import REPO_ROOT
+from clover_dev import REPO_ROOT
 
-PACKAGES = ("clover_common", "clover_ref", "clover_convert", "clover_quantize", "clover_cpp")
-BASE_INSTALL = ("clover_common", "clover_convert", "clover_quantize", "clover_cpp")
+PACKAGES = ("clover_common", "clover_native", "clover_ref", "clover_convert", "clover_quantize", "clover_cpp",
+            "clover_dev", "bench", "scripts", "tests")
+BASE_INSTALL = ("clover_common", "clover_native", "clover_convert", "clover_quantize", "clover_cpp")
+ALL = frozenset(PACKAGES)
+# package -> the other packages its modules may import: the floors below it
+LAYERS: dict[str, frozenset[str]] = {
+    "clover_common": frozenset(),
+    "clover_native": frozenset({"clover_common"}),
+    "clover_ref": frozenset({"clover_common"}),
+    "clover_quantize": frozenset({"clover_common", "clover_native"}),
+    "clover_convert": frozenset({"clover_common", "clover_native", "clover_quantize"}),
+    "clover_cpp": frozenset({"clover_common", "clover_native"}),
+    "clover_dev": ALL - {"tests", "bench"},
+    "bench": ALL - {"tests"},
+    "scripts": ALL - {"tests"},
+    "tests": ALL,
+}
 
 
 def modules() -> dict[str, Path]:
@@ -91,6 +108,12 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def forbidden(edges: dict[str, set[str]], layers: dict[str, frozenset[str]]) -> list[str]:
+    """Every import ``a -> b`` between two packages where ``b``'s package is not in the row of ``a``'s."""
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                  if b.split(".")[0] != a.split(".")[0] and b.split(".")[0] not in layers[a.split(".")[0]])
+
+
 def test_no_import_cycles() -> None:
     edges = graph()
     assert len(edges) > 50  # the packages were found
@@ -99,6 +122,19 @@ def test_no_import_cycles() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_each_package_imports_only_its_floors() -> None:
+    edges = graph()
+    assert set(LAYERS) == set(PACKAGES)
+    assert {name.split(".")[0] for name in edges} == set(PACKAGES)  # every package was read
+    assert forbidden(edges, LAYERS) == []
+
+
+def test_the_layer_checker_finds_a_forbidden_edge() -> None:
+    edges = {"low.a": {"high.b", "low.c"}, "low.c": set(), "high.b": {"low.a", "mid"}, "mid": {"low.c"}}
+    layers = {"low": frozenset(), "mid": frozenset({"low"}), "high": frozenset({"low", "mid"})}
+    assert forbidden(edges, layers) == ["low.a -> high.b"]
 
 
 def test_the_base_install_imports_no_reference_module() -> None:

@@ -16,7 +16,8 @@ import torch
 
 from clover_convert import output
 from clover_ref.factory import init_checkpoint_streaming
-from tests.support.convert import VENV_PYTHON, copy_checkpoint, edit_config, rewrite_weights, run_convert
+from clover_dev import VENV_PYTHON
+from tests.support.convert import copy_checkpoint, edit_config, rewrite_weights, run_convert
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 
 from tests.support.convert import interrupt, wait_for_temp, write_imatrix
-from tests.support.native import REPO_ROOT, VENV_PYTHON
+from clover_dev import REPO_ROOT, VENV_PYTHON
 from tests.support.convert import copy_checkpoint, rewrite_weights, slowed_convert_script
 
 from clover_convert import onepass, streaming

@@ -20,8 +20,9 @@ from clover_ref.checkpoint import save_model
 from clover_common.config import CloverConfig
 from clover_ref.factory import init_checkpoint, init_checkpoint_streaming, preset_config, random_model
 from clover_common.tokenizer import MASK_TOKEN, special_token_ids
-from tests.support.convert import (VENV_PYTHON, assert_tensor_matches, convert, expected_gguf, expected_type, fields,
-                                  hf_state, run_convert, tensor_values)
+from clover_dev import VENV_PYTHON
+from tests.support.convert import (assert_tensor_matches, convert, expected_gguf, expected_type, fields, hf_state,
+                                   run_convert, tensor_values)
 
 V = gguf.GGUFValueType
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}

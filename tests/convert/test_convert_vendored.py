@@ -15,7 +15,8 @@ import gguf
 import numpy as np
 import pytest
 
-from tests.support.convert import CLOVER_KEYS, convert, fields, llama_cpp_clover_file, make_qwen_twin, vendored_convert
+from clover_dev.convert import make_qwen_twin, vendored_convert
+from tests.support.convert import CLOVER_KEYS, convert, fields, llama_cpp_clover_file
 
 CLOVER_TENSOR_SUFFIXES = ("bd_conv_right.weight", "bd_logit_scale", "bd_history_bias", "bd_history_c")
 # general.size_label counts parameters, and ours has the Clover tensors too

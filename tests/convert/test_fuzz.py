@@ -24,7 +24,7 @@ import pytest
 
 from tests.support import fuzz_checkpoint
 from tests.support import fuzz_gguf
-from tests.support.native import clover_convert
+from clover_dev.convert import clover_convert
 
 FULL = os.environ.get("CLOVER_FUZZ") == "full"
 SEEDS = (0, 1, 2) if FULL else (0,)

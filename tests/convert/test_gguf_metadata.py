@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from gguf import GGUFReader, Keys
 
-from tests.support.native import clover_convert
+from clover_dev.convert import clover_convert
 
 CARD = """---
 license: apache-2.0
@@ -99,7 +99,7 @@ def test_metadata_file_overrides(carded: Path, tmp_path: Path) -> None:
     import json
     import subprocess
 
-    from tests.support.native import VENV_PYTHON
+    from clover_dev import VENV_PYTHON
 
     meta = tmp_path / "meta.json"
     meta.write_text(json.dumps({"general.name": "Clover Tiny Test", "general.license": "mit",

@@ -17,7 +17,8 @@ import pytest
 
 from clover_common import safe_output
 from tests.support.convert import interrupt, wait_for_temp
-from tests.support.native import VENV_PYTHON, clover_convert
+from clover_dev import VENV_PYTHON
+from clover_dev.convert import clover_convert
 from tests.support.convert import copy_checkpoint, run_convert, slowed_convert_script
 
 

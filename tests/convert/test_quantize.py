@@ -16,10 +16,13 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 
-from tests.support import native as native_support
+from clover_dev import REPO_ROOT, VENV_PYTHON
+from clover_dev.convert import clover_convert
+from clover_dev.convert import quantize as llama_quantize
+from clover_dev.metrics import kl_top1
+from clover_dev.native import causal_and_block_logits
 from tests.support.convert import ALWAYS_F32, write_imatrix
-from tests.support.native import (REPO_ROOT, VENV_PYTHON, causal_and_block_logits, clover_convert, dump_results,
-                                  kl_top1, record)
+from tests.support.native import dump_results, record
 
 from clover_quantize.run import QuantizeOptions, default_output, plan_quantization, quantize
 from clover_quantize.gguf_input import read_input
@@ -326,7 +329,7 @@ def test_iq4_without_imatrix_as_llama_quantize(name: str, tiny_f16: Path, tmp_pa
     done = _cli(str(tiny_f16), str(out), name)
     assert done.returncode == 0, done.stderr
     assert "without --imatrix is allowed" in done.stderr and "clover-cpp imatrix" in done.stderr
-    stock = native_support.quantize(tiny_f16, tmp_path / f"stock-{name}.gguf", name)  # the llama-quantize tool
+    stock = llama_quantize(tiny_f16, tmp_path / f"stock-{name}.gguf", name)  # the llama-quantize tool
     ours, theirs = GGUFReader(out), GGUFReader(stock)
     assert [(t.name, t.tensor_type) for t in ours.tensors] == [(t.name, t.tensor_type) for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):

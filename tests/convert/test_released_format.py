@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.convert import (copy_checkpoint, llama_cpp_clover_file, make_qwen_twin, rewrite_weights,
-                                   vendored_convert)
-from tests.support.native import clover_convert, rewrite_gguf
+from clover_dev.convert import clover_convert, make_qwen_twin, vendored_convert
+from tests.support.convert import copy_checkpoint, llama_cpp_clover_file, rewrite_weights
+from tests.support.native import rewrite_gguf
 
 PROMPT = list(range(40, 72))
 BD_SUFFIXES = ("bd_conv_right.weight", "bd_logit_scale", "bd_history_bias", "bd_history_c")
@@ -203,7 +203,8 @@ def test_a_checkpoint_written_by_transformers_converts_and_matches_it(handmade: 
 
     from clover_cpp import Model
     from clover_ref.checkpoint import load_model
-    from tests.support.native import assert_parity, causal_and_block_logits
+    from clover_dev.native import causal_and_block_logits
+    from tests.support.native import assert_parity
 
     checkpoint, hf = handmade
     single = clover_convert(checkpoint, tmp_path / "handmade.gguf", "f32")

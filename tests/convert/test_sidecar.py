@@ -18,9 +18,11 @@ import torch
 
 from clover_convert.sidecar import config_fingerprint, gguf_fingerprint, is_bd_tensor, sidecar_path
 from clover_common.config import CloverConfig
-from tests.support.convert import (VENV_PYTHON, copy_checkpoint, fields, llama_cpp_clover_file, make_qwen_twin,
-                             rewrite_weights, run_convert, vendored_convert)
-from tests.support.native import causal_and_block_logits, clover_convert, rewrite_gguf
+from clover_dev import VENV_PYTHON
+from clover_dev.convert import clover_convert, make_qwen_twin, vendored_convert
+from clover_dev.native import causal_and_block_logits
+from tests.support.convert import copy_checkpoint, fields, llama_cpp_clover_file, rewrite_weights, run_convert
+from tests.support.native import rewrite_gguf
 
 PROMPT = list(range(40, 72))
 MODES = ("ar", "diffusion", "spec", "auto")

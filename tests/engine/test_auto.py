@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 from tests.support.engine import BLOCK, CHAIN, Case, Ledger
-from tests.support.native import REPO_ROOT, clover_convert, dump_results, record
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
+from tests.support.native import dump_results, record
 
 from clover_cpp.model import PassCosts
 

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from tests.support.engine import BLOCK, CHAIN, REF_TOL, Case, Ledger, causal_gap
-from tests.support.native import clover_convert, dump_results, record
+from clover_dev.convert import clover_convert
+from tests.support.native import dump_results, record
 from tests.support.schema import validate
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)

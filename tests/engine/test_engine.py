@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from tests.support.engine import FLASH_ATTN_TOL, REF_TOL, Ledger, reference_run
-from tests.support.native import REPO_ROOT, clover_convert, dump_results, record
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
+from tests.support.native import dump_results, record
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import clover_convert
+from clover_dev.convert import clover_convert
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 

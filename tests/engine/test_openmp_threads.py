@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import clover_convert, quantize
+from clover_dev.convert import clover_convert, quantize
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support.engine import Ledger, run_concurrently
-from tests.support.native import clover_convert
+from clover_dev.convert import clover_convert
 
 # (mode, options): every decoding mode, two slots in ar so that same-size passes meet in a round
 CASES = [("ar", {}), ("ar", {}), ("diffusion", {"block_size": 8, "threshold": 0.006}), ("spec", {"block_size": 8}),

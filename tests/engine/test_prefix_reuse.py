@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.support.engine import Ledger
-from tests.support.native import clover_convert
+from clover_dev.convert import clover_convert
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 

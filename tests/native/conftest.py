@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT, clover_convert
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT, VENV_PYTHON
+from clover_dev import REPO_ROOT, VENV_PYTHON
 
 from scripts import check_tilecfg
 

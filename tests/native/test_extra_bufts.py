@@ -42,7 +42,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.native import (REPO_ROOT, VENV_PYTHON, clover_convert, dump_results, kl_top1, quantize, record)
+from clover_dev import REPO_ROOT, VENV_PYTHON
+from clover_dev.convert import clover_convert, quantize
+from clover_dev.metrics import kl_top1
+from tests.support.native import dump_results, record
 
 from tests.support.routing import NEAR_TIE
 

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support.native import clover_convert, dump_results, record
+from clover_dev.convert import clover_convert
+from tests.support.native import dump_results, record
 
 CHUNK = 100  # not a multiple of B = 8: every chunk ends with a 4-token window
 SEED = 3

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT, clover_convert, skip_or_fail
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
+from tests.support.native import skip_or_fail
 
 SCRIPT = REPO_ROOT / "scripts" / "install_lib_path.py"
 PTH_NAME = "clover_llama_lib_path.pth"

@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.native import (REPO_ROOT, free_port, native_tool, record, stop_process)
+from clover_dev import REPO_ROOT
+from clover_dev.process import free_port
+from tests.support.native import native_tool, record, stop_process
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 

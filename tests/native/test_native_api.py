@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT, skip_or_fail
+from clover_dev import REPO_ROOT
+from tests.support.native import skip_or_fail
 
 HEADERS = [REPO_ROOT / "cpp_patch" / "tools" / "clover" / name for name in ("clover.h", "clover-imatrix.h")]
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.native import (
-    assert_parity, block_window, clover_convert, dump_results, load_in_subprocess, quantize, record, rewrite_gguf,
-)
+from clover_dev.convert import clover_convert, quantize
+from clover_dev.native import block_window
+from tests.support.native import assert_parity, dump_results, load_in_subprocess, record, rewrite_gguf
 from tests.support.routing import (NEAR_TIE, NativeRouterMargins, assert_parity_routed, routing_margins,
                              routing_near_ties)
 
@@ -398,7 +398,7 @@ def test_native_router_margins_equal_the_reference(mid: Bundle) -> None:
 # ------------------------------------------------------------------------------------------ stock qwen35moe
 @pytest.fixture(scope="module")
 def stock_tiny(tiny: Bundle, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.convert import make_qwen_twin, vendored_convert
+    from clover_dev.convert import make_qwen_twin, vendored_convert
 
     tmp = tmp_path_factory.mktemp("stock")
     twin = make_qwen_twin(tiny.checkpoint, tmp / tiny.checkpoint.name)

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.native import REPO_ROOT, clover_convert
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
 
 from clover_native import libclover
 from clover_cpp.cli import build_parser

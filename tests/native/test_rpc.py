@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT, free_port, native_tool, stop_process
+from clover_dev import REPO_ROOT
+from clover_dev.process import free_port
+from tests.support.native import native_tool, stop_process
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 

@@ -6,33 +6,16 @@ The reference never calls transformers; here transformers is the oracle. Bound: 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-from transformers.utils import logging as hf_logging
+from transformers import Qwen3_5MoeForCausalLM
 
-from clover_common.config import CloverConfig
+from clover_dev.reference import load_transformers, prompt
 from clover_ref.history import DeltaNetState
 from clover_ref.model import CloverModel
 
 RELATIVE_BOUND = 1e-4
 PROMPT_LENGTHS = (1, 9, 200)
-
-
-def load_transformers(checkpoint: Path) -> Qwen3_5MoeForCausalLM:
-    """transformers' model on the checkpoint; it ignores the four clover tensors of each GDN layer."""
-    config = CloverConfig.load(checkpoint)
-    fields = {k: v for k, v in config.text_fields().items() if k != "full_attention_interval"}
-    hf_logging.set_verbosity_error()
-    model = Qwen3_5MoeForCausalLM.from_pretrained(checkpoint, config=Qwen3_5MoeTextConfig(**fields),
-                                                  dtype=torch.float32)
-    return model.eval()
-
-
-def prompt(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 3000, (length,), generator=torch.Generator().manual_seed(seed))
 
 
 def assert_close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> float:

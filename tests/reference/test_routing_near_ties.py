@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.native import block_window, parity
+from clover_dev.metrics import parity
+from clover_dev.native import block_window
 from tests.support.routing import NEAR_TIE, compare_with_near_ties, flipped, routing_margins
 
 REF_TOL = 1e-3  # test_native_clover's bound, relative to max(1, max|logit|)

@@ -9,7 +9,6 @@ ids as stops), then detokenized without special tokens and split by the output p
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import pexpect  # a test dependency (pyproject [test]): missing, the suite fails
 
 from clover_cpp.output_parser import ParsedOutput, opens_reasoning, parse_output
 from clover_common.tokenizer import load_tokenizer, render_chat
+from clover_dev.process import cli_command
 
 N_CTX = 4096
 
@@ -78,11 +78,6 @@ class Reference:
         tokens, stats = self.greedy(ids, mode, max_tokens, **opts)
         out = self.decode(tokens)
         return Expected(prompt, ids, tokens, out, parse_output(out, False, False), stats)
-
-
-def cli_command(*args: str) -> list[str]:
-    exe = Path(sys.executable).parent / "clover-cpp"
-    return ([str(exe)] if exe.exists() else [sys.executable, "-m", "clover_cpp.cli"]) + list(args)
 
 
 def child_env() -> dict[str, str]:

@@ -12,7 +12,6 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,15 +24,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from clover_convert.cli import main
-from clover_common.config import CloverConfig, qwen_twin_config
-from clover_common.layout import canonical_name, is_clover_tensor
+from clover_common.config import CloverConfig
+from clover_common.layout import canonical_name
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VENV_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
 CLOVER_KEYS = {"ARCH.block_size", "ARCH.diffusion.threshold", "ARCH.diffusion.coreset_top_p",
                "ARCH.diffusion.history_rows", "ARCH.bd.history_readout_scale", "ARCH.diffusion.calibrated_block_sizes",
                "ARCH.diffusion.calibrated_thresholds", "diffusion.shift_logits"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 # ----------------------------------------------------------------------------------------------- running
@@ -198,39 +194,6 @@ def edit_config(model_dir: Path, **changes: Any) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
     path.write_text(json.dumps(data, indent=2))
-
-
-def make_qwen_twin(src: Path, dst: Path) -> Path:
-    """The same weights without the Clover tensors, with a plain Qwen3.5-MoE config: what llama.cpp converts."""
-    dst.mkdir(parents=True)
-    config = qwen_twin_config(json.loads((src / "config.json").read_text()))
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        shutil.copy(src / name, dst / name)
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        tensors = {n: f.get_tensor(n) for n in f.keys() if not is_clover_tensor(n)}
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
-def vendored_tree() -> Path:
-    """The pinned llama.cpp tree, fetched and unpacked by scripts/llama_sdist.py if it is not there yet."""
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "llama_sdist.py"), "unpack"],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, f"scripts/llama_sdist.py unpack failed:\n{done.stderr}"
-    tree = Path(done.stdout.strip().splitlines()[-1]) / "vendor" / "llama.cpp"
-    assert (tree / "convert_hf_to_gguf.py").is_file(), tree
-    return tree
-
-
-def vendored_convert(model_dir: Path, out: Path, outtype: str) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py with its own gguf-py (scripts/vendored_convert.py)."""
-    tree = vendored_tree()
-    done = subprocess.run([str(VENV_PYTHON), str(REPO_ROOT / "scripts" / "vendored_convert.py"), str(model_dir),
-                           "--outfile", str(out), "--outtype", outtype, "--tree", str(tree)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
 
 
 def llama_cpp_clover_file(qwen35moe: Path, dst: Path, arch: str = "clover_moe") -> Path:

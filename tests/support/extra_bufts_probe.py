@@ -14,23 +14,22 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from clover_native import bindings, loader
 from clover_cpp import Model
-from tests.support.native import REPO_ROOT, causal_and_block_logits
+from clover_dev import REPO_ROOT
+from clover_dev.native import buffer_types, causal_and_block_logits
+from clover_native import bindings
 from tests.support.routing import NativeRouterMargins
 
 WINDOW = 8
 N_TOKENS = 96
 PROMPT_TOKENS = 40
 NEW_TOKENS = 32
-_BUFFER = re.compile(r"(\S+) model buffer size")
 
 
 def documents(path: Path) -> list[tuple[list[int], list[tuple[int, list[int]]]]]:
@@ -41,14 +40,6 @@ def documents(path: Path) -> list[tuple[list[int], list[tuple[int, list[int]]]]]
     model.close()
     windows = [(16, list(range(WINDOW))), (48, [1, 3, 5, 7]), (80, [WINDOW - 1])]
     return [(tokens, windows)]
-
-
-def buffer_types(path: Path, use_extra_bufts: bool) -> list[str]:
-    """The weight buffer types llama.cpp reports at load (CPU_Mapped, CPU_REPACK, AMX, ...)."""
-    seen: list[str] = []
-    with loader.log_listener(lambda _level, line: seen.extend(m.group(1) for m in _BUFFER.finditer(line))):
-        bindings.LlamaModel(path, use_extra_bufts=use_extra_bufts).close()
-    return sorted(set(seen))
 
 
 def decode_modes(path: Path, prompt: list[int], use_extra_bufts: bool) -> dict[str, dict]:

@@ -34,7 +34,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tests.support.native import parity, record
+from clover_dev.metrics import parity
+from tests.support.native import record
 
 NEAR_TIE = 1e-3
 
@@ -153,7 +154,7 @@ def compare_with_near_ties(name: str, got: np.ndarray, model: Any, run: Callable
 
 def assert_parity_routed(name: str, got: np.ndarray, ref: np.ndarray, rel: float, model: Any,
                          run: Callable[[], torch.Tensor]) -> dict[str, Any]:
-    """native_support.assert_parity with the near-tie rule: ``ref`` is the reference's logits of the pass
+    """tests.support.native.assert_parity with the near-tie rule: ``ref`` is the reference's logits of the pass
     that ``run()`` repeats on ``model``. Only a pass that misses the tolerance is re-run, with its routing
     margins, and then every row must match the reference or one near-tied flip of it."""
     m = parity(got, ref, rel)

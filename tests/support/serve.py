@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.chat import child_env, cli_command
+from clover_dev.process import cli_command
+from tests.support.chat import child_env
 from tests.support.native import stop_process
 
 MODEL_ID = "tiny"  # the tiny checkpoint's GGUF, served under its file name (tests/surfaces/conftest.py)

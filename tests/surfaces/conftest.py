@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.support.chat import Reference
-from tests.support.native import clover_convert
+from clover_dev.convert import clover_convert
 from tests.support.serve import MODEL_ID
 
 

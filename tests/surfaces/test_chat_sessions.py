@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.support.chat import ChatProcess
-from tests.support.native import clover_convert
+from clover_dev.convert import clover_convert
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT, clover_convert
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
 from tests.support.schema import load_schema, validate
 
 SCHEMA = REPO_ROOT / "docs" / "generate-output.schema.json"

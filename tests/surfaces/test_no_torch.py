@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT
+from clover_dev import REPO_ROOT
 
 BLOCK_TORCH = """
 import importlib.abc, runpy, sys

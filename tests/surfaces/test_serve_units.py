@@ -14,7 +14,8 @@ import pytest
 from clover_cpp.output_parser import (OutputParser, TextEvent, ToolCallEvent, collect, opens_reasoning,
                                       parse_output, parse_tool_call)
 from clover_cpp.text_stream import Detokenizer, StopMatcher
-from tests.support.chat import child_env, cli_command
+from clover_dev.process import cli_command
+from tests.support.chat import child_env
 
 
 # ============================================================================ parser and stream units

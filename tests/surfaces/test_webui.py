@@ -26,7 +26,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.support.native import REPO_ROOT, clover_convert, skip_or_fail
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
+from tests.support.native import skip_or_fail
 from tests.support.serve import http, serve
 
 pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.native import REPO_ROOT
+from clover_dev import REPO_ROOT
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.native]
