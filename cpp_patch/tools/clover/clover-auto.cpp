@@ -23,7 +23,13 @@
 // q is a function of the tokens only and the table is measured once per engine (or set), so a run is
 // reproducible.
 
-#include "clover-impl.h"
+#include "clover-auto.h"
+#include "clover-decode.h"
+#include "clover-log.h"
+#include "clover-parallel.h"
+#include "clover-run.h"
+#include "clover-sampling.h"
+#include "clover-slot.h"
 
 #include "ngram-map.h"
 

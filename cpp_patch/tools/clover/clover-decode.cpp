@@ -3,7 +3,14 @@
 // docs/decoding.md for the reading of the spec that the PyTorch reference (clover_ref/decode.py) implements; in
 // greedy mode this engine is token-identical to it.
 
-#include "clover-impl.h"
+#include "clover-cache.h"
+#include "clover-decode.h"
+#include "clover-llama.h"
+#include "clover-log.h"
+#include "clover-parallel.h"
+#include "clover-run.h"
+#include "clover-sampling.h"
+#include "clover-slot.h"
 
 #include <algorithm>
 #include <chrono>
