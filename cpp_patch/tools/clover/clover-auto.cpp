@@ -23,12 +23,18 @@
 // q is a function of the tokens only and the table is measured once per engine (or set), so a run is
 // reproducible.
 
-#include "clover-impl.h"
+#include "clover-auto.h"
+#include "clover-decode.h"
+#include "clover-log.h"
+#include "clover-parallel.h"
+#include "clover-run.h"
+#include "clover-slot.h"
 
 #include "ngram-map.h"
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace {
 
@@ -144,40 +150,17 @@ struct clover_shadow_draft {
 bool clover_block_draft(clover_run & run, int32_t width, const std::vector<llama_token> & prefix,
                         const clover_accept_rate & prefix_rate, std::vector<llama_token> & drafts,
                         std::vector<double> & conf) {
-    clover_slot * slot = run.slot;
     const int32_t k = std::min((int32_t) prefix.size(), width - 1);
     std::vector<llama_token> canvas(width, CLOVER_EMPTY);
     std::copy(prefix.begin(), prefix.begin() + k, canvas.begin());
-    std::vector<llama_token> window;
-    clover_window(run, canvas, window);
-    std::vector<int32_t> rows;
-    for (int32_t j = k; j < width; ++j) {
-        rows.push_back(j);
-    }
-    if (!clover_timed_block(run, window, rows)) {
+    conf.resize(width);
+    if (!clover_draft_masked(run, canvas, &conf)) {  // the prefix counts for the penalties of the targets after it
         return false;
     }
-    drafts.resize(width);
-    conf.resize(width);
     for (int32_t j = 0; j < k; ++j) {
-        drafts[j] = prefix[j];
-        conf[j]   = prefix_rate.q(j + 1);
+        conf[j] = prefix_rate.q(j + 1);
     }
-    clover_window_counts counts(run, canvas);  // the prefix counts for the penalties of the targets after it
-    clover_draft_grammar grammar(run);         // drafts the grammar allows after the ones before (verification decides)
-    for (int32_t j = 0; j < k; ++j) {
-        grammar.known(run, prefix[j]);
-    }
-    for (int32_t j = k; j < width; ++j) {
-        float * logits = clover_get_row(slot, j);
-        if (!logits) {
-            return false;
-        }
-        counts.advance(j);
-        clover_dist_apply(run, logits, false);
-        drafts[j] = grammar.draft(run, logits);
-        conf[j]   = clover_prob(run.smp, logits, slot->n_vocab, drafts[j], logits[drafts[j]]);
-    }
+    drafts = std::move(canvas);
     return true;
 }
 

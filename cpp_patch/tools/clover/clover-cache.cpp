@@ -6,7 +6,10 @@
 // tool llama-server's context checkpoints use). Checkpoints lie along the current history, so a checkpoint at
 // n_past stays valid as long as the history keeps its first n_past positions.
 
-#include "clover-impl.h"
+#include "clover-cache.h"
+#include "clover-log.h"
+#include "clover-parallel.h"
+#include "clover-slot.h"
 
 #include <algorithm>
 

@@ -3,7 +3,14 @@
 // docs/decoding.md for the reading of the spec that the PyTorch reference (clover_ref/decode.py) implements; in
 // greedy mode this engine is token-identical to it.
 
-#include "clover-impl.h"
+#include "clover-cache.h"
+#include "clover-decode.h"
+#include "clover-llama.h"
+#include "clover-log.h"
+#include "clover-parallel.h"
+#include "clover-run.h"
+#include "clover-sampling.h"
+#include "clover-slot.h"
 
 #include <algorithm>
 #include <chrono>
@@ -399,19 +406,9 @@ bool clover_run_diffusion(clover_run & run) {
     return true;
 }
 
-// draft: draft_steps LowConfidence steps, then one block pass where every still-masked target takes argmax P
-static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_token> & canvas) {
+bool clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas, std::vector<double> * conf) {
     clover_slot * slot = run.slot;
-    canvas.assign(width, CLOVER_EMPTY);
-    run.dist.window_logprobs.clear();  // draft steps fill it; verification reports the logprobs
-    for (int32_t s = 0; s < run.params->draft_steps; ++s) {
-        if (std::find(canvas.begin(), canvas.end(), CLOVER_EMPTY) == canvas.end()) {
-            break;
-        }
-        if (!clover_step(run, canvas)) {
-            return false;
-        }
-    }
+    const int32_t width = (int32_t) canvas.size();
     std::vector<int32_t> masked;
     for (int32_t j = 0; j < width; ++j) {
         if (canvas[j] == CLOVER_EMPTY) {
@@ -441,8 +438,26 @@ static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_toke
         counts.advance(j);
         clover_dist_apply(run, logits, false);
         canvas[j] = grammar.draft(run, logits);
+        if (conf) {
+            (*conf)[j] = clover_prob(run.smp, logits, slot->n_vocab, canvas[j], logits[canvas[j]]);
+        }
     }
     return true;
+}
+
+// draft: draft_steps LowConfidence steps, then one block pass where every still-masked target takes argmax P
+static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_token> & canvas) {
+    canvas.assign(width, CLOVER_EMPTY);
+    run.dist.window_logprobs.clear();  // draft steps fill it; verification reports the logprobs
+    for (int32_t s = 0; s < run.params->draft_steps; ++s) {
+        if (std::find(canvas.begin(), canvas.end(), CLOVER_EMPTY) == canvas.end()) {
+            break;
+        }
+        if (!clover_step(run, canvas)) {
+            return false;
+        }
+    }
+    return clover_draft_masked(run, canvas, nullptr);
 }
 
 // Verification and acceptance (spec 4.2, steps 2-4): one causal pass over [pending, drafts[0 .. width-2]] with all

@@ -3,7 +3,8 @@
 // options are checked against.
 
 #include "clover.h"
-#include "clover-impl.h"
+#include "clover-gguf.h"
+#include "clover-log.h"
 
 #include "gguf.h"
 #include "llama.h"

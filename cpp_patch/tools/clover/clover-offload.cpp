@@ -5,7 +5,8 @@
 // docs/native.md, "A 35B on one 24 GB GPU".
 
 #include "clover.h"
-#include "clover-impl.h"
+#include "clover-log.h"
+#include "clover-offload.h"
 
 #include "common.h"     // LLM_FFN_EXPS_REGEX, llm_ffn_block_regex: --n-cpu-moe's patterns, not a copy of them
 #include "ggml-backend.h"

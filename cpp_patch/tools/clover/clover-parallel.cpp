@@ -10,7 +10,10 @@
 // sequences in one ubatch and splits unequal ones. So a slot's logits are those of its own pass run alone, up to
 // the floating-point order of a larger batch.
 
-#include "clover-impl.h"
+#include "clover-decode.h"
+#include "clover-llama.h"
+#include "clover-parallel.h"
+#include "clover-slot.h"
 
 #include <algorithm>
 #include <cstring>

@@ -2,7 +2,18 @@
 // resolves and checks before it decodes (or loads), so that a bad request or a plan that cannot work fails with one
 // message naming it and touches nothing.
 
-#include "clover-impl.h"
+#include "clover-auto.h"
+#include "clover-cache.h"
+#include "clover-decode.h"
+#include "clover-gguf.h"
+#include "clover-llama.h"
+#include "clover-log.h"
+#include "clover-offload.h"
+#include "clover-parallel.h"
+#include "clover-params.h"
+#include "clover-run.h"
+#include "clover-sampling.h"
+#include "clover-slot.h"
 
 #include "ggml-backend.h"
 

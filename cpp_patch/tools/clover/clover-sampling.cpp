@@ -3,7 +3,10 @@
 // banned ids excluded, Q after temperature, top-k and top-p, draws from Q, the acceptance of a draft token in a
 // verification (spec 4.2), and logprobs.
 
-#include "clover-impl.h"
+#include "clover-log.h"
+#include "clover-run.h"
+#include "clover-sampling.h"
+#include "clover-slot.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,9 +1,37 @@
 // The C API of the Clover decoding engine (clover.h): ar, LowConfidence block diffusion and self-speculative decoding
-// (shared/clover-spec.md section 4). The work is done in the other translation units (clover-impl.h lists them);
+// (shared/clover-spec.md section 4). The work is done in the other translation units, listed below;
 // this file checks the arguments, holds a slot's share of the engine for each call, and keeps the deprecated names.
+//
+// libclover's files, and the internal header (not part of the C API) that declares what each one shares:
+//
+//   clover.cpp           the C API of the engine and its slots (extern "C"), and the deprecated names
+//   clover-slot.h        a slot (one history) and the engine that owns the slots, which every part reads
+//   clover-run.h         one generate call's state: its sampler, its distribution stage and the run
+//   clover-params.cpp    the load plan and the load; a generate call's parameter checks, prefill and dispatch
+//                        (clover-params.h)
+//   clover-decode.cpp    batches and passes; the ar, diffusion and spec loops (clover-decode.h)
+//   clover-sampling.cpp  distributions and the sampler (spec 4), drafts under the grammar (clover-sampling.h)
+//   clover-auto.cpp      auto mode and its cost table (clover-auto.h)
+//   clover-cache.cpp     the prefix cache (and its clover_slot_* functions) (clover-cache.h)
+//   clover-parallel.cpp  slots sharing one context, their passes batched in rounds (clover-parallel.h)
+//   clover-offload.cpp   offload options, the memory plan, the fit checks, devices, RPC servers (clover-offload.h)
+//   clover-gguf.cpp      the clover settings and other header reads of a GGUF (clover-gguf.h)
+//   clover-threads.cpp   the default thread count (clover.h)
+//   clover-log.cpp       messages through llama.cpp's log callback (clover-log.h)
+//   clover-imatrix.cpp   the importance-matrix collector (clover-imatrix.h, a C API of its own)
+//   clover-llama.h       the clover model's C functions in libllama
 
 #include "clover.h"
-#include "clover-impl.h"
+#include "clover-auto.h"
+#include "clover-cache.h"
+#include "clover-gguf.h"
+#include "clover-log.h"
+#include "clover-offload.h"
+#include "clover-parallel.h"
+#include "clover-params.h"
+#include "clover-run.h"
+#include "clover-sampling.h"
+#include "clover-slot.h"
 
 #include "ggml-backend.h"
 #include "llama.h"

@@ -1,0 +1,107 @@
+// One generate call's state: its sampler, its distribution stage (spec 4) and the run that carries them through
+// the decoding loops (set up by clover-params.cpp, used by clover-decode.cpp, clover-sampling.cpp and
+// clover-auto.cpp). Not part of the C API.
+
+#pragma once
+
+#include "clover.h"
+#include "llama.h"
+#include "llama-cpp.h"
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+struct clover_slot;
+
+struct clover_sampler {
+    std::vector<uint8_t> excluded;  // mask token and banned ids
+    std::vector<uint8_t> stop;      // end-of-generation ids
+    float        temperature = 0.0f;
+    int32_t      top_k       = 0;
+    float        top_p       = 1.0f;
+    std::mt19937 rng;
+
+    std::vector<double>  probs;  // scratch: Q over the vocabulary
+    std::vector<int32_t> order;  // scratch: top-p order
+
+    bool greedy() const { return !(temperature > 0.0f); }
+
+    double uniform() {
+        // 53-bit uniform in [0, 1) from two 32-bit draws (portable across standard libraries)
+        const uint64_t a = rng() >> 5;
+        const uint64_t b = rng() >> 6;
+        return (double) (a * 67108864ull + b) / 9007199254740992.0;
+    }
+};
+
+// One emitted token's log P and its top alternatives (clover_gen_params.n_logprobs), held until the token is emitted
+struct clover_logprob {
+    llama_token              token;
+    float                    logprob;
+    std::vector<llama_token> top_ids;
+    std::vector<float>       top_logprobs;
+};
+
+// A UTF-8 decoder's state between tokens: continuation bytes still due, and the range the next one must fall in
+// (narrower after E0, ED, F0 and F4, which excludes overlong forms, surrogates and code points above U+10FFFF)
+struct clover_utf8 {
+    int32_t need = 0;
+    uint8_t lo   = 0x80;
+    uint8_t hi   = 0xBF;
+
+    // feed a token's bytes; false when they break well-formed UTF-8 (the state is then unspecified)
+    bool feed(const std::string & bytes);
+};
+
+// The distribution stage's request state (spec 4): logit_bias, the penalties over the response's tokens so far,
+// and the grammar with its state after them (clover-sampling.cpp)
+struct clover_dist {
+    std::vector<std::pair<llama_token, float>> bias;
+    float repeat    = 1.0f;
+    float presence  = 0.0f;
+    float frequency = 0.0f;
+
+    std::vector<int32_t>     counts;   // n_vocab: each token's count in the response (kept when a penalty is on)
+    std::vector<uint8_t>     listed;   // n_vocab: already in `seen`
+    std::vector<llama_token> seen;     // the ids that were ever counted (the ones a penalty may touch)
+
+    std::vector<uint8_t>     grammar_after;   // n_vocab, or empty: the grammar starts after one of these tokens
+    llama_sampler_ptr        grammar_waiting; // the parsed grammar until one of them comes (grammar_after)
+    llama_sampler_ptr        grammar_state;   // NULL until the grammar applies
+    clover_utf8              utf8;          // the constrained text so far: a grammar judges code points, and llama.cpp's
+                                            // decoder takes stray or overlong bytes as some, so the mask keeps the
+                                            // text well-formed UTF-8 itself
+    std::vector<llama_token_data> cur;      // scratch: the vocabulary for the grammar's mask
+
+    int32_t                     n_logprobs = -1;
+    std::vector<clover_logprob> logprobs;         // of the tokens produced and not yet emitted, in order
+    std::vector<clover_logprob> window_logprobs;  // diffusion: of each window target, from the step that filled it
+
+    bool penalized() const { return repeat != 1.0f || presence != 0.0f || frequency != 0.0f; }
+    bool constrained() const { return grammar_state != nullptr; }
+};
+
+// one generate call
+struct clover_run {
+    clover_slot             * slot;
+    const clover_gen_params * params;
+    clover_sampler          smp;
+    clover_dist             dist;
+    int32_t                 block_size;
+    float                   threshold;
+    int32_t                 budget;
+    int32_t                 n_out = 0;
+    clover_tokens_cb        on_tokens;
+    clover_step_cb          on_step;
+    void                  * user_data;
+    clover_stats          * stats;
+    bool                    cancelled = false;
+
+    int32_t remaining() const { return budget - n_out; }
+    bool is_stop(llama_token t) const { return t >= 0 && t < (llama_token) smp.stop.size() && smp.stop[t]; }
+};
+
+inline constexpr llama_token CLOVER_EMPTY = -1;  // an unfilled canvas target
