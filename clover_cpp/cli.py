@@ -159,7 +159,8 @@ def json_output(text: str, prompt_ids: list[int], tokens: list[int], stats, seco
     """generate --json: the object clover-ref and llama-clover print too (clover_common.generate_output)."""
     from clover_common.generate_output import generate_output, histogram_from_bins
 
-    extra = {"threads": stats.threads, "seconds": seconds, "block_ms": stats.block_ms, "causal_ms": stats.causal_ms}
+    extra = {"threads": stats.threads, "seconds": seconds, "block_ms": stats.block_ms, "causal_ms": stats.causal_ms,
+             "coreset_top_p": stats.coreset_top_p}
     if stats.mode == "auto":
         extra |= {"auto_rounds": dict(stats.auto_rounds), "auto_drafted": stats.auto_drafted,
                   "auto_accepted": stats.auto_accepted, "costs": vars(stats.costs) if stats.costs else None}

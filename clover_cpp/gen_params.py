@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from clover_common.errors import BadInput
+from clover_native import libclover
 
-MODES = ("ar", "diffusion", "spec", "auto")
+MODES: tuple[str, ...] = tuple(libclover.MODES)  # enum clover_mode's names, in its order: the one mode list
 DEFAULT_MODE = "auto"  # lossless, and faster than ar where drafts are accepted (docs/decoding.md)
+UNSET = None  # a field's "the GGUF's value" (``Param.unset``)
 
 
 class GenParamError(BadInput):
@@ -31,22 +33,108 @@ class GenParamError(BadInput):
 
 
 @dataclass(frozen=True)
+class Bound:
+    """A range with open or closed ends (``None``: no end), finite unless ``inf_ok``; ``off`` names the value
+    that turns the parameter off, for the messages. The one check of a range: GenParams, the CLI and the server's
+    request schema (``pydantic``) all read it."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    off: str = ""
+    integer: bool = False
+
+    def ok(self, value: float) -> bool:
+        if not math.isfinite(value):  # NaN and inf fail every bound
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
+
+    @property
+    def rule(self) -> str:
+        if self.low is not None and self.high is not None:
+            text = f"must be in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}" \
+                   f"{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            text = f"must be {'' if self.integer else 'a finite number '}{'>' if self.low_open else '>='} " \
+                   f"{_num(self.low)}"
+        elif self.high is not None:
+            text = f"must be a finite number {'<' if self.high_open else '<='} {_num(self.high)}"
+        else:
+            text = "must be finite"
+        return f"{text} ({self.off})" if self.off else text
+
+    def pydantic(self) -> dict[str, float | bool]:
+        """The bound as pydantic ``Field`` arguments (ge/gt/le/lt, no NaN or inf)."""
+        out: dict[str, float | bool] = {} if self.integer else {"allow_inf_nan": False}
+        if self.low is not None:
+            out["gt" if self.low_open else "ge"] = self.low
+        if self.high is not None:
+            out["lt" if self.high_open else "le"] = self.high
+        return out
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class Param:
+    """The one home of a generation parameter, as the metadata of its GenParams field: its command-line flags
+    (argparse's order; ``()``: no flag), help, bound, the C field of ``clover_gen_params`` it
+    sets and the C value that means "the GGUF's value" when the field is ``None`` (``unset``)."""
+
+    flags: tuple[str, ...] = ()
+    help: str | None = None
+    bound: Bound | None = None
+    c_field: str | None = None
+    c_unset: float | None = None
+    label: str | None = None  # how the CLI's messages name it (default: the last flag)
+
+    @property
+    def flag(self) -> str:
+        return self.label or self.flags[-1]
+
+
+def param(default: Any, **meta: Any) -> Any:
+    return field(default=default, metadata={"param": Param(**meta)})
+
+
+@dataclass(frozen=True)
 class GenParams:
     """``None`` takes the GGUF's value: the block size (``ARCH.block_size``), the threshold calibrated for it
-    (spec 4.3), the coreset top_p (spec 3.3). ``stop_ids=None`` stops at the vocabulary's end-of-generation
-    tokens, ``()`` at none. ``draft_steps``: spec mode's LowConfidence steps before the argmax draft (greedy
-    only)."""
+    (spec 4.3), the coreset top_p (spec 3.3), the penalties; libclover resolves them and reports the values it used
+    in its stats. ``stop_ids=None`` stops at the vocabulary's end-of-generation tokens, ``()`` at none.
+    ``draft_steps``: spec mode's LowConfidence steps before the argmax draft (greedy only).
 
-    mode: str = DEFAULT_MODE
-    block_size: int | None = None
-    threshold: float | None = None
-    coreset_top_p: float | None = None
-    draft_steps: int = 0
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    The bounds are the engine's (clover.h) for the Python API, the CLI and the server alike: llama-server's
+    sampling fields accept any temperature and penalty, and the engine accepts every value that has a meaning
+    (temperature >= 0, finite penalties), so none of them narrows it to OpenAI's documented ranges."""
+
+    mode: str = param(DEFAULT_MODE, flags=("--mode",), c_field="mode",
+                      help=f"{DEFAULT_MODE} (default): lossless, faster than ar where drafts are accepted; "
+                           "diffusion changes the output")
+    block_size: int | None = param(None, flags=("--block-size",), bound=Bound(1, integer=True), c_field="block_size",
+                                   c_unset=0, help="default: the GGUF's ARCH.block_size")
+    threshold: float | None = param(None, flags=("--threshold",), bound=Bound(0.0, 1.0), c_field="threshold",
+                                    c_unset=-1.0, help="default: the calibrated threshold for B")
+    coreset_top_p: float | None = param(
+        None, flags=("--coreset-top-p",), bound=Bound(0.0, 1.0, low_open=True), c_field="coreset_top_p", c_unset=0.0,
+        help="the block expert coreset's top_p in (0, 1] for block passes (spec 3.3; default: the GGUF's; "
+             "1 = per-row routing)")
+    draft_steps: int = param(0, flags=("--draft-steps",), bound=Bound(0, integer=True), c_field="draft_steps")
+    max_tokens: int = param(64, flags=("-n", "--n-predict", "--max-tokens"), bound=Bound(0, integer=True),
+                            c_field="max_tokens", label="-n/--max-tokens")
+    temperature: float = param(0.0, flags=("--temp", "--temperature"), bound=Bound(0.0), c_field="temperature",
+                               label="--temp",
+                               help="0 = greedy")
+    top_k: int = param(0, flags=("--top-k",), bound=Bound(0, off="0 = off", integer=True), c_field="top_k",
+                       help="0 = off")
+    top_p: float = param(1.0, flags=("--top-p",), bound=Bound(0.0, 1.0, low_open=True, off="1 = off"),
+                         c_field="top_p", help="1 = off")
+    seed: int = param(0, flags=("-s", "--seed"), c_field="seed", label="-s/--seed")  # C: its low 32 bits
     stop_ids: tuple[int, ...] | None = None
     banned_ids: tuple[int, ...] = ()
     # the distribution stage (spec 4): logit_bias as (id, bias) pairs (a dict is taken too; -inf bans), the
@@ -54,12 +142,21 @@ class GenParams:
     # from the token after the first of ``grammar_after_ids`` when given, e.g. ``</think>``), and logprobs: None =
     # none, k = each token's log P and its k most likely alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    repeat_penalty: float | None = param(
+        None, flags=("--repeat-penalty",), bound=Bound(0.0, low_open=True, off="1 = off"), c_field="repeat_penalty",
+        c_unset=math.nan, help="a token already in the answer has a positive logit divided by N, a negative one "
+                               "multiplied (1 = off; default: the GGUF's general.sampling.penalty_repeat, else 1)")
+    presence_penalty: float | None = param(
+        None, flags=("--presence-penalty",), bound=Bound(off="0 = off"), c_field="presence_penalty", c_unset=math.nan,
+        help="subtracted from the logit of a token already in the answer (0 = off; default: the GGUF's "
+             "ARCH.sampling.presence_penalty, else 0)")
+    frequency_penalty: float | None = param(
+        None, flags=("--frequency-penalty",), bound=Bound(off="0 = off"), c_field="frequency_penalty",
+        c_unset=math.nan, help="times its count, subtracted from the logit of a token already in the answer (0 = off; "
+                               "default: the GGUF's ARCH.sampling.frequency_penalty, else 0)")
     grammar: str | None = None
     grammar_after_ids: tuple[int, ...] = ()
-    logprobs: int | None = None
+    logprobs: int | None = param(None, bound=Bound(0, off="None = off", integer=True))
 
     def __post_init__(self) -> None:
         if self.stop_ids is not None and not isinstance(self.stop_ids, tuple):
@@ -75,29 +172,12 @@ class GenParams:
         if self.mode not in MODES:
             raise GenParamError("mode", f"must be one of {', '.join(MODES)}", self.mode,
                                 f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        rules = (
-            ("block_size", self.block_size is None or self.block_size >= 1, "must be at least 1"),
-            ("threshold", self.threshold is None or 0.0 <= self.threshold <= 1.0, "must be in [0, 1]"),  # NaN fails
-            ("coreset_top_p", self.coreset_top_p is None or 0.0 < self.coreset_top_p <= 1.0, "must be in (0, 1]"),
-            ("draft_steps", self.draft_steps >= 0, "must be >= 0"),
-            ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
-            ("temperature", self.temperature >= 0.0 and math.isfinite(self.temperature),
-             "must be a finite number >= 0"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1] (1 = off)"),
-            ("repeat_penalty", self.repeat_penalty is None or 0.0 < self.repeat_penalty < math.inf,
-             "must be a finite number > 0 (1 = off)"),
-            ("presence_penalty", self.presence_penalty is None or math.isfinite(self.presence_penalty),
-             "must be finite (0 = off)"),
-            ("frequency_penalty", self.frequency_penalty is None or math.isfinite(self.frequency_penalty),
-             "must be finite (0 = off)"),
-            ("logit_bias", all(math.isfinite(b) or b == -math.inf for _, b in self.logit_bias),
-             "values must be finite or -inf"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0 (None = off)"),
-        )
-        for field, ok, rule in rules:
-            if not ok:
-                raise GenParamError(field, rule, getattr(self, field))
+        for name, spec in PARAMS.items():
+            value = getattr(self, name)
+            if spec.bound is not None and value is not None and not spec.bound.ok(value):
+                raise GenParamError(name, spec.bound.rule, value)
+        if not all(math.isfinite(b) or b == -math.inf for _, b in self.logit_bias):
+            raise GenParamError("logit_bias", "values must be finite or -inf", self.logit_bias)
 
     def replace(self, **changes: Any) -> "GenParams":
         """A copy with some fields changed (checked again)."""
@@ -116,3 +196,22 @@ def merge(params: GenParams | None, overrides: dict[str, Any]) -> GenParams:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     base = params or GenParams()
     return base.replace(**overrides) if overrides else base
+
+
+# the table: each GenParams field that has a flag, a bound or a C field, and its Param
+PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in dataclasses.fields(GenParams) if "param" in f.metadata}
+
+
+def to_c(params: GenParams, c: Any) -> None:
+    """Set the scalar fields of a ``clover_gen_params`` from the table: the value, or ``c_unset`` for None."""
+    for name, spec in PARAMS.items():
+        if spec.c_field is None:
+            continue
+        value = getattr(params, name)
+        if name == "mode":
+            value = libclover.MODES[value]
+        elif name == "seed":
+            value = int(value) & 0xFFFFFFFF
+        elif value is None:
+            value = spec.c_unset
+        setattr(c, spec.c_field, value)

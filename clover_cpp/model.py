@@ -29,7 +29,7 @@ from clover_common.errors import BadInput
 
 from clover_native import libclover, loader, bindings
 from clover_native.loader import NativeError
-from .gen_params import GenParams, merge
+from .gen_params import GenParams, merge, to_c
 from .offload import Offload
 
 
@@ -145,19 +145,21 @@ class Stats(RunStats):
     auto_accepted_block: int = 0   # auto: of those, the ones block passes drafted
     costs: PassCosts | None = None  # auto: the cost table its decisions used
     graph_reuses: int = 0  # decode-time passes that reused a built graph; the others built theirs
+    coreset_top_p: float = 1.0  # the block passes' coreset top_p the call used (resolved by libclover)
 
     @classmethod
-    def from_c(cls, s: libclover.clover_stats, block_size: int, threshold: float, wall_s: float,
-               threads: int) -> "Stats":
+    def from_c(cls, s: libclover.clover_stats, wall_s: float, threads: int) -> "Stats":
+        """libclover's stats; B, the threshold and the coreset top_p are the ones the call resolved and used."""
         mode = libclover.MODE_NAMES[int(s.mode)]  # the mode the call ran in (diffusion with a grammar: auto)
         auto = mode == "auto"
-        return cls(mode, block_size, threshold, int(s.n_prompt_tokens), int(s.n_generated),
+        return cls(mode, int(s.block_size), float(s.threshold), int(s.n_prompt_tokens), int(s.n_generated),
                    int(s.n_block_passes), int(s.n_causal_passes), float(s.t_prefill_ms), float(s.t_block_ms),
                    float(s.t_causal_ms), _histogram(s.steps_per_block), _histogram(s.accepted_lengths),
                    libclover.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s,
                    threads, dict(zip(libclover.DRAFT_KINDS, (int(n) for n in s.auto_rounds))) if auto else {},
                    int(s.auto_drafted), int(s.auto_accepted), int(s.auto_accepted_block),
-                   PassCosts.from_c(s.costs) if auto else None, int(s.n_graph_reuses))
+                   PassCosts.from_c(s.costs) if auto else None, int(s.n_graph_reuses),
+                   float(s.coreset_top_p))
 
     @property
     def decode_ms(self) -> float:
@@ -186,7 +188,8 @@ class Stats(RunStats):
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode, "block_size": self.block_size, "threshold": self.threshold,
-            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "coreset_top_p": self.coreset_top_p, "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
             "block_passes": self.block_passes, "causal_passes": self.causal_passes,
             "tokens_per_pass": self.tokens_per_pass, "prefill_ms": self.prefill_ms,
             "prefill_tok_s": self.prefill_tok_s, "block_ms": self.block_ms, "causal_ms": self.causal_ms,
@@ -226,23 +229,11 @@ class _Call:
                  on_tokens: Callable[[list[int]], bool], on_step: Callable[[list[int]], Any] | None) -> None:
         L = libclover.lib()
         self.model = model
-        self.block_size = int(params.block_size or model.info.block_size)
-        self.threshold = float(model.info.threshold_for(self.block_size) if params.threshold is None
-                               else params.threshold)
         self.prompt = (libclover.llama_token * max(1, len(prompt_ids)))(*[int(t) for t in prompt_ids])
         self.n_prompt = len(prompt_ids)
         self.params = L.clover_gen_default_params()
         p = self.params
-        p.mode = libclover.MODES[params.mode]
-        p.block_size = int(params.block_size or 0)
-        p.threshold = -1.0 if params.threshold is None else float(params.threshold)
-        p.draft_steps = int(params.draft_steps)
-        p.temperature = float(params.temperature)
-        p.top_k = int(params.top_k)
-        p.top_p = float(params.top_p)
-        p.seed = int(params.seed) & 0xFFFFFFFF
-        p.max_tokens = int(params.max_tokens)
-        p.coreset_top_p = 0.0 if params.coreset_top_p is None else float(params.coreset_top_p)  # 0: the GGUF's
+        to_c(params, p)  # the scalar fields, from the table of gen_params (None: the C value for the GGUF's)
         stop_ids = params.stop_ids
         self._stop, n_stop = libclover.token_array(None if stop_ids is None else list(stop_ids))
         if stop_ids is None:  # NULL with n < 0: the vocabulary's end-of-generation set
@@ -263,15 +254,11 @@ class _Call:
 
     def _set_distribution(self, p: Any, params: GenParams) -> None:
         """The distribution stage's fields (spec 4); the arrays and callback are kept alive on self."""
-        nan = float("nan")
         self._bias_ids, n_bias = libclover.token_array([t for t, _ in params.logit_bias] or None)
         self._bias_values = (ctypes.c_float * max(1, n_bias))(*[b for _, b in params.logit_bias])
         p.bias_ids = ctypes.cast(self._bias_ids, libclover.llama_token_p) if self._bias_ids is not None else None
         p.bias_values = ctypes.cast(self._bias_values, ctypes.POINTER(ctypes.c_float))
         p.n_bias = n_bias
-        p.repeat_penalty = nan if params.repeat_penalty is None else float(params.repeat_penalty)
-        p.presence_penalty = nan if params.presence_penalty is None else float(params.presence_penalty)
-        p.frequency_penalty = nan if params.frequency_penalty is None else float(params.frequency_penalty)
         self._grammar = params.grammar.encode() if params.grammar else None
         p.grammar = self._grammar
         self._after, n_after = libclover.token_array(list(params.grammar_after_ids) or None)
@@ -327,7 +314,7 @@ class _Call:
         return int(rc), time.perf_counter() - start
 
     def result_stats(self, wall_s: float) -> Stats:
-        return Stats.from_c(self.stats, self.block_size, self.threshold, wall_s, self.model.n_threads)
+        return Stats.from_c(self.stats, wall_s, self.model.n_threads)
 
     def raise_for(self, rc: int) -> None:
         if self.error is not None:

@@ -23,21 +23,14 @@ from typing import Any
 
 from clover_common.errors import BadInput
 
-from .gen_params import DEFAULT_MODE, MODES, GenParamError, GenParams
+from .gen_params import MODES, PARAMS, GenParamError, GenParams
 from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY, Model
 from .offload import add_offload_args, offload_from_args
 
 BD_HELP = ("block-diffusion sidecar (NAME.bd.gguf, from clover-convert --bd-sidecar or --bd-only) for a trunk-only "
            "-m file, such as llama.cpp's Clover GGUFs; the block modes need it (docs/gguf-format.md)")
-CORESET_HELP = ("the block expert coreset's top_p in (0, 1] for block passes (spec 3.3; default: the GGUF's; "
-                "1 = per-row routing)")
-# the option that sets each GenParams field, for the messages of GenParamError
-FLAGS = {"mode": "--mode", "block_size": "--block-size", "threshold": "--threshold",
-         "coreset_top_p": "--coreset-top-p", "draft_steps": "--draft-steps", "max_tokens": "-n/--max-tokens",
-         "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "seed": "-s/--seed",
-         "repeat_penalty": "--repeat-penalty", "presence_penalty": "--presence-penalty",
-         "frequency_penalty": "--frequency-penalty"}
-
+# the option that sets each GenParams field, for the messages of GenParamError (the table: gen_params.PARAMS)
+FLAGS = {name: spec.flag for name, spec in PARAMS.items() if spec.flags}
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and where it runs (generate, chat, serve)."""
@@ -78,22 +71,32 @@ def add_generation_args(p: argparse.ArgumentParser, *, max_tokens: int | None, m
     -n/--n-predict, --top-k, --top-p). ``max_tokens`` and ``seed`` are the command's defaults. ``distribution``:
     llama.cpp's penalty and grammar flags too (add_distribution_args); ``penalties``: the penalty flags only (serve's
     defaults for what a request leaves out)."""
-    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
-                   help=f"{DEFAULT_MODE} (default): lossless, faster than ar where drafts are accepted; "
-                        "diffusion changes the output")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--threshold", type=float, default=None, help="default: the calibrated threshold for B")
-    p.add_argument("--coreset-top-p", type=float, default=None, metavar="P", help=CORESET_HELP)
+    add_param(p, "mode", choices=MODES)
+    for name in ("block_size", "threshold", "coreset_top_p"):
+        add_param(p, name, default=None)
     if draft_steps:
-        p.add_argument("--draft-steps", type=int, default=0)
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=max_tokens,
-                   help=max_tokens_help)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("-s", "--seed", type=int, default=seed)
+        add_param(p, "draft_steps")
+    add_param(p, "temperature")
+    add_param(p, "max_tokens", default=max_tokens, help=max_tokens_help)
+    add_param(p, "top_k")
+    add_param(p, "top_p")
+    add_param(p, "seed", default=seed)
     if distribution or penalties:
         add_distribution_args(p, grammar=distribution)
+
+
+def add_param(p: Any, name: str, **overrides: Any) -> None:
+    """The option of a GenParams field from its table row (gen_params.PARAMS): its flags, type, default and help;
+    ``overrides`` are a command's own (its default, its help)."""
+    spec = PARAMS[name]
+    field = GenParams.__dataclass_fields__[name]
+    kind = {"str": str, "int": int, "float": float}[str(field.type).split(" ")[0]]  # "int | None" -> int
+    kwargs: dict[str, Any] = {"dest": name, "type": kind, "default": field.default}
+    if spec.help:
+        kwargs["help"] = spec.help
+    if name == "coreset_top_p":
+        kwargs["metavar"] = "P"
+    p.add_argument(*spec.flags, **(kwargs | overrides))
 
 
 def add_distribution_args(p: argparse.ArgumentParser, grammar: bool = True) -> None:
@@ -101,15 +104,8 @@ def add_distribution_args(p: argparse.ArgumentParser, grammar: bool = True) -> N
     stage. The penalties count the answer's tokens only, with no last-n window (docs/decoding.md, "Constrained
     decoding")."""
     g = p.add_argument_group("penalties and constrained decoding (spec 4; docs/decoding.md, \"Constrained decoding\")")
-    g.add_argument("--repeat-penalty", type=float, default=None, metavar="N",
-                   help="a token already in the answer has a positive logit divided by N, a negative one multiplied "
-                        "(1 = off; default: the GGUF's general.sampling.penalty_repeat, else 1)")
-    g.add_argument("--presence-penalty", type=float, default=None, metavar="N",
-                   help="subtracted from the logit of a token already in the answer (0 = off; default: the GGUF's "
-                        "ARCH.sampling.presence_penalty, else 0)")
-    g.add_argument("--frequency-penalty", type=float, default=None, metavar="N",
-                   help="times its count, subtracted from the logit of a token already in the answer (0 = off; "
-                        "default: the GGUF's ARCH.sampling.frequency_penalty, else 0)")
+    for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
+        add_param(g, name, default=None, metavar="N")
     if not grammar:
         return
     one = g.add_mutually_exclusive_group()
@@ -230,17 +226,8 @@ def gen_params(args: argparse.Namespace, **fields: Any) -> GenParams:
     is a BadInput naming the option."""
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise BadInput(f"-s/--seed must be in [0, 2^32), got {args.seed}")
-    values: dict[str, Any] = {"mode": args.mode, "block_size": args.block_size, "threshold": args.threshold,
-                              "coreset_top_p": args.coreset_top_p, "temperature": args.temperature,
-                              "top_k": args.top_k, "top_p": args.top_p,
-                              "draft_steps": getattr(args, "draft_steps", 0)}
-    if args.max_tokens is not None:
-        values["max_tokens"] = args.max_tokens
-    if args.seed is not None:
-        values["seed"] = args.seed
-    for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):  # None: the GGUF's
-        if getattr(args, name, None) is not None:
-            values[name] = getattr(args, name)
+    # every option of the table that was given (None: the field's default, or the GGUF's value)
+    values: dict[str, Any] = {name: getattr(args, name) for name in FLAGS if getattr(args, name, None) is not None}
     grammar = grammar_arg(args)
     if grammar:
         values["grammar"] = grammar

@@ -167,6 +167,10 @@ class clover_stats(ctypes.Structure):
         ("costs", clover_pass_costs),
         ("n_graph_reuses", ctypes.c_int32),
         ("mode", ctypes.c_int32),
+        # the resolved settings: no "the GGUF's value" left
+        ("block_size", ctypes.c_int32),
+        ("threshold", ctypes.c_float),
+        ("coreset_top_p", ctypes.c_float),
     ]
 
 

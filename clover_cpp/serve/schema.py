@@ -16,10 +16,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..gen_params import MODES, PARAMS
 from ..model import Stats
 from ..output_parser import ToolCall
 
-MODES = ("ar", "diffusion", "spec", "auto")
+
+def _bounded(name: str) -> Any:
+    """An optional request field with its GenParams bound (gen_params.PARAMS, the one home of the ranges)."""
+    bound = PARAMS[name].bound
+    return Field(default=None, **(bound.pydantic() if bound else {}))
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -110,26 +115,26 @@ class CloverFields(_Lenient):
     """Sampling, stopping and the clover extras shared by both endpoints."""
 
     model: str
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    temperature: float | None = _bounded("temperature")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k")
     seed: int | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # llama-server's; 1 = off
+    presence_penalty: float | None = _bounded("presence_penalty")
+    frequency_penalty: float | None = _bounded("frequency_penalty")
+    repeat_penalty: float | None = _bounded("repeat_penalty")  # llama-server's; 1 = off
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]; -100 bans (OpenAI)
     grammar: str | None = None  # llama-server's: GBNF the answer must match
     json_schema: dict[str, Any] | None = None  # llama-server's: a JSON schema the answer must match
     user: str | None = None
     # clover extras
-    mode: Literal["ar", "diffusion", "spec", "auto"] | None = None
-    block_size: int | None = Field(default=None, ge=1)
-    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    coreset_top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
+    block_size: int | None = _bounded("block_size")
+    threshold: float | None = _bounded("threshold")
+    coreset_top_p: float | None = _bounded("coreset_top_p")
     ignore_eos: bool = False
     return_token_ids: bool = False
     cache_prompt: bool = True  # llama-server's field: reuse the engine's history prefix (docs/serve.md)

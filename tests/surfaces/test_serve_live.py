@@ -407,7 +407,7 @@ BAD_CHAT = [
     ("user without content", _chat_body(messages=[{"role": "user"}]), 400, "messages.0.content", None),
     ("image part", _chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      400, "messages.0.content", None),
-    ("temperature", _chat_body(temperature=3), 400, "temperature", None),
+    ("temperature", _chat_body(temperature=-1), 400, "temperature", None),
     ("top_p", _chat_body(top_p=0), 400, "top_p", None),
     ("max_tokens 0", _chat_body(max_tokens=0), 400, "max_tokens", None),
     ("max_tokens too big", _chat_body(max_tokens=5000), 400, "max_tokens", "context_length_exceeded"),
@@ -446,8 +446,9 @@ BAD_CHAT = [
     # two constraints at once
     ("grammar and json_schema", _chat_body(grammar='root ::= "a"', json_schema={"type": "object"}), 400,
      "json_schema", None),
-    ("presence_penalty", _chat_body(presence_penalty=2.5), 400, "presence_penalty", None),
-    ("frequency_penalty", _chat_body(frequency_penalty=-3), 400, "frequency_penalty", None),
+    # the penalties take any finite value, as llama-server's and the CLI's do (GenParams' table)
+    ("presence_penalty string", _chat_body(presence_penalty="2"), 400, "presence_penalty", "invalid_type"),
+    ("frequency_penalty string", _chat_body(frequency_penalty="-3"), 400, "frequency_penalty", "invalid_type"),
     ("repeat_penalty 0", _chat_body(repeat_penalty=0), 400, "repeat_penalty", None),
     ("stream type", _chat_body(stream="maybe"), 400, "stream", None),
     # strict types: pydantic's lax mode read these as true, 8, 1 and 0.5

@@ -207,7 +207,10 @@ bool clover_dispatch(clover_run & run) {
     // keeps the output grammatical and equal to ar's.
     const bool constrained = run.params->grammar && run.params->grammar[0];
     const int32_t mode = run.params->mode == CLOVER_MODE_DIFFUSION && constrained ? CLOVER_MODE_AUTO : run.params->mode;
-    run.stats->mode = mode;
+    run.stats->mode          = mode;
+    run.stats->block_size    = run.block_size;
+    run.stats->threshold     = run.threshold;
+    run.stats->coreset_top_p = run.slot->coreset_top_p;
     if (run.budget == 0) {
         run.stats->stop_reason = CLOVER_STOP_LENGTH;
         return true;

@@ -215,6 +215,11 @@ struct clover_stats {
                                       // slots, a pass counts the reuses of the rounds it waited in.
     int32_t mode;                     // enum clover_mode the call ran in: the one asked for, except that a call in
                                       // CLOVER_MODE_DIFFUSION with a grammar runs as CLOVER_MODE_AUTO
+    // the call's settings as resolved from clover_gen_params and the GGUF (a 0 / < 0 / <= 0 "the GGUF's value"
+    // replaced by that value), so that no caller resolves them again
+    int32_t block_size;               // B (clover_gen_params.block_size, else ARCH.block_size)
+    float   threshold;                // the fill threshold (given, else the calibrated one for B, spec 4.3)
+    float   coreset_top_p;            // the block passes' coreset top_p (given, else the GGUF's, spec 3.3)
 };
 
 // Committed tokens, once per commit (a diffusion block, an accepted draft; ar: per token). Return false to cancel.

@@ -413,15 +413,13 @@ static const char * clover_cli_stop_name(int32_t reason) {
 
 // --json: the generate output schema shared with clover-cpp and clover-ref (docs/generate-output.schema.json,
 // clover_ref/generate_output.py): same keys, same formulas
-static void clover_cli_print_json(const llama_vocab * vocab, const clover_model_info & info, const clover_gen_params & gparams,
-                                  const std::vector<llama_token> & prompt_ids, const std::vector<llama_token> & tokens,
+static void clover_cli_print_json(const llama_vocab * vocab, const std::vector<llama_token> & prompt_ids,
+                                  const std::vector<llama_token> & tokens,
                                   const clover_stats & stats, int32_t n_threads) {
     std::string text;
     for (llama_token t : tokens) {
         text += clover_cli_piece(vocab, t);
     }
-    const int32_t block_size = gparams.block_size > 0 ? gparams.block_size : info.block_size;
-    const float   threshold  = gparams.threshold >= 0.0f ? gparams.threshold : clover_model_info_threshold(&info, block_size);
     const int32_t n_out  = (int32_t) tokens.size();
     const int32_t passes = stats.n_block_passes + stats.n_causal_passes;
     const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
@@ -430,15 +428,16 @@ static void clover_cli_print_json(const llama_vocab * vocab, const clover_model_
            "\"generated_tokens\": %d, \"block_passes\": %d, \"causal_passes\": %d, \"tokens_per_pass\": %.17g, "
            "\"prefill_ms\": %.17g, \"decode_ms\": %.17g, \"prefill_tok_per_s\": %.17g, \"decode_tok_per_s\": %.17g, "
            "\"steps_per_block\": %s, \"accepted_lengths\": %s, \"stop_reason\": \"%s\", "
-           "\"threads\": %d, \"block_ms\": %.17g, \"causal_ms\": %.17g}}\n",
+           "\"threads\": %d, \"block_ms\": %.17g, \"causal_ms\": %.17g, \"coreset_top_p\": %.9g}}\n",
            clover_cli_json_str(text).c_str(), clover_cli_json_ids(prompt_ids).c_str(),
-           clover_cli_json_ids(tokens).c_str(), clover_cli_mode_name(stats.mode), block_size, (double) threshold,
+           clover_cli_json_ids(tokens).c_str(), clover_cli_mode_name(stats.mode), stats.block_size, (double) stats.threshold,
            stats.n_prompt_tokens, n_out, stats.n_block_passes, stats.n_causal_passes,
            passes ? (double) n_out / passes : 0.0, stats.t_prefill_ms, t_gen,
            stats.t_prefill_ms > 0 ? stats.n_prompt_tokens / (stats.t_prefill_ms / 1000.0) : 0.0,
            t_gen > 0 ? n_out / (t_gen / 1000.0) : 0.0,
            clover_cli_json_histogram(stats.steps_per_block).c_str(), clover_cli_json_histogram(stats.accepted_lengths).c_str(),
-           clover_cli_stop_name(stats.stop_reason), n_threads, stats.t_block_ms, stats.t_causal_ms);
+           clover_cli_stop_name(stats.stop_reason), n_threads, stats.t_block_ms, stats.t_causal_ms,
+           (double) stats.coreset_top_p);
 }
 
 int main(int argc, char ** argv) {
@@ -490,7 +489,7 @@ int main(int argc, char ** argv) {
     }
     const int32_t n_threads = clover_engine_n_threads(eng.get());
     if (a.json) {
-        clover_cli_print_json(vocab, info, a.gparams, prompt_ids, st.tokens, stats, n_threads);
+        clover_cli_print_json(vocab, prompt_ids, st.tokens, stats, n_threads);
     } else {
         const int32_t passes = stats.n_block_passes + stats.n_causal_passes;
         const double  t_gen  = stats.t_block_ms + stats.t_causal_ms;
