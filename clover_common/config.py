@@ -17,8 +17,8 @@ from typing import Any
 from . import block_settings
 from .errors import CloverInputError, missing_path_reason, read_json
 
-# the largest block size a checkpoint may declare; the engine's GGUF loader refuses the same
-# (cpp_patch/src/models/clover.cpp CLOVER_MAX_BLOCK_SIZE)
+# the largest block size a checkpoint may declare; the engine's GGUF readers refuse the same
+# (cpp_patch/src/clover-keys.h, the block_size row)
 MAX_BLOCK_SIZE = 256
 
 CONFIG_FILE = "config.json"
