@@ -41,6 +41,24 @@ def _first(hparams: dict[str, Any], names: tuple[str, ...]) -> Any:
     return next((hparams[n] for n in names if n in hparams), None)
 
 
+def check_upstream_layout(config: CloverConfig, config_path: Path) -> None:
+    """Refuse, naming config.json's field, a config whose GGUF upstream llama.cpp's ``clover_moe`` loader (b12060+)
+    refuses, and with it this toolkit's loader (docs/gguf-format.md, "Checks at load"): both layer kinds present,
+    and GDN value heads as wide as key heads (``ssm.inner_size`` = ``ssm.state_size`` * ``ssm.time_step_rank``).
+    A positive ``full_attention_interval``, equal key and value head sizes (both ``head_dim``) and value heads that
+    key heads divide are CloverConfig.validate's."""
+    kinds = set(config.layer_types or [])
+    if kinds != {"linear_attention", "full_attention"}:
+        only = next(iter(kinds)) if len(kinds) == 1 else "none"
+        raise CloverInputError(config_path, f"holds only {only!r} layers; a clover_moe model needs both "
+                               "'linear_attention' (GDN) and 'full_attention' layers (llama.cpp refuses it too)",
+                               field="layer_types")
+    if config.linear_value_head_dim != config.linear_key_head_dim:
+        raise CloverInputError(config_path, f"is {config.linear_value_head_dim}, but GDN value heads must be as wide "
+                               f"as key heads (linear_key_head_dim = {config.linear_key_head_dim})",
+                               field="linear_value_head_dim")
+
+
 def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[str, Any], config_path: Path,
                    file_type: LlamaFileType, block_diffusion: bool = True) -> None:
     """All ``ARCH.*`` hyper-parameter keys and ``general.file_type``, in llama.cpp's order, then (unless

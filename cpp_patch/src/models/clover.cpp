@@ -41,6 +41,25 @@ static bool clover_kernel_supported(uint32_t k) {
     return k == 3 || k == 4 || k == 5 || k == 9 || k == 15;
 }
 
+// Both layer kinds must be present, as upstream llama.cpp's clover_moe loader (b12060+) requires: Clover is a hybrid
+// of Gated DeltaNet and full-attention layers (spec 1), and a file that only this tree loads would not interchange
+// (spec 5). The kinds come from attention.recurrent_layers, else from full_attention_interval (qwen35moe's rule).
+static void clover_check_layer_kinds(llama_model_loader & ml, const llama_hparams & hparams) {
+    uint32_t n_recr = 0;
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        n_recr += hparams.is_recr(il) ? 1 : 0;
+    }
+    if (n_recr > 0 && n_recr < hparams.n_layer()) {
+        return;
+    }
+    uint32_t n_flags = 0;
+    const bool from_array = ml.get_arr_n(LLM_KV_ATTENTION_RECURRENT_LAYERS, n_flags, false);
+    const std::string key = clover_key(ml, from_array ? LLM_KV_ATTENTION_RECURRENT_LAYERS : LLM_KV_FULL_ATTENTION_INTERVAL);
+    throw std::runtime_error("clover: " + key + " makes " + (n_recr == 0 ? "none" : "all") + " of the " +
+            std::to_string(hparams.n_layer()) + " layers GDN (linear-attention) layers: a clover_moe model needs both "
+            "GDN and full-attention layers");
+}
+
 void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     // qwen35moe derives the layer kinds from full_attention_interval (a modulo) when the recurrent_layers array
     // is missing: a zero interval would divide by zero there
@@ -54,6 +73,7 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
         throw std::runtime_error("clover: MTP/nextn layers are not supported (nextn_predict_layers must be 0)");
     }
     check_trunk_hparams(ml);
+    clover_check_layer_kinds(ml, hparams);
 
     // llama.cpp's Clover converter writes expert_shared_count (num_shared_experts); only one shared expert has a
     // known layout
@@ -181,6 +201,12 @@ void llama_model_clover::check_trunk_hparams(llama_model_loader & ml) const {
         clover_bad_key(ml, LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, "= " + std::to_string(hparams.f_norm_rms_eps) +
                 " must be a positive number below 1");
     }
+
+    // upstream llama.cpp's clover_moe loader (b12060+) refuses different key and value head sizes: a file this tree
+    // loads must load there too (spec 5: trunk files interchange)
+    need(hparams.n_embd_head_v_full == hparams.n_embd_head_k_full, LLM_KV_ATTENTION_VALUE_LENGTH,
+            hparams.n_embd_head_v_full,
+            ("must equal attention.key_length (" + std::to_string(hparams.n_embd_head_k_full) + ")").c_str());
 
     need(hparams.ssm_d_conv > 0, LLM_KV_SSM_CONV_KERNEL, hparams.ssm_d_conv, "must be > 0");
     need(hparams.ssm_d_state > 0, LLM_KV_SSM_STATE_SIZE, hparams.ssm_d_state, "must be > 0");
