@@ -17,8 +17,8 @@ from typing import Any
 from . import block_settings
 from .errors import CloverInputError, missing_path_reason, read_json
 
-# the largest block size a checkpoint may declare; the engine's GGUF loader refuses the same
-# (cpp_patch/src/models/clover.cpp CLOVER_MAX_BLOCK_SIZE)
+# the largest block size a checkpoint may declare; the engine's GGUF readers refuse the same
+# (cpp_patch/src/clover-keys.h, the block_size row)
 MAX_BLOCK_SIZE = 256
 
 CONFIG_FILE = "config.json"
@@ -134,8 +134,8 @@ class CloverConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.layer_types is None:
-            n = self.full_attention_interval
+        n = self.full_attention_interval
+        if self.layer_types is None and _is_int(n) and n > 0:  # validate() names a bad interval
             self.layer_types = [
                 "full_attention" if (i + 1) % n == 0 else "linear_attention"
                 for i in range(self.num_hidden_layers)
@@ -213,7 +213,7 @@ class CloverConfig:
             "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
             "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
             "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "block_size",
-            "max_position_embeddings", "history_rows",
+            "max_position_embeddings", "history_rows", "full_attention_interval",
         )
         for name in positive:
             value = getattr(self, name)

@@ -21,7 +21,7 @@ from clover_common.errors import BadInput, CloverInputError, missing_path_reason
 from clover_quantize.importance import load_imatrix
 from clover_quantize.file_types import FileType, UnknownTypeError, file_type
 
-from .model_keys import ARCH, add_clover_keys, add_model_keys
+from .model_keys import ARCH, add_clover_keys, add_model_keys, check_upstream_layout
 from .onepass import OnePassResult, write_header_and_hole, write_quantized
 from .output import AtomicOutput, OutputError, check_free_space, check_outputs, resolve_output_path, output_shard_paths
 from .safetensors_index import CheckpointIndex, index_checkpoint
@@ -199,6 +199,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
         raise CloverInputError(options.model_dir, missing_path_reason(options.model_dir)
                                or "is not a directory (expected a Hugging Face checkpoint)")
     config = CloverConfig.load(model_dir, options.block_settings)
+    check_upstream_layout(config, model_dir / CONFIG_FILE)
     if options.bd_form == "only":
         return _convert_bd_only(options, model_dir, config)
     sidecar = options.bd_form == "sidecar"

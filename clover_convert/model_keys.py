@@ -9,10 +9,12 @@ The order and conditions follow the vendored converter: ``TextModel.set_gguf_par
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf import ExpertGatingFuncType, GGUFValueType, GGUFWriter, Keys, LlamaFileType
+from gguf import ExpertGatingFuncType, GGUFValueType, GGUFWriter, LlamaFileType
 
 from clover_common.config import CloverConfig
 from clover_common.errors import CloverInputError
@@ -37,6 +39,24 @@ def merged_hparams(raw_config: dict[str, Any]) -> dict[str, Any]:
 
 def _first(hparams: dict[str, Any], names: tuple[str, ...]) -> Any:
     return next((hparams[n] for n in names if n in hparams), None)
+
+
+def check_upstream_layout(config: CloverConfig, config_path: Path) -> None:
+    """Refuse, naming config.json's field, a config whose GGUF upstream llama.cpp's ``clover_moe`` loader (b12060+)
+    refuses, and with it this toolkit's loader (docs/gguf-format.md, "Checks at load"): both layer kinds present,
+    and GDN value heads as wide as key heads (``ssm.inner_size`` = ``ssm.state_size`` * ``ssm.time_step_rank``).
+    A positive ``full_attention_interval``, equal key and value head sizes (both ``head_dim``) and value heads that
+    key heads divide are CloverConfig.validate's."""
+    kinds = set(config.layer_types or [])
+    if kinds != {"linear_attention", "full_attention"}:
+        only = next(iter(kinds)) if len(kinds) == 1 else "none"
+        raise CloverInputError(config_path, f"holds only {only!r} layers; a clover_moe model needs both "
+                               "'linear_attention' (GDN) and 'full_attention' layers (llama.cpp refuses it too)",
+                               field="layer_types")
+    if config.linear_value_head_dim != config.linear_key_head_dim:
+        raise CloverInputError(config_path, f"is {config.linear_value_head_dim}, but GDN value heads must be as wide "
+                               f"as key heads (linear_key_head_dim = {config.linear_key_head_dim})",
+                               field="linear_value_head_dim")
 
 
 def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[str, Any], config_path: Path,
@@ -98,18 +118,86 @@ def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[st
         add_clover_keys(writer, c)
 
 
+@dataclass(frozen=True)
+class BdKey:
+    """One block-diffusion key (spec section 5): the mirror of a row of ``cpp_patch/src/clover-keys.h``, the table
+    both C++ readers use (tests/convert/test_bd_keys_table.py checks that the two are equal)."""
+
+    name: str          # the C++ row id, e.g. BLOCK_SIZE
+    scope: str         # "ARCH": ``{arch}.{suffix}``; "GLOBAL": ``suffix`` itself
+    suffix: str
+    gguf_type: str     # U32, F32, BOOL, ARR_U32, ARR_F32
+    default: float     # nan: derived (readout scale 1/sqrt(d_k), the mask token by name, no calibrated lists)
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def key(self, arch: str) -> str:
+        return f"{arch}.{self.suffix}" if self.scope == "ARCH" else self.suffix
+
+    def check(self, value: float) -> str | None:
+        """The rule ``value`` breaks (None when valid), as the C++ readers word it."""
+        is_int = self.gguf_type in ("U32", "ARR_U32", "BOOL")
+        finite_only = self.lo <= -3.4e38 and self.hi >= 3.4e38
+        if not math.isfinite(value):
+            return "must be a finite number" if finite_only or not is_int else "must be an integer"
+        if is_int and value != math.floor(value):
+            return "must be an integer"
+        if (value > self.lo if self.lo_open else value >= self.lo) and value <= self.hi:
+            return None
+        if finite_only:
+            return "must be a finite number"
+        if is_int:
+            return f"must be >= {self.lo:g}" if self.hi >= 2147483647 else f"must be in {self.lo:g} .. {self.hi:g}"
+        return f"must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+_NAN = float("nan")
+_I32_MAX = 2147483647.0
+BD_KEYS: tuple[BdKey, ...] = (
+    BdKey("BLOCK_SIZE", "ARCH", "block_size", "U32", 32, 1, 256),
+    BdKey("THRESHOLD", "ARCH", "diffusion.threshold", "F32", 0.95, 0, 1),
+    BdKey("CORESET_TOP_P", "ARCH", "diffusion.coreset_top_p", "F32", 1, 0, 1, lo_open=True),
+    BdKey("HISTORY_ROWS", "ARCH", "diffusion.history_rows", "U32", 32, 1, _I32_MAX),
+    BdKey("HISTORY_READOUT_SCALE", "ARCH", "bd.history_readout_scale", "F32", _NAN, -3.4e38, 3.4e38),
+    BdKey("CALIBRATED_BLOCK_SIZES", "ARCH", "diffusion.calibrated_block_sizes", "ARR_U32", _NAN, 1, 256),
+    BdKey("CALIBRATED_THRESHOLDS", "ARCH", "diffusion.calibrated_thresholds", "ARR_F32", _NAN, 0, 1),
+    BdKey("MASK_TOKEN_ID", "GLOBAL", "tokenizer.ggml.mask_token_id", "U32", _NAN, 0, _I32_MAX),
+    BdKey("SHIFT_LOGITS", "GLOBAL", "diffusion.shift_logits", "BOOL", 1, 1, 1),
+)
+BD_KEY = {k.name: k for k in BD_KEYS}
+_SUB_TYPES = {"U32": GGUFValueType.UINT32, "F32": GGUFValueType.FLOAT32, "BOOL": GGUFValueType.BOOL,
+              "ARR_U32": GGUFValueType.UINT32, "ARR_F32": GGUFValueType.FLOAT32}
+
+
+def _add_bd_key(writer: GGUFWriter, name: str, value: Any) -> None:
+    """Write one block-diffusion key with the table's type, after the table's range check (CloverConfig.validate
+    refuses such values first, naming config.json's field; this keeps the writer from ever making a file that
+    the loaders refuse)."""
+    spec = BD_KEY[name]
+    key = spec.key(writer.arch)
+    values = list(value) if spec.gguf_type.startswith("ARR_") else [value]
+    for v in values:
+        if (why := spec.check(float(v))) is not None:
+            raise ValueError(f"{key} = {v!r} {why}")
+    if spec.gguf_type.startswith("ARR_"):
+        cast = int if spec.gguf_type == "ARR_U32" else float
+        writer.add_key_value(key, [cast(v) for v in values], GGUFValueType.ARRAY, sub_type=_SUB_TYPES[spec.gguf_type])
+    else:
+        cast = {"U32": int, "F32": float, "BOOL": bool}[spec.gguf_type]
+        writer.add_key_value(key, cast(value), _SUB_TYPES[spec.gguf_type])
+
+
 def add_clover_keys(writer: GGUFWriter, config: CloverConfig) -> None:
-    """The block-diffusion keys of spec section 5 (the mask token id is written with the tokenizer). The
-    calibrated block sizes and thresholds are this toolkit's extension (absent from other converters' files)."""
+    """The block-diffusion keys of spec section 5 (the mask token id is written with the tokenizer), typed and
+    checked by ``BD_KEYS``. The calibrated block sizes and thresholds are this toolkit's extension (absent from
+    other converters' files)."""
     assert config.calibrated_block_sizes is not None and config.calibrated_thresholds is not None
-    arch = writer.arch
-    writer.add_uint32(f"{arch}.block_size", config.block_size)
-    writer.add_float32(f"{arch}.diffusion.threshold", float(config.confidence_threshold))
-    writer.add_float32(f"{arch}.diffusion.coreset_top_p", float(config.coreset_top_p))
-    writer.add_uint32(f"{arch}.diffusion.history_rows", config.history_rows)
-    writer.add_float32(f"{arch}.bd.history_readout_scale", float(config.readout_scale))
-    writer.add_key_value(f"{arch}.diffusion.calibrated_block_sizes", [int(b) for b in config.calibrated_block_sizes],
-                         GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
-    writer.add_key_value(f"{arch}.diffusion.calibrated_thresholds", [float(t) for t in config.calibrated_thresholds],
-                         GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
-    writer.add_bool(Keys.Diffusion.SHIFT_LOGITS, True)
+    _add_bd_key(writer, "BLOCK_SIZE", config.block_size)
+    _add_bd_key(writer, "THRESHOLD", config.confidence_threshold)
+    _add_bd_key(writer, "CORESET_TOP_P", config.coreset_top_p)
+    _add_bd_key(writer, "HISTORY_ROWS", config.history_rows)
+    _add_bd_key(writer, "HISTORY_READOUT_SCALE", config.readout_scale)
+    _add_bd_key(writer, "CALIBRATED_BLOCK_SIZES", config.calibrated_block_sizes)
+    _add_bd_key(writer, "CALIBRATED_THRESHOLDS", config.calibrated_thresholds)
+    _add_bd_key(writer, "SHIFT_LOGITS", True)

@@ -51,14 +51,17 @@ PRESETS: dict[str, dict] = {
 
 
 def preset_config(name: str, layers: int | None = None, nested: bool = False) -> CloverConfig:
-    """The config of a preset; ``layers`` keeps the first N layers (the layer pattern is unchanged)."""
+    """The config of a preset; ``layers`` keeps the first N layers (the layer pattern is unchanged), except that
+    fewer layers than the preset's full-attention interval end with one full-attention layer: a clover_moe model
+    needs both layer kinds (llama.cpp refuses it otherwise, docs/gguf-format.md "Checks at load")."""
     if name not in PRESETS:
         raise BadInput(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     fields = dict(PRESETS[name])
     if layers is not None:
-        if layers < 1:
-            raise BadInput("--layers must be at least 1")
+        if layers < 2:
+            raise BadInput("--layers must be at least 2 (a clover_moe model needs a GDN and a full-attention layer)")
         fields["num_hidden_layers"] = layers
+        fields["full_attention_interval"] = min(layers, fields.get("full_attention_interval", 4))
     ids = special_token_ids()
     fields.update(
         mask_token_id=ids[MASK_TOKEN],

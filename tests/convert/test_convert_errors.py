@@ -161,6 +161,31 @@ def test_two_shared_experts(model: Path, out_dir: Path, capsys) -> None:
     assert_fails(capsys, model, out_dir, "config.json", "field 'num_shared_experts'", "only 1")
 
 
+@pytest.mark.parametrize("kinds, fragment", [
+    (["linear_attention"] * 4, "only 'linear_attention'"),
+    (["full_attention"] * 4, "only 'full_attention'"),
+])
+def test_one_layer_kind_is_refused_as_llama_cpp_refuses_it(model: Path, out_dir: Path, capsys, kinds: list[str],
+                                                             fragment: str) -> None:
+    """docs/gguf-format.md "Checks at load": llama.cpp's clover_moe loader needs GDN and full-attention layers, so
+    the converter refuses the config before reading any weight."""
+    edit_config(model, layer_types=kinds)
+    assert_fails(capsys, model, out_dir, "config.json", "field 'layer_types'", fragment, "both")
+
+
+def test_gdn_value_heads_narrower_than_key_heads_are_refused(model: Path, out_dir: Path, capsys) -> None:
+    edit_config(model, linear_value_head_dim=8)
+    assert_fails(capsys, model, out_dir, "config.json", "field 'linear_value_head_dim'", "linear_key_head_dim = 16")
+
+
+def test_zero_full_attention_interval_is_refused(model: Path, out_dir: Path, capsys) -> None:
+    data = json.loads((model / "config.json").read_text())
+    data.pop("layer_types", None)
+    data["full_attention_interval"] = 0
+    (model / "config.json").write_text(json.dumps(data))
+    assert_fails(capsys, model, out_dir, "config.json", "field 'full_attention_interval'", "positive integer")
+
+
 def _drop_mask_id(model: Path) -> None:
     data = json.loads((model / "config.json").read_text())
     del data["mask_token_id"]

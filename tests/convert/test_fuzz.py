@@ -159,7 +159,15 @@ def test_checkpoint_mutants_convert(tiny_checkpoint: Path, tmp_path: Path, recor
     _report("clover-convert on checkpoint mutants", items, results, "clover-convert", record_property)
 
 
-@pytest.mark.parametrize("name", ["truncate-200", "kv-expert_used_count-9", "f16-blk.0.ssm_a"])
+# upstream llama.cpp's clover_moe checks (docs/gguf-format.md "Checks at load"): the line must name the key
+UPSTREAM_CHECKS = {
+    "kv-attention.recurrent_layers-0": "attention.recurrent_layers",  # every layer GDN
+    "kv-attention.recurrent_layers-1": "attention.recurrent_layers",  # every layer full attention
+    "kv-attention.value_length-1000": "attention.value_length",       # value head size != key head size
+}
+
+
+@pytest.mark.parametrize("name", ["truncate-200", "kv-expert_used_count-9", "f16-blk.0.ssm_a", *UPSTREAM_CHECKS])
 @pytest.mark.native
 def test_console_script_prints_one_line(tiny_gguf: Path, tmp_path: Path, name: str) -> None:
     """The real clover-cpp and clover-quantize print only their one line (llama.cpp's log stays quiet)."""
@@ -173,5 +181,7 @@ def test_console_script_prints_one_line(tiny_gguf: Path, tmp_path: Path, name: s
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), proc.stderr
         assert any(e.lower() in lines[0].lower() for e in m.expect), lines[0]
+        if prog == "clover-cpp" and name in UPSTREAM_CHECKS:
+            assert f"clover_moe.{UPSTREAM_CHECKS[name]}" in lines[0] and str(path) in lines[0], lines[0]
         assert not proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]

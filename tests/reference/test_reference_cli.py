@@ -354,9 +354,20 @@ def test_init_layers_slice_config_only(tmp_path: Path, capsys) -> None:
     assert config.num_experts == 256
 
 
-def test_init_rejects_zero_layers(tmp_path: Path, capsys) -> None:
-    rc, _, err = run_main(capsys, "init", tmp_path, "--preset", "tiny", "--layers", "0")
+@pytest.mark.parametrize("layers", ["0", "1"])
+def test_init_rejects_fewer_than_two_layers(tmp_path: Path, capsys, layers: str) -> None:
+    rc, _, err = run_main(capsys, "init", tmp_path, "--preset", "tiny", "--layers", layers)
     assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "at least 2" in err
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_init_few_layers_keep_both_layer_kinds(tmp_path: Path, capsys, layers: int) -> None:
+    """Fewer layers than the full-attention interval end with a full-attention layer (llama.cpp needs both kinds)."""
+    rc, _, err = run_main(capsys, "init", tmp_path, "--preset", "35b-shape", "--layers", str(layers), "--config-only")
+    assert rc == 0, err
+    config = CloverConfig.load(tmp_path)
+    assert config.layer_types == ["linear_attention"] * (layers - 1) + ["full_attention"]
 
 
 def test_init_sharded_and_nested_flags(tmp_path: Path, capsys, tiny_model) -> None:

@@ -18,6 +18,7 @@
 #include "models.h"
 #include "llama-impl.h"
 #include "llama-memory-recurrent.h"
+#include "../clover-keys.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,10 +27,6 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-// the largest block size a GGUF may declare (clover.block_size, calibrated sizes); the converter refuses the same
-// (clover_common/config.py MAX_BLOCK_SIZE): every block size needs B-1 rollback states of the recurrent memory
-static constexpr uint32_t CLOVER_MAX_BLOCK_SIZE = 256;
 
 static std::string clover_key(llama_model_loader & ml, llm_kv kid) {
     return ml.llm_kv(kid);
@@ -45,6 +42,25 @@ static bool clover_kernel_supported(uint32_t k) {
     return k == 3 || k == 4 || k == 5 || k == 9 || k == 15;
 }
 
+// Both layer kinds must be present, as upstream llama.cpp's clover_moe loader (b12060+) requires: Clover is a hybrid
+// of Gated DeltaNet and full-attention layers (spec 1), and a file that only this tree loads would not interchange
+// (spec 5). The kinds come from attention.recurrent_layers, else from full_attention_interval (qwen35moe's rule).
+static void clover_check_layer_kinds(llama_model_loader & ml, const llama_hparams & hparams) {
+    uint32_t n_recr = 0;
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        n_recr += hparams.is_recr(il) ? 1 : 0;
+    }
+    if (n_recr > 0 && n_recr < hparams.n_layer()) {
+        return;
+    }
+    uint32_t n_flags = 0;
+    const bool from_array = ml.get_arr_n(LLM_KV_ATTENTION_RECURRENT_LAYERS, n_flags, false);
+    const std::string key = clover_key(ml, from_array ? LLM_KV_ATTENTION_RECURRENT_LAYERS : LLM_KV_FULL_ATTENTION_INTERVAL);
+    throw std::runtime_error("clover: " + key + " makes " + (n_recr == 0 ? "none" : "all") + " of the " +
+            std::to_string(hparams.n_layer()) + " layers GDN (linear-attention) layers: a clover_moe model needs both "
+            "GDN and full-attention layers");
+}
+
 void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     // qwen35moe derives the layer kinds from full_attention_interval (a modulo) when the recurrent_layers array
     // is missing: a zero interval would divide by zero there
@@ -58,6 +74,7 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
         throw std::runtime_error("clover: MTP/nextn layers are not supported (nextn_predict_layers must be 0)");
     }
     check_trunk_hparams(ml);
+    clover_check_layer_kinds(ml, hparams);
 
     // llama.cpp's Clover converter writes expert_shared_count (num_shared_experts); only one shared expert has a
     // known layout
@@ -77,68 +94,76 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     load_bd_hparams(ml);
 }
 
-// The block-diffusion keys (spec v2 section 5), from the model file or from a sidecar (attach_block_diffusion). All
-// are optional (llama.cpp's converter writes none): an absent key keeps spec 2.2's default.
+// llm_kv id of each block-diffusion key, in clover-keys.h's order
+static llm_kv clover_bd_kv(clover_bd_key_id id) {
+    static const llm_kv kvs[CLOVER_BD_KEY_COUNT] = {
+#define CLOVER_BD_KEY_KV(ID, KV, SCOPE, SUFFIX, TYPE, DEF, LO, HI, LO_OPEN) KV,
+        CLOVER_BD_KEYS(CLOVER_BD_KEY_KV)
+#undef CLOVER_BD_KEY_KV
+    };
+    return kvs[id];
+}
+
+// a block-diffusion key (clover-keys.h) that is present, read as T and range-checked; an absent key keeps out
+template <typename T>
+static void clover_read_bd_key(llama_model_loader & ml, clover_bd_key_id id, T & out) {
+    const std::string key = clover_bd_key_name(id, ml.get_arch_name());
+    // the table and llama-arch's LLM_KV_NAMES must name the same key
+    GGML_ASSERT(clover_key(ml, clover_bd_kv(id)) == key);
+    T value = out;
+    if (!ml.get_key(clover_bd_kv(id), value, false)) {
+        return;
+    }
+    const std::string why = clover_bd_key_check(id, (double) value);
+    if (!why.empty()) {
+        throw std::runtime_error("clover: " + key + " = " + clover_bd_num_str((double) value) + " " + why);
+    }
+    out = value;
+}
+
+template <typename T>
+static void clover_read_bd_array(llama_model_loader & ml, clover_bd_key_id id, std::vector<T> & out) {
+    out.clear();
+    ml.get_arr(clover_bd_kv(id), out, false);
+    for (T v : out) {
+        const std::string why = clover_bd_key_check(id, (double) v);
+        if (!why.empty()) {
+            throw std::runtime_error("clover: " + clover_bd_key_name(id, ml.get_arch_name()) + " holds " +
+                    clover_bd_num_str((double) v) + "; each value " + why);
+        }
+    }
+}
+
+// The block-diffusion keys (spec v2 section 5, clover-keys.h), from the model file or from a sidecar
+// (attach_block_diffusion). All are optional (llama.cpp's converter writes none): an absent key keeps spec 2.2's
+// default.
 void llama_model_clover::load_bd_hparams(llama_model_loader & ml) {
     // diffusion.shift_logits: only the shifted form (spec 3.4)
     bool shift_logits = true;
-    if (ml.get_key(LLM_KV_CLOVER_SHIFT_LOGITS, shift_logits, false) && !shift_logits) {
+    if (ml.get_key(clover_bd_kv(CLOVER_BD_KEY_SHIFT_LOGITS), shift_logits, false) && !shift_logits) {
         throw std::runtime_error("clover: diffusion.shift_logits = false: unshifted block diffusion is not implemented");
     }
 
-    ml.get_key(LLM_KV_DFLASH_BLOCK_SIZE,            hparams.clover_block_size,            false); // ARCH.block_size
-    ml.get_key(LLM_KV_CLOVER_DIFFUSION_THRESHOLD,   hparams.clover_threshold,             false);
-    ml.get_key(LLM_KV_CLOVER_CORESET_TOP_P,         hparams.clover_coreset_top_p,         false);
-    ml.get_key(LLM_KV_CLOVER_HISTORY_ROWS,          hparams.clover_history_rows,          false);
-    ml.get_key(LLM_KV_CLOVER_HISTORY_READOUT_SCALE, hparams.clover_history_readout_scale, false);
+    clover_read_bd_key(ml, CLOVER_BD_KEY_BLOCK_SIZE,            hparams.clover_block_size);
+    clover_read_bd_key(ml, CLOVER_BD_KEY_THRESHOLD,             hparams.clover_threshold);
+    clover_read_bd_key(ml, CLOVER_BD_KEY_CORESET_TOP_P,         hparams.clover_coreset_top_p);
+    clover_read_bd_key(ml, CLOVER_BD_KEY_HISTORY_ROWS,          hparams.clover_history_rows);
+    clover_read_bd_key(ml, CLOVER_BD_KEY_HISTORY_READOUT_SCALE, hparams.clover_history_readout_scale);
 
     // the mask token: tokenizer.ggml.mask_token_id, else found by name in the vocabulary (the engine does that,
     // clover_model_info_read); -1 = none, and the block modes are unavailable. A sidecar without the key keeps the
     // trunk's.
-    uint32_t mask_id = 0;
-    if (ml.get_key(LLM_KV_TOKENIZER_MASK_ID, mask_id, false)) {
+    uint32_t mask_id = UINT32_MAX;
+    clover_read_bd_key(ml, CLOVER_BD_KEY_MASK_TOKEN_ID, mask_id);
+    if (mask_id != UINT32_MAX) {
         hparams.clover_mask_token_id = (int32_t) mask_id;
     }
 
-    clover_calibrated_block_sizes.clear();
-    clover_calibrated_thresholds.clear();
-    ml.get_arr(LLM_KV_CLOVER_CALIBRATED_BLOCK_SIZES, clover_calibrated_block_sizes, false);
-    ml.get_arr(LLM_KV_CLOVER_CALIBRATED_THRESHOLDS,  clover_calibrated_thresholds,  false);
-
-    if (hparams.clover_block_size == 0 || hparams.clover_block_size > CLOVER_MAX_BLOCK_SIZE) {
-        clover_bad_key(ml, LLM_KV_DFLASH_BLOCK_SIZE, "= " + std::to_string(hparams.clover_block_size) +
-                " must be in 1 .. " + std::to_string(CLOVER_MAX_BLOCK_SIZE));
-    }
-    if (!(hparams.clover_threshold >= 0.0f && hparams.clover_threshold <= 1.0f)) {  // NaN fails too
-        clover_bad_key(ml, LLM_KV_CLOVER_DIFFUSION_THRESHOLD, "= " + std::to_string(hparams.clover_threshold) +
-                " must be in [0, 1]");
-    }
-    if (!(hparams.clover_coreset_top_p > 0.0f && hparams.clover_coreset_top_p <= 1.0f)) {
-        clover_bad_key(ml, LLM_KV_CLOVER_CORESET_TOP_P, "= " + std::to_string(hparams.clover_coreset_top_p) +
-                " must be in (0, 1]");
-    }
-    if (hparams.clover_history_rows < 1) {
-        clover_bad_key(ml, LLM_KV_CLOVER_HISTORY_ROWS, "= 0 must be >= 1");
-    }
-    if (!std::isfinite(hparams.clover_history_readout_scale)) {
-        clover_bad_key(ml, LLM_KV_CLOVER_HISTORY_READOUT_SCALE, "= " + std::to_string(hparams.clover_history_readout_scale) +
-                " must be a finite number");
-    }
-    for (float t : clover_calibrated_thresholds) {
-        if (!(t >= 0.0f && t <= 1.0f)) {
-            clover_bad_key(ml, LLM_KV_CLOVER_CALIBRATED_THRESHOLDS, "holds " + std::to_string(t) +
-                    "; thresholds must be in [0, 1]");
-        }
-    }
+    clover_read_bd_array(ml, CLOVER_BD_KEY_CALIBRATED_BLOCK_SIZES, clover_calibrated_block_sizes);
+    clover_read_bd_array(ml, CLOVER_BD_KEY_CALIBRATED_THRESHOLDS,  clover_calibrated_thresholds);
     if (clover_calibrated_block_sizes.size() != clover_calibrated_thresholds.size()) {
-        throw std::runtime_error("clover: " + clover_key(ml, LLM_KV_CLOVER_CALIBRATED_BLOCK_SIZES) + " and " +
-                clover_key(ml, LLM_KV_CLOVER_CALIBRATED_THRESHOLDS) + " differ in length");
-    }
-    for (uint32_t b : clover_calibrated_block_sizes) {
-        if (b == 0 || b > CLOVER_MAX_BLOCK_SIZE) {
-            clover_bad_key(ml, LLM_KV_CLOVER_CALIBRATED_BLOCK_SIZES, "holds " + std::to_string(b) +
-                    "; block sizes must be in 1 .. " + std::to_string(CLOVER_MAX_BLOCK_SIZE));
-        }
+        throw std::runtime_error("clover: " + clover_bd_key_name(CLOVER_BD_KEY_CALIBRATED_BLOCK_SIZES, ml.get_arch_name()) +
+                " and " + clover_bd_key_name(CLOVER_BD_KEY_CALIBRATED_THRESHOLDS, ml.get_arch_name()) + " differ in length");
     }
     clover_coreset_top_p_now.store(hparams.clover_coreset_top_p);
 }
@@ -177,6 +202,12 @@ void llama_model_clover::check_trunk_hparams(llama_model_loader & ml) const {
         clover_bad_key(ml, LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, "= " + std::to_string(hparams.f_norm_rms_eps) +
                 " must be a positive number below 1");
     }
+
+    // upstream llama.cpp's clover_moe loader (b12060+) refuses different key and value head sizes: a file this tree
+    // loads must load there too (spec 5: trunk files interchange)
+    need(hparams.n_embd_head_v_full == hparams.n_embd_head_k_full, LLM_KV_ATTENTION_VALUE_LENGTH,
+            hparams.n_embd_head_v_full,
+            ("must equal attention.key_length (" + std::to_string(hparams.n_embd_head_k_full) + ")").c_str());
 
     need(hparams.ssm_d_conv > 0, LLM_KV_SSM_CONV_KERNEL, hparams.ssm_d_conv, "must be > 0");
     need(hparams.ssm_d_state > 0, LLM_KV_SSM_STATE_SIZE, hparams.ssm_d_state, "must be > 0");

@@ -10,6 +10,7 @@
 #include "llama.h"
 
 #include "hash/hash.h"
+#include "../../src/clover-keys.h"  // the block-diffusion keys: one table with the model loader
 
 #include <algorithm>
 #include <cctype>
@@ -27,10 +28,6 @@ struct gguf_deleter {
 };
 using gguf_ptr = std::unique_ptr<gguf_context, gguf_deleter>;
 }
-
-// the largest block size a GGUF may declare: the model's loader (src/models/clover.cpp) and the converter
-// (clover_common/config.py MAX_BLOCK_SIZE) refuse the same
-static constexpr int CLOVER_MAX_GGUF_BLOCK_SIZE = 256;
 
 static bool clover_gguf_int(const gguf_context * gctx, const char * key, int64_t & out) {
     const int64_t id = gguf_find_key(gctx, key);
@@ -205,79 +202,102 @@ static gguf_ptr clover_gguf_open(const char * path, std::string & arch, std::str
     return gctx;
 }
 
-// The block-diffusion keys (spec v2 section 5) of a model file or a sidecar, over the values info already holds:
-// an absent key keeps them. The mask token is read only from tokenizer.ggml.mask_token_id (-1 stays when absent).
+// A scalar block-diffusion key (clover-keys.h) of the file: false when absent; when present, out is its value,
+// or err is set (a wrong type or a value out of the table's range) and false returned with present = true.
+static bool clover_gguf_bd_scalar(const gguf_context * gctx, const char * path, const std::string & arch,
+                                  clover_bd_key_id id, double & out, bool & present, std::string & err) {
+    const std::string key = clover_bd_key_name(id, arch);
+    present = gguf_find_key(gctx, key.c_str()) >= 0;
+    if (!present) {
+        return false;
+    }
+    int64_t i = 0;
+    float f = 0.0f;
+    if (clover_bd_key_is_int(id) ? !clover_gguf_int(gctx, key.c_str(), i) : !clover_gguf_float(gctx, key.c_str(), f)) {
+        err = clover_format("'%s': %s is not %s", path, key.c_str(), clover_bd_key_is_int(id) ? "an integer" : "a float");
+        return false;
+    }
+    out = clover_bd_key_is_int(id) ? (double) i : (double) f;
+    const std::string why = clover_bd_key_check(id, out);
+    if (!why.empty()) {
+        err = clover_format("'%s': %s = %s %s", path, key.c_str(), clover_bd_num_str(out).c_str(), why.c_str());
+        return false;
+    }
+    return true;
+}
+
+// An array block-diffusion key (clover-keys.h) of the file, each element range-checked; false with err set when
+// present but not an array of numbers or out of range, false with err empty when absent.
+static bool clover_gguf_bd_array(const gguf_context * gctx, const char * path, const std::string & arch,
+                                 clover_bd_key_id id, std::vector<double> & out, std::string & err) {
+    const std::string key = clover_bd_key_name(id, arch);
+    out.clear();
+    if (gguf_find_key(gctx, key.c_str()) < 0) {
+        return false;
+    }
+    if (!clover_gguf_num_array(gctx, key.c_str(), out)) {
+        err = clover_format("'%s': %s must be an array of numbers", path, key.c_str());
+        return false;
+    }
+    for (double v : out) {
+        const std::string why = clover_bd_key_check(id, v);
+        if (!why.empty()) {
+            err = clover_format("'%s': %s holds %s; each value %s", path, key.c_str(), clover_bd_num_str(v).c_str(),
+                    why.c_str());
+            return false;
+        }
+    }
+    return true;
+}
+
+// The block-diffusion keys (spec v2 section 5, clover-keys.h) of a model file or a sidecar, over the values info
+// already holds: an absent key keeps them. The mask token is read only from tokenizer.ggml.mask_token_id (-1 stays
+// when absent).
 static bool clover_read_bd_keys(const gguf_context * gctx, const char * path, const std::string & arch,
                                 clover_model_info & info, std::string & err) {
-    const auto key = [&](const char * suffix) { return arch + "." + suffix; };
-    int64_t v = 0;
-    if (gguf_find_key(gctx, key("block_size").c_str()) >= 0) {
-        if (!clover_gguf_int(gctx, key("block_size").c_str(), v)) {
-            err = clover_format("'%s': %s is not an integer", path, key("block_size").c_str());
+    struct scalar { clover_bd_key_id id; int32_t * i; float * f; };
+    const scalar scalars[] = {
+        { CLOVER_BD_KEY_BLOCK_SIZE,    &info.block_size,    nullptr             },
+        { CLOVER_BD_KEY_THRESHOLD,     nullptr,             &info.threshold     },
+        { CLOVER_BD_KEY_CORESET_TOP_P, nullptr,             &info.coreset_top_p },
+        { CLOVER_BD_KEY_HISTORY_ROWS,  &info.history_rows,  nullptr             },
+        { CLOVER_BD_KEY_MASK_TOKEN_ID, &info.mask_token_id, nullptr             },
+    };
+    for (const scalar & s : scalars) {
+        double v = 0.0;
+        bool present = false;
+        if (clover_gguf_bd_scalar(gctx, path, arch, s.id, v, present, err)) {
+            if (s.i) {
+                *s.i = (int32_t) v;
+            } else {
+                *s.f = (float) v;
+            }
+        } else if (present) {
             return false;
         }
-        if (v < 1 || v > CLOVER_MAX_GGUF_BLOCK_SIZE) {
-            err = clover_format("'%s': %s = %lld must be in 1 .. %d", path, key("block_size").c_str(), (long long) v,
-                    CLOVER_MAX_GGUF_BLOCK_SIZE);
-            return false;
-        }
-        info.block_size = (int32_t) v;
-    }
-    if (gguf_find_key(gctx, key("diffusion.threshold").c_str()) >= 0 &&
-        !clover_gguf_float(gctx, key("diffusion.threshold").c_str(), info.threshold)) {
-        err = clover_format("'%s': %s is not a float", path, key("diffusion.threshold").c_str());
-        return false;
-    }
-    if (!(info.threshold >= 0.0f && info.threshold <= 1.0f)) {  // NaN fails too
-        err = clover_format("'%s': %s = %g must be in [0, 1]", path, key("diffusion.threshold").c_str(), (double) info.threshold);
-        return false;
-    }
-    if (gguf_find_key(gctx, key("diffusion.coreset_top_p").c_str()) >= 0 &&
-        !clover_gguf_float(gctx, key("diffusion.coreset_top_p").c_str(), info.coreset_top_p)) {
-        err = clover_format("'%s': %s is not a float", path, key("diffusion.coreset_top_p").c_str());
-        return false;
-    }
-    if (!(info.coreset_top_p > 0.0f && info.coreset_top_p <= 1.0f)) {
-        err = clover_format("'%s': %s = %g must be in (0, 1]", path, key("diffusion.coreset_top_p").c_str(),
-                (double) info.coreset_top_p);
-        return false;
-    }
-    if (gguf_find_key(gctx, key("diffusion.history_rows").c_str()) >= 0) {
-        if (!clover_gguf_int(gctx, key("diffusion.history_rows").c_str(), v) || v < 1 || v > INT32_MAX) {
-            err = clover_format("'%s': %s must be an integer >= 1", path, key("diffusion.history_rows").c_str());
-            return false;
-        }
-        info.history_rows = (int32_t) v;
     }
     {
-        const int64_t id = gguf_find_key(gctx, "diffusion.shift_logits");
+        const int64_t id = gguf_find_key(gctx, clover_bd_key_name(CLOVER_BD_KEY_SHIFT_LOGITS, arch).c_str());
         if (id >= 0 && gguf_get_kv_type(gctx, id) == GGUF_TYPE_BOOL && !gguf_get_val_bool(gctx, id)) {
             err = clover_format("'%s': diffusion.shift_logits = false: unshifted block diffusion is not implemented", path);
             return false;
         }
     }
-    if (gguf_find_key(gctx, "tokenizer.ggml.mask_token_id") >= 0) {
-        if (!clover_gguf_int(gctx, "tokenizer.ggml.mask_token_id", v) || v < 0 || v > INT32_MAX) {
-            err = clover_format("'%s': invalid tokenizer.ggml.mask_token_id", path);
-            return false;
-        }
-        info.mask_token_id = (int32_t) v;
-    }
 
     std::vector<double> sizes;
     std::vector<double> thresholds;
-    const bool has_sizes      = clover_gguf_num_array(gctx, key("diffusion.calibrated_block_sizes").c_str(), sizes);
-    const bool has_thresholds = clover_gguf_num_array(gctx, key("diffusion.calibrated_thresholds").c_str(), thresholds);
-    const int64_t sizes_id      = gguf_find_key(gctx, key("diffusion.calibrated_block_sizes").c_str());
-    const int64_t thresholds_id = gguf_find_key(gctx, key("diffusion.calibrated_thresholds").c_str());
-    if ((sizes_id >= 0 && !has_sizes) || (thresholds_id >= 0 && !has_thresholds)) {
-        err = clover_format("'%s': %s must be an array of numbers", path,
-                key(sizes_id >= 0 && !has_sizes ? "diffusion.calibrated_block_sizes" : "diffusion.calibrated_thresholds").c_str());
+    const bool has_sizes      = clover_gguf_bd_array(gctx, path, arch, CLOVER_BD_KEY_CALIBRATED_BLOCK_SIZES, sizes, err);
+    if (!has_sizes && !err.empty()) {
+        return false;
+    }
+    const bool has_thresholds = clover_gguf_bd_array(gctx, path, arch, CLOVER_BD_KEY_CALIBRATED_THRESHOLDS, thresholds, err);
+    if (!has_thresholds && !err.empty()) {
         return false;
     }
     if (has_sizes != has_thresholds || sizes.size() != thresholds.size()) {
         err = clover_format("'%s': %s and %s differ in length", path,
-                key("diffusion.calibrated_block_sizes").c_str(), key("diffusion.calibrated_thresholds").c_str());
+                clover_bd_key_name(CLOVER_BD_KEY_CALIBRATED_BLOCK_SIZES, arch).c_str(),
+                clover_bd_key_name(CLOVER_BD_KEY_CALIBRATED_THRESHOLDS, arch).c_str());
         return false;
     }
     if (sizes.size() > CLOVER_MAX_CALIBRATED) {
@@ -285,16 +305,6 @@ static bool clover_read_bd_keys(const gguf_context * gctx, const char * path, co
         return false;
     }
     for (size_t i = 0; i < sizes.size(); ++i) {
-        if (!(sizes[i] >= 1 && sizes[i] <= CLOVER_MAX_GGUF_BLOCK_SIZE) || sizes[i] != std::floor(sizes[i])) {
-            err = clover_format("'%s': %s holds %g; block sizes must be integers in 1 .. %d", path,
-                    key("diffusion.calibrated_block_sizes").c_str(), sizes[i], CLOVER_MAX_GGUF_BLOCK_SIZE);
-            return false;
-        }
-        if (!(thresholds[i] >= 0.0 && thresholds[i] <= 1.0)) {
-            err = clover_format("'%s': %s holds %g; thresholds must be in [0, 1]", path,
-                    key("diffusion.calibrated_thresholds").c_str(), thresholds[i]);
-            return false;
-        }
         info.calibrated_block_sizes[i] = (int32_t) sizes[i];
         info.calibrated_thresholds[i]  = (float) thresholds[i];
     }
