@@ -258,15 +258,30 @@ struct clover_round_clock {
     double  block_ms() const { return stats.t_block_ms - block_ms0; }
 };
 
-// One pass of each round is observed: an ar step, a chain pass or a block draft's block pass (the verification
-// after a block pass reads other memory than a chain pass and is not a sample of either). A pass whose graph was
-// built is observed as it is, build included: a probe's width is often a new shape, and the median outvotes it.
+// One pass of each round is observed: an ar step, a chain pass, or a block round's block pass (the verification
+// after it reads other memory than a chain pass). The table prices passes in a run of same-width passes; a pass
+// after one of another width is slower than that (a graph switch, colder caches), so such an isolated pass, as a
+// probe is, counts only when it shows the table too dear, never when it shows it too cheap: otherwise probes would
+// price chains up, and the fewer chains run, the more isolated the next probe.
 void clover_correct_costs(clover_cost_correction & correction, const clover_pass_costs & table,
-                          const clover_round_clock & clock, clover_draft_kind kind, int32_t width, int32_t block_w) {
+                          const clover_round_clock & clock, clover_draft_kind kind, int32_t width, int32_t prev_width,
+                          int32_t block_w) {
+    const double ms = clock.causal_ms();
+    const bool   steady = width == prev_width;
     switch (kind) {
-        case CLOVER_DRAFT_NONE:  correction.ar.observe(clock.causal_ms(), table.ar_ms); break;
-        case CLOVER_DRAFT_NGRAM: correction.chain.observe(clock.causal_ms(), clover_chain_ms(table, width)); break;
-        case CLOVER_DRAFT_BLOCK: correction.block.observe(clock.block_ms(), clover_block_ms(table, block_w)); break;
+        case CLOVER_DRAFT_NONE:
+            if (steady || ms < table.ar_ms) {
+                correction.ar.observe(ms, table.ar_ms);
+            }
+            break;
+        case CLOVER_DRAFT_NGRAM:
+            if (steady || ms < clover_chain_ms(table, width)) {
+                correction.chain.observe(ms, clover_chain_ms(table, width));
+            }
+            break;
+        case CLOVER_DRAFT_BLOCK:  // chosen on its merits (block rounds are not probed)
+            correction.block.observe(clock.block_ms(), clover_block_ms(table, block_w));
+            break;
         default: break;
     }
 }
@@ -305,17 +320,14 @@ bool clover_run_auto(clover_run & run) {
                                   (clover_chain_ms(c, width) + (width == st.width ? 0.0 : c.rebuild_ms));
         // a file without block passes (trunk-only, or no mask token) drafts from n-grams only
         int32_t block_w = slot->can_block ? clover_block_width_for(c, st, w_max, remaining, chain_rate) : 0;
-        if (block_w > 0) {
-            slot->feedback.block_probe.chosen();
-        } else if (adaptive && slot->can_block && w_max > 1 && width == 1 && slot->feedback.block_probe.due(clover_cost_ratio::MIN)) {
-            block_w = clover_block_width_for(c, st, w_max, remaining, 0.0);
-            slot->feedback.block_probe.probed(clover_cost_ratio::MIN);
-        }
+        // Block rounds are not probed: on the demo model a probe's block window is a new pass shape whose graph
+        // evicts the chains' kept ones, and six probes cost auto a quarter of its speed (bench_drafts, Q4_K_M).
 
         std::vector<llama_token> drafts;
         clover_draft_kind kind = width > 1 ? CLOVER_DRAFT_NGRAM : CLOVER_DRAFT_NONE;
         int32_t n_from_ngram = 0;  // a block round's drafts that came from the n-gram draft it extends
         const clover_round_clock clock(*run.stats);
+        const int32_t prev_width = st.width;
         if (block_w > 0) {
             std::vector<double> conf;
             if (!clover_block_draft(run, block_w, ngram, st.chain_rate, drafts, conf)) {
@@ -336,7 +348,7 @@ bool clover_run_auto(clover_run & run) {
             return false;
         }
         if (adaptive && clover_runs_alone(slot)) {
-            clover_correct_costs(slot->feedback.correction, table, clock, kind, width, block_w);
+            clover_correct_costs(slot->feedback.correction, table, clock, kind, width, prev_width, block_w);
         }
         run.stats->auto_rounds[kind]++;
         run.stats->auto_drafted  += round.n_compared;

@@ -31,9 +31,10 @@ struct clover_cost_ratio {
 
     static constexpr int32_t MIN = 3;
 
-    double scale() const {
+    // the median ratio, or `otherwise` before MIN observations
+    double scale(double otherwise) const {
         if (n < MIN) {
-            return 1.0;
+            return otherwise;
         }
         std::vector<double> v(recent, recent + std::min(n, N));
         std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
@@ -46,14 +47,20 @@ struct clover_cost_correction {
     clover_cost_ratio chain;
     clover_cost_ratio block;
 
-    // the table with every kind scaled by its correction
+    // The table with every kind scaled by its correction. A kind not yet observed takes the scale of the one
+    // before it (block passes that of chain passes, chain passes that of ar steps): a machine that runs slower
+    // than it measured runs every kind slower, and scaling only the observed kinds would make the others look
+    // cheap (block rounds, which auto does not probe, taken where they do not pay).
     clover_pass_costs apply(const clover_pass_costs & c) const {
+        const double s_ar    = ar.scale(1.0);
+        const double s_chain = chain.scale(s_ar);
+        const double s_block = block.scale(s_chain);
         clover_pass_costs out = c;
-        out.ar_ms           = (float) (c.ar_ms * ar.scale());
-        out.causal_fixed_ms = (float) (c.causal_fixed_ms * chain.scale());
-        out.causal_row_ms   = (float) (c.causal_row_ms * chain.scale());
-        out.block_fixed_ms  = (float) (c.block_fixed_ms * block.scale());
-        out.block_row_ms    = (float) (c.block_row_ms * block.scale());
+        out.ar_ms           = (float) (c.ar_ms * s_ar);
+        out.causal_fixed_ms = (float) (c.causal_fixed_ms * s_chain);
+        out.causal_row_ms   = (float) (c.causal_row_ms * s_chain);
+        out.block_fixed_ms  = (float) (c.block_fixed_ms * s_block);
+        out.block_row_ms    = (float) (c.block_row_ms * s_block);
         return out;
     }
 };
@@ -82,7 +89,6 @@ struct clover_probe {
 struct clover_auto_feedback {
     clover_cost_correction correction;
     clover_probe           chain_probe;
-    clover_probe           block_probe;
 };
 
 

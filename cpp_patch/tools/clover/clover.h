@@ -392,7 +392,7 @@ CLOVER_API int32_t clover_slot_set_history(struct clover_slot * slot, const llam
 
 // Auto mode's cost table. The first auto generate measures it (about two dozen passes on the scratch sequence;
 // the history is not touched) unless one was set; measure_costs measures now. A measured table is a starting
-// point: auto corrects it from the passes it times, and probes kinds of rounds the table rules out now and then
+// point: auto corrects it from the passes it times, and probes chain rounds the table rules out now and then
 // (docs/decoding.md, "auto"), so a table measured during a disturbance does not decide a whole engine's life.
 // set_costs fixes a table as given, with no correction and no probes (reproducible decisions: tests, a table
 // measured once and saved); set_cost_prior gives a starting table that auto corrects as it corrects a measured
