@@ -20,8 +20,9 @@
 // maximises the expected tokens per ms given the draft's own confidences) is taken instead when its expected
 // rate beats the chain's.
 //
-// q is a function of the tokens only and the table is measured once per engine (or set), so a run is
-// reproducible.
+// q is a function of the tokens only. A table set with clover_slot_set_costs is kept as given, so a run with it is
+// reproducible; a measured one (or a prior) is corrected from the passes auto times, and chain rounds it rules out
+// are probed now and then (clover_correct_costs, clover-auto.h).
 
 #include "clover-auto.h"
 #include "clover-decode.h"
@@ -165,10 +166,10 @@ bool clover_block_draft(clover_run & run, int32_t width, const std::vector<llama
 }
 
 struct clover_auto_state {
-    clover_accept_rate     chain_rate;  // draft tokens of chain rounds (n-gram, padded), verified or shadowed
-    clover_accept_rate     block_rate;  // draft tokens of block rounds
-    clover_shadow_draft    shadow;      // the n-gram draft being scored during ar steps
-    int32_t                width = 1;   // width of the previous causal pass (0: a block pass came between)
+    clover_accept_rate  chain_rate;  // draft tokens of chain rounds (n-gram, padded), verified or shadowed
+    clover_accept_rate  block_rate;  // draft tokens of block rounds
+    clover_shadow_draft shadow;      // the n-gram draft being scored during ar steps
+    int32_t             width = 1;   // width of the previous causal pass (0: a block pass came between)
 };
 
 // expected tokens per ms of a chain pass of width w in a steady chain
@@ -193,9 +194,10 @@ int32_t clover_best_chain_width(const clover_pass_costs & c, const clover_auto_s
 int32_t clover_chain_width(const clover_pass_costs & c, const clover_auto_state & st, int32_t w_max, int32_t remaining) {
     auto rate = [&](int32_t w) { return clover_chain_rate(c, st, w, remaining); };
     int32_t best = 1;
-    for (int32_t w = 2; w <= w_max; ++w) {
-        if (rate(w) > rate(best)) {
-            best = w;
+    if (w_max >= 2) {
+        const int32_t wide = clover_best_chain_width(c, st, 2, w_max, remaining);
+        if (rate(wide) > rate(best)) {
+            best = wide;
         }
     }
     if (st.width >= 1 && st.width <= w_max && best != st.width && rate(best) < CLOVER_SWITCH_GAIN * rate(st.width)) {
@@ -204,7 +206,7 @@ int32_t clover_chain_width(const clover_pass_costs & c, const clover_auto_state 
     return best;
 }
 
-// a block round's width (0 when no width beats `chain_rate`; a probe passes 0 and gets the best width)
+// a block round's width and expected rate (0 when no width beats the chain's rate)
 int32_t clover_block_width_for(const clover_pass_costs & c, const clover_auto_state & st, int32_t w_max,
                                int32_t remaining, double chain_rate) {
     int32_t best = 0;
@@ -319,9 +321,9 @@ bool clover_run_auto(clover_run & run) {
         const double chain_rate = clover_expected_tokens([&](int32_t k) { return st.chain_rate.q(k); }, std::min(width, remaining)) /
                                   (clover_chain_ms(c, width) + (width == st.width ? 0.0 : c.rebuild_ms));
         // a file without block passes (trunk-only, or no mask token) drafts from n-grams only
-        int32_t block_w = slot->can_block ? clover_block_width_for(c, st, w_max, remaining, chain_rate) : 0;
         // Block rounds are not probed: on the demo model a probe's block window is a new pass shape whose graph
         // evicts the chains' kept ones, and six probes cost auto a quarter of its speed (bench_drafts, Q4_K_M).
+        const int32_t block_w = slot->can_block ? clover_block_width_for(c, st, w_max, remaining, chain_rate) : 0;
 
         std::vector<llama_token> drafts;
         clover_draft_kind kind = width > 1 ? CLOVER_DRAFT_NGRAM : CLOVER_DRAFT_NONE;
