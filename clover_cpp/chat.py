@@ -25,7 +25,7 @@ from clover_common.errors import BadInput
 
 from . import options, session
 from .chat_template import ChatTemplate, TemplateError, load_template
-from .gen_params import MODES, GenParams
+from .gen_params import MODES, PARAMS, GenParams
 from .model import EngineError, Generation, Model, Stats
 from clover_native.loader import NativeError
 from .output_parser import THINK_CLOSE, OutputParser, TextEvent, opens_reasoning, think_close_id
@@ -244,8 +244,8 @@ class ChatApp:
                                     + (f", threshold {self._threshold_text()}" if given else ""))
 
     def _set_threshold(self, arg: str) -> None:
-        self._set_gen("threshold", arg, float, lambda t: 0.0 <= t <= 1.0,
-                      "/threshold takes a number in [0, 1], or 'default'",
+        bound = PARAMS["threshold"].bound
+        self._set_gen("threshold", arg, float, bound.ok, f"/threshold takes a number ({bound.rule}), or 'default'",
                       lambda _given: f"threshold {self._threshold_text()}")
 
     def _set_gen(self, field: str, arg: str, parse: Callable[[str], Any], ok: Callable[[Any], bool], usage: str,

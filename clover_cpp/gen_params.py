@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from clover_common.errors import BadInput
 from clover_native import libclover
@@ -84,7 +84,8 @@ def _num(x: float) -> str:
 class Param:
     """The one home of a generation parameter, as the metadata of its GenParams field: its command-line flags
     (argparse's order; ``()``: no flag), help, bound, the C field of ``clover_gen_params`` it
-    sets and the C value that means "the GGUF's value" when the field is ``None`` (``unset``)."""
+    sets, the C value that means "the GGUF's value" when the field is ``None`` (``c_unset``), and that value itself
+    (``gguf``: from the loaded model's ``ModelInfo`` and the call's other fields, as libclover resolves it)."""
 
     flags: tuple[str, ...] = ()
     help: str | None = None
@@ -92,10 +93,19 @@ class Param:
     c_field: str | None = None
     c_unset: float | None = None
     label: str | None = None  # how the CLI's messages name it (default: the last flag)
+    gguf: Callable[[Any, "GenParams"], Any] | None = None
 
     @property
     def flag(self) -> str:
         return self.label or self.flags[-1]
+
+
+def _from_info(name: str) -> Callable[[Any, "GenParams"], Any]:
+    return lambda info, _params: getattr(info, name)
+
+
+def _calibrated_threshold(info: Any, params: "GenParams") -> float:
+    return float(info.threshold_for(params.block_size or info.block_size))
 
 
 def param(default: Any, **meta: Any) -> Any:
@@ -117,11 +127,14 @@ class GenParams:
                       help=f"{DEFAULT_MODE} (default): lossless, faster than ar where drafts are accepted; "
                            "diffusion changes the output")
     block_size: int | None = param(None, flags=("--block-size",), bound=Bound(1, integer=True), c_field="block_size",
-                                   c_unset=0, help="default: the GGUF's ARCH.block_size")
+                                   c_unset=0, gguf=_from_info("block_size"),
+                                   help="default: the GGUF's ARCH.block_size")
     threshold: float | None = param(None, flags=("--threshold",), bound=Bound(0.0, 1.0), c_field="threshold",
-                                    c_unset=-1.0, help="default: the calibrated threshold for B")
+                                    c_unset=-1.0, gguf=_calibrated_threshold,
+                                    help="default: the calibrated threshold for B")
     coreset_top_p: float | None = param(
         None, flags=("--coreset-top-p",), bound=Bound(0.0, 1.0, low_open=True), c_field="coreset_top_p", c_unset=0.0,
+        gguf=_from_info("coreset_top_p"),
         help="the block expert coreset's top_p in (0, 1] for block passes (spec 3.3; default: the GGUF's; "
              "1 = per-row routing)")
     draft_steps: int = param(0, flags=("--draft-steps",), bound=Bound(0, integer=True), c_field="draft_steps")
@@ -144,16 +157,19 @@ class GenParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     repeat_penalty: float | None = param(
         None, flags=("--repeat-penalty",), bound=Bound(0.0, low_open=True, off="1 = off"), c_field="repeat_penalty",
-        c_unset=math.nan, help="a token already in the answer has a positive logit divided by N, a negative one "
-                               "multiplied (1 = off; default: the GGUF's general.sampling.penalty_repeat, else 1)")
+        c_unset=math.nan, gguf=_from_info("repeat_penalty"),
+        help="a token already in the answer has a positive logit divided by N, a negative one multiplied (1 = off; "
+             "default: the GGUF's general.sampling.penalty_repeat, else 1)")
     presence_penalty: float | None = param(
         None, flags=("--presence-penalty",), bound=Bound(off="0 = off"), c_field="presence_penalty", c_unset=math.nan,
+        gguf=_from_info("presence_penalty"),
         help="subtracted from the logit of a token already in the answer (0 = off; default: the GGUF's "
              "ARCH.sampling.presence_penalty, else 0)")
     frequency_penalty: float | None = param(
         None, flags=("--frequency-penalty",), bound=Bound(off="0 = off"), c_field="frequency_penalty",
-        c_unset=math.nan, help="times its count, subtracted from the logit of a token already in the answer (0 = off; "
-                               "default: the GGUF's ARCH.sampling.frequency_penalty, else 0)")
+        c_unset=math.nan, gguf=_from_info("frequency_penalty"),
+        help="times its count, subtracted from the logit of a token already in the answer (0 = off; default: the "
+             "GGUF's ARCH.sampling.frequency_penalty, else 0)")
     grammar: str | None = None
     grammar_after_ids: tuple[int, ...] = ()
     logprobs: int | None = param(None, bound=Bound(0, off="None = off", integer=True))
@@ -200,6 +216,15 @@ def merge(params: GenParams | None, overrides: dict[str, Any]) -> GenParams:
 
 # the table: each GenParams field that has a flag, a bound or a C field, and its Param
 PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in dataclasses.fields(GenParams) if "param" in f.metadata}
+
+
+def resolved(params: GenParams, info: Any) -> GenParams:
+    """``params`` with each ``None`` that stands for the GGUF's value replaced by that value (``Param.gguf``, from
+    ``info``, the model's ``ModelInfo``): what a call with these params decodes with, known before it runs (the
+    engine reports the same values in its stats)."""
+    changes = {name: spec.gguf(info, params) for name, spec in PARAMS.items()
+               if spec.gguf is not None and getattr(params, name) is None}
+    return params.replace(**changes) if changes else params
 
 
 def to_c(params: GenParams, c: Any) -> None:

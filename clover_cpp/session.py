@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 import tempfile
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from clover_common.errors import BadInput
+
+from .gen_params import PARAMS
 
 MAGIC = b"CLVRSESS"
 FORMAT_VERSION = 1
@@ -214,11 +215,11 @@ def _check_settings(chat: Any, modes: Sequence[str], bad: Any) -> dict[str, Any]
     if chat.get("mode") not in modes:
         raise bad("chat.mode", f"{chat.get('mode')!r} is not one of {', '.join(modes)}")
     b = chat.get("block_size")
-    if b is not None and (type(b) is not int or b < 1):
-        raise bad("chat.block_size", f"{b!r} is not a block size")
+    if b is not None and (type(b) is not int or not PARAMS["block_size"].bound.ok(b)):
+        raise bad("chat.block_size", f"{b!r} is not a block size ({PARAMS['block_size'].bound.rule})")
     t = chat.get("threshold")
-    if t is not None and (type(t) not in (int, float) or not math.isfinite(t) or not 0 <= t <= 1):
-        raise bad("chat.threshold", f"{t!r} is not in [0, 1]")
+    if t is not None and (type(t) not in (int, float) or not PARAMS["threshold"].bound.ok(t)):
+        raise bad("chat.threshold", f"{t!r} is not a threshold ({PARAMS['threshold'].bound.rule})")
     if type(chat.get("thinking")) is not bool:
         raise bad("chat.thinking", "not true or false")
     s = chat.get("system")

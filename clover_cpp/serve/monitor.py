@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from clover_native import cpu, loader
-from ..gen_params import GenParams
+from ..gen_params import GenParams, resolved
 from ..model import ModelInfo
 from .metrics import CONTENT_TYPE
 from .security import Endpoints
@@ -39,15 +39,6 @@ def _speculative(mode: str) -> bool:
     return mode in ("spec", "auto")
 
 
-def _penalties(gen: GenParams, info: ModelInfo) -> dict[str, float]:
-    """The repetition penalties a job runs with: its own, else the GGUF's (spec 4)."""
-    out = {}
-    for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
-        value = getattr(gen, name)
-        out[name] = getattr(info, name) if value is None else value
-    return out
-
-
 def _params(gen: GenParams, info: ModelInfo, n_predict: int, seed: int, full: bool) -> dict[str, Any]:
     """llama-server's task parameters (``task_params::to_json``): ``full`` for /props, the shorter form for /slots,
     both with the README's older ``speculative.n_max/n_min/p_min``. Clover samples with ``SAMPLERS`` and the
@@ -56,11 +47,14 @@ def _params(gen: GenParams, info: ModelInfo, n_predict: int, seed: int, full: bo
     reasoning formats (clover_cpp/output_parser.py reads reasoning into ``reasoning_content``, as llama.cpp's
     ``deepseek`` format does)."""
     spec = _speculative(gen.mode)
+    used = resolved(gen, info)  # the GGUF's values where the job gives none
     only = (lambda **kv: kv) if full else (lambda **kv: {})  # the fields of the full form only
     return {
         "seed": seed, "temperature": gen.temperature, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
         "top_k": gen.top_k, "top_p": gen.top_p, "min_p": 0.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
-        "xtc_threshold": 0.1, "typical_p": 1.0, "repeat_last_n": -1, **_penalties(gen, info),  # over the response
+        "xtc_threshold": 0.1, "typical_p": 1.0, "repeat_last_n": -1,  # the penalties count the response only
+        "repeat_penalty": used.repeat_penalty, "presence_penalty": used.presence_penalty,
+        "frequency_penalty": used.frequency_penalty,
         "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 0,
         **only(dry_sequence_breakers=[]), "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
         "adaptive_target": -1.0, "adaptive_decay": 0.9, **only(stop=[]),
@@ -73,7 +67,7 @@ def _params(gen: GenParams, info: ModelInfo, n_predict: int, seed: int, full: bo
         "chat_format": "Content-only", "reasoning_format": "deepseek", "reasoning_in_content": False,
         "generation_prompt": "", "samplers": SAMPLERS,
         "speculative.types": f"clover-{gen.mode}" if spec else "none",
-        "speculative.n_max": (gen.block_size or info.block_size) if spec else 0, "speculative.n_min": 0,
+        "speculative.n_max": used.block_size if spec else 0, "speculative.n_min": 0,
         "speculative.p_min": 0.0, "timings_per_token": False, "post_sampling_probs": False,
         "backend_sampling": False, "lora": [],
     }
@@ -105,10 +99,9 @@ def _build_info() -> str:
 def _clover(svc: CloverService) -> dict[str, Any]:
     """What a request that sets none of them decodes with, and the model's clover settings."""
     info, d = svc.model.info, svc.prepare.defaults
-    block = d.gen.block_size or info.block_size
-    return {"mode": d.gen.mode, "block_size": block,
-            "threshold": info.threshold_for(block) if d.gen.threshold is None else d.gen.threshold,
-            "coreset_top_p": info.coreset_top_p if d.gen.coreset_top_p is None else d.gen.coreset_top_p,
+    gen = resolved(d.gen, info)
+    return {"mode": gen.mode, "block_size": gen.block_size, "threshold": gen.threshold,
+            "coreset_top_p": gen.coreset_top_p,
             "max_block_size": svc.max_block_size, "enable_thinking": d.enable_thinking,
             "n_parallel": svc.worker.n_slots, "n_ctx": svc.model.n_ctx, "n_ctx_train": info.n_ctx_train,
             "gguf": {"block_size": info.block_size, "threshold": info.threshold,

@@ -8,6 +8,7 @@ they fail. Every near-tie divergence is recorded in build/native-parity.json (en
 
 from __future__ import annotations
 
+import math
 import json
 import subprocess
 import sys
@@ -435,6 +436,46 @@ def test_spec_drafts_after_rollback(tiny: Engine) -> None:
         assert kept == len(tokens)
     record("engine/spec_drafts_after_rollback", {"rounds": compared, "near_ties": ties})
     assert len(ties) <= compared // 20
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("threshold", 1.5, "threshold must be in [0, 1] (or negative for the GGUF's value), got 1.5"),
+    ("coreset_top_p", 1.5, "coreset_top_p must be in (0, 1] (or <= 0 for the GGUF's value), got 1.5"),
+    ("top_p", 0.0, "top_p must be in (0, 1] (1 = off), got 0"),
+    ("temperature", -1.0, "temperature must be a finite number >= 0, got -1"),
+    ("repeat_penalty", -2.0, "repeat_penalty must be a finite number > 0 (1 = off) (or NaN for the GGUF's value), "
+                             "got -2"),
+    ("presence_penalty", math.inf, "presence_penalty must be finite (0 = off) (or NaN for the GGUF's value), got inf"),
+])
+def test_the_engine_refuses_what_bypasses_python(tiny: Engine, name: str, value: float, needle: str) -> None:
+    """A value that skips GenParams' check (a C caller) is refused by the engine with the table's rule."""
+    from clover_cpp.gen_params import GenParams
+    from clover_cpp.model import EngineError
+
+    params = GenParams(mode="ar", max_tokens=2)
+    object.__setattr__(params, name, value)  # past the frozen dataclass's check, as a C caller would be
+    with tiny.fresh() as m:
+        with pytest.raises(EngineError) as err:
+            m.run(m.tokenize("def f():"), params)
+        assert needle in str(err.value)
+        assert m.run(m.tokenize("def f():"), GenParams(mode="ar", max_tokens=2)).tokens  # nothing was left broken
+
+
+def test_resolved_params_are_what_the_engine_reports(tiny: Engine) -> None:
+    """gen_params.resolved (what /props shows before any call) gives the values the engine resolves None to and
+    reports in its stats: the GGUF's block size, the threshold calibrated for the block size, the coreset top_p."""
+    from clover_cpp.gen_params import GenParams, resolved
+
+    with tiny.fresh() as m:
+        ids = m.tokenize("def f():")
+        for given in ({}, {"block_size": 8}, {"block_size": 8, "threshold": 0.25}, {"coreset_top_p": 0.5}):
+            params = GenParams(mode="diffusion", max_tokens=4, **given)
+            used = resolved(params, m.info)
+            assert None not in (used.block_size, used.threshold, used.coreset_top_p), used
+            stats = m.run(ids, params).stats
+            assert (stats.block_size, stats.threshold, stats.coreset_top_p) == pytest.approx(
+                (used.block_size, used.threshold, used.coreset_top_p), rel=1e-6), given
+            m.reset()
 
 
 # ------------------------------------------------------------------------------------------ CLI

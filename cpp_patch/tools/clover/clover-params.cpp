@@ -5,6 +5,7 @@
 #include "clover-auto.h"
 #include "clover-cache.h"
 #include "clover-decode.h"
+#include "clover-gen-params.h"
 #include "clover-gguf.h"
 #include "clover-llama.h"
 #include "clover-log.h"
@@ -36,8 +37,8 @@ static bool clover_resolve_params(const clover_slot * slot, const clover_gen_par
         err = clover_format("unknown mode %d (0 = ar, 1 = diffusion, 2 = spec, 3 = auto)", params->mode);
         return false;
     }
-    if (params->block_size < 0) {
-        err = clover_format("block size must be at least 1, got %d", params->block_size);
+    err = clover_gen_param_check(CLOVER_GEN_PARAM_BLOCK_SIZE, params->block_size);
+    if (!err.empty()) {
         return false;
     }
     block_size = params->block_size > 0 ? params->block_size : slot->info.block_size;
@@ -47,8 +48,8 @@ static bool clover_resolve_params(const clover_slot * slot, const clover_gen_par
         return false;
     }
     threshold = params->threshold;
-    if (std::isnan(threshold) || threshold > 1.0f) {
-        err = clover_format("threshold must be in [0, 1] (or negative for the calibrated default), got %g", (double) threshold);
+    err = clover_gen_param_check(CLOVER_GEN_PARAM_THRESHOLD, threshold);
+    if (!err.empty()) {
         return false;
     }
     if (threshold < 0.0f) {
@@ -76,17 +77,21 @@ static bool clover_check_params(const clover_slot * slot, const clover_gen_param
             return false;
         }
     }
-    if (params->max_tokens < 0) {
-        err = clover_format("max_tokens must not be negative, got %d", params->max_tokens);
-    } else if (!(params->temperature >= 0.0f) || std::isinf(params->temperature)) {
-        err = clover_format("temperature must be a finite number >= 0, got %g", (double) params->temperature);
-    } else if (params->top_k < 0) {
-        err = clover_format("top_k must be >= 0 (0 = off), got %d", params->top_k);
-    } else if (!(params->top_p > 0.0f && params->top_p <= 1.0f)) {
-        err = clover_format("top_p must be in (0, 1], got %g", (double) params->top_p);
-    } else if (params->draft_steps < 0) {
-        err = clover_format("draft_steps must be >= 0, got %d", params->draft_steps);
-    } else if (params->draft_steps > 0 && params->temperature > 0.0f) {
+    // the table's ranges (clover-gen-params.h); these fields have no GGUF value
+    const std::pair<clover_gen_param_id, double> ranged[] = {
+        { CLOVER_GEN_PARAM_MAX_TOKENS,  (double) params->max_tokens },
+        { CLOVER_GEN_PARAM_TEMPERATURE, (double) params->temperature },
+        { CLOVER_GEN_PARAM_TOP_K,       (double) params->top_k },
+        { CLOVER_GEN_PARAM_TOP_P,       (double) params->top_p },
+        { CLOVER_GEN_PARAM_DRAFT_STEPS, (double) params->draft_steps },
+    };
+    for (const auto & it : ranged) {
+        err = clover_gen_param_check(it.first, it.second);
+        if (!err.empty()) {
+            return false;
+        }
+    }
+    if (params->draft_steps > 0 && params->temperature > 0.0f) {
         err = "draft_steps applies to greedy decoding only (temperature 0)";
     } else if (params->n_stop_ids > 0 && !params->stop_ids) {
         err = "stop_ids is NULL while n_stop_ids > 0";
@@ -100,9 +105,8 @@ static bool clover_check_params(const clover_slot * slot, const clover_gen_param
 // (auto then drafts from n-grams only); the coreset top_p of the call's block passes
 static bool clover_check_block_params(const clover_slot * slot, const clover_gen_params * params, float & coreset_top_p,
                                       std::string & err) {
-    if (std::isnan(params->coreset_top_p) || params->coreset_top_p > 1.0f) {
-        err = clover_format("coreset_top_p must be in (0, 1] (or <= 0 for the GGUF's value), got %g",
-                (double) params->coreset_top_p);
+    err = clover_gen_param_check(CLOVER_GEN_PARAM_CORESET_TOP_P, params->coreset_top_p);
+    if (!err.empty()) {
         return false;
     }
     coreset_top_p = params->coreset_top_p > 0.0f ? params->coreset_top_p : slot->info.coreset_top_p;

@@ -3,6 +3,7 @@
 // banned ids excluded, Q after temperature, top-k and top-p, draws from Q, the acceptance of a draft token in a
 // verification (spec 4.2), and logprobs.
 
+#include "clover-gen-params.h"
 #include "clover-log.h"
 #include "clover-run.h"
 #include "clover-sampling.h"
@@ -542,18 +543,26 @@ static bool clover_mark_ids(const clover_slot * slot, const llama_token * ids, i
     return true;
 }
 
-// the call's penalties: its own, or the GGUF's where it gives NaN (spec 4)
+// the call's penalties: its own, or the GGUF's where it gives NaN (spec 4), in the table's ranges
+// (clover-gen-params.h; the GGUF's were checked at load)
 static bool clover_init_penalties(const clover_slot * slot, const clover_gen_params * params, clover_dist & d,
                                   std::string & err) {
-    d.repeat    = std::isnan(params->repeat_penalty)    ? slot->info.repeat_penalty    : params->repeat_penalty;
-    d.presence  = std::isnan(params->presence_penalty)  ? slot->info.presence_penalty  : params->presence_penalty;
-    d.frequency = std::isnan(params->frequency_penalty) ? slot->info.frequency_penalty : params->frequency_penalty;
-    if (!(d.repeat > 0.0f) || std::isinf(d.repeat)) {
-        err = clover_format("repeat_penalty must be a finite number > 0 (1 = off), got %g", (double) d.repeat);
-    } else if (!std::isfinite(d.presence)) {
-        err = clover_format("presence_penalty must be finite, got %g", (double) d.presence);
-    } else if (!std::isfinite(d.frequency)) {
-        err = clover_format("frequency_penalty must be finite, got %g", (double) d.frequency);
+    const struct {
+        clover_gen_param_id id;
+        float               given;
+        float               gguf;
+        float &             out;
+    } penalties[] = {
+        { CLOVER_GEN_PARAM_REPEAT_PENALTY,    params->repeat_penalty,    slot->info.repeat_penalty,    d.repeat },
+        { CLOVER_GEN_PARAM_PRESENCE_PENALTY,  params->presence_penalty,  slot->info.presence_penalty,  d.presence },
+        { CLOVER_GEN_PARAM_FREQUENCY_PENALTY, params->frequency_penalty, slot->info.frequency_penalty, d.frequency },
+    };
+    for (const auto & p : penalties) {
+        err = clover_gen_param_check(p.id, p.given);
+        if (!err.empty()) {
+            break;
+        }
+        p.out = clover_gen_param_is_unset(p.id, p.given) ? p.gguf : p.given;
     }
     if (d.penalized()) {
         d.counts.assign(slot->n_vocab, 0);

@@ -11,6 +11,7 @@
 
 #include "clover.h"
 #include "clover-cpp.h"
+#include "clover-gen-params.h"
 #include "llama.h"
 
 #include <algorithm>
@@ -76,23 +77,19 @@ static long clover_cli_int(const char * flag, const char * s, long lo, long hi) 
     return v;
 }
 
-// A whole-argument finite number in [lo, hi] (lo excluded when lo_open), or one line on stderr and exit 2.
-static float clover_cli_float(const char * flag, const char * s, double lo, double hi, bool lo_open = false) {
+// A generation parameter's value: the whole argument a number (an integer for an integer field) inside the range of
+// its row of the parameter table (clover-gen-params.h, the engine's own), or one line on stderr and exit 2.
+static double clover_cli_param(const char * flag, clover_gen_param_id id, const char * s) {
+    const bool integer = clover_gen_param(id).integer;
     errno = 0;
     char * end = nullptr;
-    const double v = strtod(s, &end);
-    const bool low_ok = lo_open ? v > lo : v >= lo;
-    if (end == s || *end != '\0' || errno == ERANGE || !std::isfinite(v) || !low_ok || v > hi) {
-        if (std::isinf(hi) && std::isinf(lo)) {
-            fprintf(stderr, "error: %s expects a finite number, got '%s'\n", flag, s);
-        } else if (std::isinf(hi)) {
-            fprintf(stderr, "error: %s expects a number >= %g, got '%s'\n", flag, lo, s);
-        } else {
-            fprintf(stderr, "error: %s expects a number in %c%g, %g], got '%s'\n", flag, lo_open ? '(' : '[', lo, hi, s);
-        }
+    const double v = integer ? (double) strtoll(s, &end, 10) : strtod(s, &end);
+    const bool fits = !integer || (v >= INT_MIN && v <= INT_MAX);
+    if (end == s || *end != '\0' || errno == ERANGE || !fits || !clover_gen_param_ok(id, v)) {
+        fprintf(stderr, "error: %s %s, got '%s'\n", flag, clover_gen_param_rule(id).c_str(), s);
         exit(2);
     }
-    return (float) v;
+    return v;
 }
 
 static bool clover_cli_parse_ids(const std::string & s, std::vector<llama_token> & out) {
@@ -276,23 +273,27 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
                 return 2;
             }
         } else if (arg == "--block-size") {
-            a.gparams.block_size = (int32_t) clover_cli_int("--block-size", next("--block-size"), 1, INT_MAX);
+            a.gparams.block_size = (int32_t) clover_cli_param("--block-size", CLOVER_GEN_PARAM_BLOCK_SIZE, next("--block-size"));
         } else if (arg == "--threshold") {
-            a.gparams.threshold = clover_cli_float("--threshold", next("--threshold"), 0.0, 1.0);
+            a.gparams.threshold = (float) clover_cli_param("--threshold", CLOVER_GEN_PARAM_THRESHOLD, next("--threshold"));
         } else if (arg == "--coreset-top-p") {
-            a.gparams.coreset_top_p = clover_cli_float("--coreset-top-p", next("--coreset-top-p"), 0.0, 1.0, true);
+            a.gparams.coreset_top_p = (float) clover_cli_param("--coreset-top-p", CLOVER_GEN_PARAM_CORESET_TOP_P,
+                    next("--coreset-top-p"));
         } else if (arg == "-n" || arg == "--n-predict" || arg == "--max-tokens") {
-            a.gparams.max_tokens = (int32_t) clover_cli_int("-n/--n-predict", next("-n"), 0, INT_MAX);
+            a.gparams.max_tokens = (int32_t) clover_cli_param("-n/--n-predict", CLOVER_GEN_PARAM_MAX_TOKENS, next("-n"));
         } else if (arg == "--draft-steps") {
-            a.gparams.draft_steps = (int32_t) clover_cli_int("--draft-steps", next("--draft-steps"), 0, INT_MAX);
+            a.gparams.draft_steps = (int32_t) clover_cli_param("--draft-steps", CLOVER_GEN_PARAM_DRAFT_STEPS, next("--draft-steps"));
         } else if (arg == "--temp" || arg == "--temperature") {
-            a.gparams.temperature = clover_cli_float("--temp", next("--temp"), 0.0, INFINITY);
+            a.gparams.temperature = (float) clover_cli_param("--temp", CLOVER_GEN_PARAM_TEMPERATURE, next("--temp"));
         } else if (arg == "--repeat-penalty") {
-            a.gparams.repeat_penalty = clover_cli_float("--repeat-penalty", next("--repeat-penalty"), 0.0, INFINITY, true);
+            a.gparams.repeat_penalty = (float) clover_cli_param("--repeat-penalty", CLOVER_GEN_PARAM_REPEAT_PENALTY,
+                    next("--repeat-penalty"));
         } else if (arg == "--presence-penalty") {
-            a.gparams.presence_penalty = clover_cli_float("--presence-penalty", next("--presence-penalty"), -INFINITY, INFINITY);
+            a.gparams.presence_penalty = (float) clover_cli_param("--presence-penalty", CLOVER_GEN_PARAM_PRESENCE_PENALTY,
+                    next("--presence-penalty"));
         } else if (arg == "--frequency-penalty") {
-            a.gparams.frequency_penalty = clover_cli_float("--frequency-penalty", next("--frequency-penalty"), -INFINITY, INFINITY);
+            a.gparams.frequency_penalty = (float) clover_cli_param("--frequency-penalty", CLOVER_GEN_PARAM_FREQUENCY_PENALTY,
+                    next("--frequency-penalty"));
         } else if (arg == "--grammar") {
             a.grammar = next("--grammar");
         } else if (arg == "--grammar-file") {
@@ -315,9 +316,9 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
             clover_json_schema_to_grammar(schema, a.grammar.data(), a.grammar.size(), err, sizeof(err));
             a.grammar.resize((size_t) n);
         } else if (arg == "--top-k") {
-            a.gparams.top_k = (int32_t) clover_cli_int("--top-k", next("--top-k"), 0, INT_MAX);
+            a.gparams.top_k = (int32_t) clover_cli_param("--top-k", CLOVER_GEN_PARAM_TOP_K, next("--top-k"));
         } else if (arg == "--top-p") {
-            a.gparams.top_p = clover_cli_float("--top-p", next("--top-p"), 0.0, 1.0, true);
+            a.gparams.top_p = (float) clover_cli_param("--top-p", CLOVER_GEN_PARAM_TOP_P, next("--top-p"));
         } else if (arg == "-s" || arg == "--seed") {
             a.gparams.seed = (uint32_t) clover_cli_int("-s/--seed", next("--seed"), 0, (long) UINT32_MAX);
         } else if (arg == "-c" || arg == "--ctx-size") {
