@@ -68,3 +68,24 @@ def test_arch_keys_take_the_prefix() -> None:
     by_name = {k.name: k for k in BD_KEYS}
     assert by_name["THRESHOLD"].key("clover_moe") == "clover_moe.diffusion.threshold"
     assert by_name["MASK_TOKEN_ID"].key("clover_moe") == "tokenizer.ggml.mask_token_id"
+
+
+PATCH = HEADER.parents[1] / "patches" / "0006-clover-arch.patch"
+KV_NAME = re.compile(r'^[ +]\s*\{\s*(LLM_KV_\w+),\s*"([^"]+)"\s*\},')
+
+
+def test_llama_arch_names_the_keys_as_the_table_does() -> None:
+    """The patched llama-arch's LLM_KV_NAMES (cpp_patch/patches/0006-clover-arch.patch, its added lines and their
+    context) spell each key of the table as the table does; the loader asserts the same at load, this finds it
+    without a build. The mask token's key is upstream's own (tokenizer.ggml.mask_token_id), outside the patch."""
+    names = {m[1]: m[2] for m in map(KV_NAME.match, PATCH.read_text().splitlines()) if m}
+    rows = [ROW.match(line) for line in HEADER.read_text().splitlines()]
+    checked = 0
+    for m in filter(None, rows):
+        kv, scope, suffix = m[2], m[3], m[4]
+        if kv == "LLM_KV_TOKENIZER_MASK_ID":
+            continue
+        assert kv in names, f"{kv} is not in {PATCH.name}'s LLM_KV_NAMES"
+        assert names[kv] == (f"%s.{suffix}" if scope == "ARCH" else suffix), (kv, names[kv])
+        checked += 1
+    assert checked == 8
