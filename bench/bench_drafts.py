@@ -13,10 +13,12 @@ prompts of held-out standard-library code (the model card's split):
   history cannot draft. The demo model loops under greedy decoding, so their continuations are sampled
   (temperature 0.8, seed 0): a prompt qualifies when prompt + the 64 tokens ar samples hold no 3-gram twice.
   The candidates are taken in order from 400 held-out prompts until --prompts qualify.
-Configurations: ar, spec at B = 2, 4, 8, diffusion at B = 8 (threshold 0.9), auto; and auto and spec B = 4 again
-with the graph cache off ($CLOVER_GRAPH_CACHE's 0). Each configuration has an engine of its own (the graphs it
-keeps are its own, as for a user who runs one mode). Within a run every configuration runs on each prompt in turn;
-a run is repeated --runs times and a ratio is the median over the runs of that run's tok/s over ar's.
+Configurations: ar, spec at B = 2, 4, 8 (unfused: a block pass and a verification per round), spec at B = 4 and 8
+with fused verify + draft passes (GenParams.spec_fused; docs/native.md, "The fused pass"), diffusion at B = 8
+(threshold 0.9), auto; and auto and spec B = 4 again with the graph cache off ($CLOVER_GRAPH_CACHE's 0). Each
+configuration has an engine of its own (the graphs it keeps are its own, as for a user who runs one mode). Within
+a run every configuration runs on each prompt in turn; a run is repeated --runs times and a ratio is the median
+over the runs of that run's tok/s over ar's.
 
 Per configuration: decode tok/s, ratio to ar, TPF, ms per pass, graph builds per pass, and the rebuild share:
 graph builds x the rebuild cost measured with the cache off, over the decode time. For auto: rounds by kind
@@ -42,9 +44,10 @@ from clover_ref.train import corpus_files, encode_files
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 SAMPLED_TEMP = 0.8
-# (label, mode, block size, graph cache: None = the engine's default)
+# (label, mode, block size, graph cache: None = the engine's default); spec runs unfused unless the label says fused
 CONFIGS = [("ar", "ar", None, None), ("spec B=2", "spec", 2, None), ("spec B=4", "spec", 4, None),
-           ("spec B=8", "spec", 8, None), ("diffusion B=8", "diffusion", 8, None), ("auto", "auto", None, None),
+           ("spec B=8", "spec", 8, None), ("spec B=4, fused", "spec", 4, None), ("spec B=8, fused", "spec", 8, None),
+           ("diffusion B=8", "diffusion", 8, None), ("auto", "auto", None, None),
            ("spec B=4, cache off", "spec", 4, 0), ("auto, cache off", "auto", None, 0)]
 
 
@@ -118,6 +121,8 @@ def one_run(models: dict[Any, Any], prompts: list[list[int]], tokens: int, tempe
             opts: dict[str, Any] = {"block_size": b} if b else {}
             if mode == "diffusion":
                 opts["threshold"] = 0.9
+            if mode == "spec":
+                opts["spec_fused"] = "fused" in name
             s = model.run(prompt, mode=mode, max_tokens=tokens, stop_ids=[], temperature=temperature,
                           seed=1000 * run + i, **opts).stats
             t = totals.setdefault(name, {"tokens": 0, "ms": 0.0, "passes": 0, "builds": 0, "none": 0, "ngram": 0,
@@ -130,6 +135,7 @@ def one_run(models: dict[Any, Any], prompts: list[list[int]], tokens: int, tempe
             t["block_passes"] += s.block_passes
             t["causal_ms"] += s.causal_ms
             t["causal_passes"] += s.causal_passes
+            t["fused_passes"] = t.get("fused_passes", 0) + s.fused_passes
             if mode == "spec":  # accepted_lengths[m]: rounds that kept m tokens; m == B: every draft accepted
                 t["rounds"] += sum(s.accepted_lengths)
                 t["full_rounds"] += s.accepted_lengths[b] if b < len(s.accepted_lengths) else 0

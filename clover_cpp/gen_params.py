@@ -173,6 +173,10 @@ class GenParams:
     grammar: str | None = None
     grammar_after_ids: tuple[int, ...] = ()
     logprobs: int | None = param(None, bound=Bound(0, off="None = off", integer=True))
+    spec_fused: bool = param(False, flags=("--spec-fused",), c_field="spec_fused",
+                             help="spec: verify a round's drafts and draft the next round in one fused pass while "
+                                  "every draft is accepted (docs/native.md, \"The fused pass\"; same tokens; off by "
+                                  "default: slower than two passes on the demo model)")
 
     def __post_init__(self) -> None:
         if self.stop_ids is not None and not isinstance(self.stop_ids, tuple):

@@ -146,6 +146,7 @@ class Stats(RunStats):
     costs: PassCosts | None = None  # auto: the cost table its decisions used
     graph_reuses: int = 0  # decode-time passes that reused a built graph; the others built theirs
     coreset_top_p: float = 1.0  # the block passes' coreset top_p the call used (resolved by libclover)
+    fused_passes: int = 0  # spec: of the causal passes, the fused verify + draft ones (docs/native.md)
 
     @classmethod
     def from_c(cls, s: libclover.clover_stats, wall_s: float, threads: int) -> "Stats":
@@ -159,7 +160,7 @@ class Stats(RunStats):
                    threads, dict(zip(libclover.DRAFT_KINDS, (int(n) for n in s.auto_rounds))) if auto else {},
                    int(s.auto_drafted), int(s.auto_accepted), int(s.auto_accepted_block),
                    PassCosts.from_c(s.costs) if auto else None, int(s.n_graph_reuses),
-                   float(s.coreset_top_p))
+                   float(s.coreset_top_p), int(s.n_fused_passes))
 
     @property
     def decode_ms(self) -> float:

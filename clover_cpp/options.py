@@ -76,6 +76,7 @@ def add_generation_args(p: argparse.ArgumentParser, *, max_tokens: int | None, m
         add_param(p, name, default=None)
     if draft_steps:
         add_param(p, "draft_steps")
+        add_param(p, "spec_fused")
     add_param(p, "temperature")
     add_param(p, "max_tokens", default=max_tokens, help=max_tokens_help)
     add_param(p, "top_k")
@@ -90,8 +91,12 @@ def add_param(p: Any, name: str, **overrides: Any) -> None:
     ``overrides`` are a command's own (its default, its help)."""
     spec = PARAMS[name]
     field = GenParams.__dataclass_fields__[name]
-    kind = {"str": str, "int": int, "float": float}[str(field.type).split(" ")[0]]  # "int | None" -> int
-    kwargs: dict[str, Any] = {"dest": name, "type": kind, "default": field.default}
+    kind_name = str(field.type).split(" ")[0]  # "int | None" -> int
+    if kind_name == "bool":  # --flag / --no-flag; None (not given) keeps GenParams' default
+        kwargs: dict[str, Any] = {"dest": name, "action": argparse.BooleanOptionalAction, "default": None}
+    else:
+        kind = {"str": str, "int": int, "float": float}[kind_name]
+        kwargs = {"dest": name, "type": kind, "default": field.default}
     if spec.help:
         kwargs["help"] = spec.help
     if name == "coreset_top_p":

@@ -223,6 +223,29 @@ class Context(NativeHandle):
         pos0 = self.pos_max(HISTORY_SEQ) + 1
         return self._decode(window, pos0, SCRATCH_SEQ, rows, decode=libclover.lib().clover_block_decode)
 
+    def fused(self, tokens: Sequence[int], window: Sequence[int],
+              keep: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A fused pass (llama_clover_set_seq_fused_window): ``tokens`` appended to the history causally and, in
+        the same ubatch, a block window right after them over the history and those tokens; the window's cells are
+        removed afterwards with one rollback to ``keep`` (default: the end of ``tokens``; the engine keeps less
+        after a rejected draft). Float32 logits of every causal row and every window row. Needs n_rs_seq >= the
+        rows removed and one ubatch for both."""
+        n = len(tokens) + len(window)
+        if n > self.n_ubatch:
+            raise ValueError(f"a fused pass of {n} rows does not fit n_ubatch={self.n_ubatch}")
+        lib = llama().llama_cpp._lib
+        lib.llama_clover_set_seq_fused_window.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+        lib.llama_clover_set_seq_fused_window.restype = ctypes.c_bool
+        pos0 = self.pos_max(HISTORY_SEQ) + 1
+        if not lib.llama_clover_set_seq_fused_window(self.model.ptr, HISTORY_SEQ, len(window)):
+            raise NativeError("llama_clover_set_seq_fused_window refused the window (no block-diffusion tensors?)")
+        try:
+            out = self._decode(list(tokens) + list(window), pos0, HISTORY_SEQ, range(n))
+        finally:
+            lib.llama_clover_set_seq_fused_window(self.model.ptr, HISTORY_SEQ, 0)
+        self.rollback(pos0 + len(tokens) if keep is None else keep)
+        return out[:len(tokens)], out[len(tokens):]
+
     def rollback(self, keep: int) -> None:
         """Keep history positions [0, keep); needs n_rs_seq >= the number of removed positions."""
         ok = llama().llama_memory_seq_rm(self.mem, HISTORY_SEQ, keep, -1)

@@ -134,6 +134,7 @@ class clover_gen_params(ctypes.Structure):
         ("n_grammar_after_ids", ctypes.c_int32),
         ("n_logprobs", ctypes.c_int32),
         ("on_logprobs", clover_logprobs_cb),
+        ("spec_fused", ctypes.c_int32),  # spec: 1 = fused verify + draft passes where possible, 0 = off
     ]
 
 
@@ -171,6 +172,7 @@ class clover_stats(ctypes.Structure):
         ("block_size", ctypes.c_int32),
         ("threshold", ctypes.c_float),
         ("coreset_top_p", ctypes.c_float),
+        ("n_fused_passes", ctypes.c_int32),
     ]
 
 

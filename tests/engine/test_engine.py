@@ -226,6 +226,25 @@ def test_spec_equals_ar(tiny: Engine) -> None:
     ledger.assert_budget()
 
 
+def test_fused_spec_equals_ar(tiny: Engine) -> None:
+    """Spec with fused verify + draft passes (spec_fused) keeps ar's tokens, rejections and rollbacks of the fused
+    window included; the drafts of a fused window are a block pass's, so a round that accepts them all chains."""
+    rng = np.random.default_rng(11)
+    ledger = Ledger()
+    fused = 0
+    for case in range(30):
+        prompt = rng.integers(0, 3000, size=int(rng.integers(1, 41))).tolist()
+        b = int(rng.choice([2, 3, 4, 8]))
+        opts = {"block_size": b, "max_tokens": int(rng.integers(1, 41)), "stop_ids": tiny.eos, "banned_ids": None}
+        ar, _, _ = tiny.run(prompt, "ar", **opts)
+        spec, stats, _ = tiny.run(prompt, "spec", spec_fused=True, **opts)
+        ledger.check(f"fused-spec==ar/{case}", spec, ar, tiny.ref, prompt, None)
+        assert sum(stats.accepted_lengths) == stats.causal_passes
+        fused += stats.fused_passes
+    record("engine/fused_spec_equals_ar", {"cases": ledger.compared, "near_ties": ledger.near_ties, "fused": fused})
+    ledger.assert_budget()
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     from clover_ref.checkpoint import load_model
@@ -241,6 +260,22 @@ DEMO_PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n",
     "class Point:\n    def __init__(self, x, y):\n",
 ]
+
+
+def test_trained_demo_fused_spec_chains_and_equals_ar(demo: Engine) -> None:
+    """On the trained model the fused passes really run (rounds that accept every draft chain into fused passes) and
+    greedy fused spec equals ar; fused and unfused spec verify the same text."""
+    fused = 0
+    for text in DEMO_PROMPTS:
+        prompt = demo.model.tokenize(text)
+        opts = {"block_size": 4, "max_tokens": 64, "stop_ids": demo.eos, "banned_ids": None}
+        ar, _, _ = demo.run(prompt, "ar", **opts)
+        spec, stats, _ = demo.run(prompt, "spec", spec_fused=True, **opts)
+        plain, plain_stats, _ = demo.run(prompt, "spec", spec_fused=False, **opts)
+        DEMO_LEDGER.check(f"demo/fused-spec==ar/{text[:12]}", spec, ar, demo.ref, prompt, None)
+        assert plain_stats.fused_passes == 0 and plain == spec
+        fused += stats.fused_passes
+    assert fused >= 10, fused
 
 
 @pytest.mark.parametrize("mode", ["diffusion", "spec"])

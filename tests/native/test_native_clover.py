@@ -25,6 +25,7 @@ pytestmark = pytest.mark.native  # every test here runs the native build (skippe
 
 REF_TOL = 1e-3     # vs the PyTorch reference
 STOCK_TOL = 1e-5   # vs stock qwen35moe in the same build
+BATCH_TOL = 1e-4   # the same rows batched differently (a 1-row pass takes the vector kernels, a wider one the GEMMs)
 Q8_DECISIVE_GAP = 0.1  # q8_0 check: top-2 gap > 0.1 * max(1, max|logit|)
 N_IDS = 340        # 300 of history + a 32-wide window
 PROMPT_LENGTHS = (1, 7, 64, 300)
@@ -498,6 +499,77 @@ def test_rollback_then_block_pass_exact(bundle: Bundle, canvas: str) -> None:
         bundle.ref.forward_causal(ids[:12], ref_h)
         ref = bundle.ref.forward_block(window, ref_h).float().numpy()
     assert_parity(f"block/{bundle.name}/after_rollback/{canvas}", got, ref, REF_TOL)
+
+
+# ------------------------------------------------------------------------------------------ fused passes
+FUSED_CASES = [(37, 3, 4), (10, 1, 2), (64, 7, 8), (5, 2, 3)]  # (history, causal rows C, window W)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_fused_pass_equals_its_two_passes(bundle: Bundle, top_p: float) -> None:
+    """A fused pass (C causal rows, then a W-row block window in the same ubatch; llama_clover_set_seq_fused_window)
+    gives the causal rows of a causal pass and the window rows of a block pass over the history those rows extend,
+    with and without the window's coreset, to float32 rounding of the different batching; afterwards the history
+    holds the causal rows only, and a rollback into them (keeping at least the first) leaves what a fresh context
+    holding the kept history has, for a causal pass and for the next block pass."""
+    ids, mask = bundle.ids, bundle.mask
+    try:
+        for seq in (0, 1):
+            bundle.model.set_seq_coreset_top_p(seq, top_p)
+        for h, c, w in FUSED_CASES:
+            tokens, window = ids[h:h + c], [ids[h + c]] + [mask] * (w - 1)
+            a = bundle.context(n_rs_seq=15)
+            a.causal(ids[:h])
+            got_c, got_w = a.fused(tokens, window)
+            b = bundle.context(n_rs_seq=15)
+            b.causal(ids[:h])
+            want_c = b.causal(tokens)
+            want_w = b.block(window)
+            name = f"fused/{bundle.name}/top_p{top_p}/h{h}-c{c}-w{w}"
+            assert_parity(f"{name}/causal", got_c, want_c, BATCH_TOL)
+            assert_parity(f"{name}/window", got_w, want_w, BATCH_TOL)
+            after = ids[h + c:h + c + 3]
+            assert_parity(f"{name}/after", a.causal(after), b.causal(after), BATCH_TOL)
+            for keep in range(h + 1, h + c + 1):  # a fused pass rolled back as the engine does after a rejection
+                a = bundle.context(n_rs_seq=15)
+                a.causal(ids[:h])
+                a.fused(tokens, window, keep=keep)
+                fresh = bundle.context(n_rs_seq=15)
+                fresh.causal(ids[:keep])
+                nxt = [ids[keep]] + [mask] * (w - 1)
+                assert_parity(f"{name}/keep{keep}/block", a.block(nxt), fresh.block(nxt), BATCH_TOL)
+                after = ids[keep:keep + 3]
+                assert_parity(f"{name}/keep{keep}/causal", a.causal(after), fresh.causal(after), BATCH_TOL)
+    finally:
+        for seq in (0, 1):
+            bundle.model.set_seq_coreset_top_p(seq, 0.0)
+
+
+def test_the_fused_window_matches_the_reference(tiny: Bundle) -> None:
+    """The fused window's rows == the PyTorch reference's block pass over the history and the causal rows."""
+    ids, mask, h, c = tiny.ids, tiny.mask, 37, 5
+    window = [ids[h + c]] + [mask] * (tiny.block_size - 1)
+    ctx = tiny.context(n_rs_seq=15)
+    ctx.causal(ids[:h])
+    _, got = ctx.fused(ids[h:h + c], window)
+    ref_h = tiny.ref.new_history()
+    with torch.no_grad():
+        tiny.ref.forward_causal(ids[:h + c], ref_h)
+        ref = tiny.ref.forward_block(window, ref_h).float().numpy()
+    assert_parity("fused/tiny/window_vs_reference", got, ref, REF_TOL)
+
+
+def test_a_fused_window_needs_block_diffusion_and_a_valid_sequence(tiny: Bundle) -> None:
+    import ctypes
+
+    from clover_native.loader import llama
+
+    lib = llama().llama_cpp._lib
+    lib.llama_clover_set_seq_fused_window.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+    lib.llama_clover_set_seq_fused_window.restype = ctypes.c_bool
+    assert not lib.llama_clover_set_seq_fused_window(tiny.model.ptr, -1, 4)
+    assert not lib.llama_clover_set_seq_fused_window(tiny.model.ptr, 0, -1)
+    assert lib.llama_clover_set_seq_fused_window(tiny.model.ptr, 0, 0)
 
 
 # ------------------------------------------------------------------------------------------ tokenizer

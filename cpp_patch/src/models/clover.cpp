@@ -503,11 +503,62 @@ private:
     const bool active;
 };
 
+int32_t llama_model_clover::fused_window_of(llama_seq_id seq) const {
+    return seq >= 0 && seq < LLAMA_MAX_SEQ ? clover_fused_window_seq[seq].load() : 0;
+}
+
+// the fused window of a causal ubatch: its sequence's setting when the ubatch is that one sequence and holds causal
+// rows before the window, else 0 (an ordinary causal pass)
+static int64_t clover_fused_window(const llama_model_clover & model, const llama_cparams & cparams,
+                                   const llama_ubatch & ubatch) {
+    if (!cparams.causal_attn || ubatch.n_seqs != 1 || !model.hparams.clover_has_block_diffusion) {
+        return 0;
+    }
+    const int64_t w = model.fused_window_of(ubatch.seq_id[0][0]);
+    return w > 0 && w < (int64_t) ubatch.n_seq_tokens ? w : 0;
+}
+
+// Every causal graph carries this input: a fused pass (a block window in the last rows) is built apart from an
+// ordinary causal pass of the same shape, so neither reuses the other's graph. In a fused graph it makes the
+// window's rows of the attention mask non-causal after llama.cpp has set the causal mask (inputs are set in the
+// order they were added, and this one comes after the memory's): the window's last row has the sequence's largest
+// position, so its causal row sees every cell of the sequence, which is what each window row sees in block mode;
+// the causal rows keep theirs (the window's cells lie after them).
+class llm_graph_input_clover_fused : public llm_graph_input_i {
+public:
+    llm_graph_input_clover_fused(const llama_model_clover & model, int64_t fused_w, ggml_tensor * kq_mask) :
+        model(model), fused_w(fused_w), kq_mask(kq_mask) {}
+
+    void set_input(const llama_ubatch * ubatch) override {
+        if (fused_w == 0 || kq_mask == nullptr) {
+            return;
+        }
+        GGML_ASSERT(ggml_backend_buffer_is_host(kq_mask->buffer));
+        GGML_ASSERT(kq_mask->ne[1] == (int64_t) ubatch->n_tokens && kq_mask->ne[3] == 1);
+        auto * data = (uint8_t *) kq_mask->data;
+        const int64_t last = ubatch->n_tokens - 1;
+        for (int64_t i = ubatch->n_tokens - fused_w; i < last; ++i) {
+            memcpy(data + i * kq_mask->nb[1], data + last * kq_mask->nb[1], kq_mask->nb[1]);
+        }
+    }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        return clover_fused_window(model, params.cparams, params.ubatch) == fused_w;
+    }
+
+private:
+    const llama_model_clover & model;
+    const int64_t fused_w;
+    ggml_tensor * kq_mask;  // the hybrid memory input's attention mask (host)
+};
+
 llama_model_clover::graph::graph(const llama_model & model, const llm_graph_params & params) :
     llama_model_qwen35moe::graph(model, params, defer_build{}) {
     const auto & cmodel = static_cast<const llama_model_clover &>(model);
-    // block passes of more than one row may route inside a coreset (a one-row window is per-row routing)
-    if (!cparams.causal_attn && ubatch.n_seq_tokens > 1 && n_expert_used < n_expert && n_expert > 0) {
+    fused_w = clover_fused_window(cmodel, cparams, ubatch);
+    // block windows of more than one row may route inside a coreset (a one-row window is per-row routing)
+    const int64_t window_rows = fused_w > 0 ? fused_w : cparams.causal_attn ? 0 : (int64_t) ubatch.n_seq_tokens;
+    if (window_rows > 1 && n_expert_used < n_expert && n_expert > 0) {
         const bool active = clover_coreset_active(cmodel, ubatch);
         auto inp = std::make_unique<llm_graph_input_clover_coreset>(cmodel, active);
         if (active) {
@@ -519,6 +570,16 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
         res->add_input(std::move(inp));
     }
     build();
+    if (cparams.causal_attn) {
+        ggml_tensor * kq_mask = nullptr;
+        for (const auto & input : res->inputs) {
+            if (const auto * hybrid = dynamic_cast<const llm_graph_input_mem_hybrid *>(input.get())) {
+                kq_mask = hybrid->get_attn()->self_kq_mask;
+            }
+        }
+        GGML_ASSERT(fused_w == 0 || kq_mask != nullptr);
+        res->add_input(std::make_unique<llm_graph_input_clover_fused>(cmodel, fused_w, kq_mask));
+    }
 }
 
 // Spec 3.3 without sort or cumsum (every op here exists on CPU, CUDA and Metal): per window s, with m[e] the mean
@@ -526,10 +587,8 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
 // excl[e] = sum_e' G[e', e] m[e'] (the mass ranked before e) and rank[e] = sum_e' G[e', e]. Expert e is in the
 // coreset when excl[e] < top_p (the shortest prefix reaching top_p) or rank[e] < k (the extension to k experts).
 // The bias is 0 for the coreset and -1e30 (finite: no 0 * inf, no NaN) for the rest.
-ggml_tensor * llama_model_clover::graph::build_coreset_bias(ggml_tensor * probs, int il) {
+ggml_tensor * llama_model_clover::graph::build_coreset_bias(ggml_tensor * probs, int64_t n_w, int64_t n_s, int il) {
     const int64_t n_e = n_expert;
-    const int64_t n_w = ubatch.n_seq_tokens;
-    const int64_t n_s = ubatch.n_seqs;
 
     ggml_tensor * p = ggml_reshape_3d(ctx0, probs, n_e, n_w, n_s);                   // {E, W, S}
     p = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 0, 2, 3));                          // {W, E, S}
@@ -553,14 +612,24 @@ ggml_tensor * llama_model_clover::graph::build_coreset_bias(ggml_tensor * probs,
 }
 
 ggml_tensor * llama_model_clover::graph::build_layer_ffn(ggml_tensor * cur, int il) {
-    // causal passes never use a coreset; cur must hold every row of the windows (not only the output rows)
+    // causal rows never use a coreset; cur must hold every row of the windows (not only the output rows)
     if (coreset_top_p == nullptr || cur->ne[1] != (int64_t) ubatch.n_tokens) {
         return llama_model_qwen35moe::graph::build_layer_ffn(cur, il);
     }
     // the router logits and probabilities exactly as build_moe_ffn computes them
     ggml_tensor * logits = build_lora_mm(model.layers[il].ffn_gate_inp, cur);      // {E, T}
     cb(logits, "clover_coreset_logits", il);
-    ggml_tensor * bias = build_coreset_bias(ggml_soft_max(ctx0, logits), il);
+    if (fused_w > 0) {
+        // a fused pass: the window's rows (the last fused_w) route inside its coreset, the causal rows per row
+        const int64_t n_c = cur->ne[1] - fused_w;
+        ggml_tensor * causal = ggml_view_2d(ctx0, logits, n_expert, n_c, logits->nb[1], 0);
+        ggml_tensor * window = ggml_view_2d(ctx0, logits, n_expert, fused_w, logits->nb[1], n_c * logits->nb[1]);
+        ggml_tensor * bias   = build_coreset_bias(ggml_soft_max(ctx0, window), fused_w, 1, il);
+        ggml_tensor * masked = ggml_concat(ctx0, causal, ggml_add(ctx0, window, bias), 1);
+        cb(masked, "clover_coreset_logits_masked", il);
+        return build_layer_ffn_moe(cur, il, nullptr, masked);
+    }
+    ggml_tensor * bias = build_coreset_bias(ggml_soft_max(ctx0, logits), ubatch.n_seq_tokens, ubatch.n_seqs, il);
 
     // The bias goes on the router logits, not on build_moe_ffn's selection probabilities (exp_probs_b): the rows'
     // top-k inside C is the same, and qwen35moe renormalises the chosen weights (norm_w = true), so
@@ -576,6 +645,9 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear(
         llm_graph_input_rs * inp,
         ggml_tensor *        cur,
         int                  il) {
+    if (fused_w > 0) {
+        return build_layer_attn_linear_fused(inp, cur, il);
+    }
     if (cparams.causal_attn) {
         return llama_model_qwen35moe::graph::build_layer_attn_linear(inp, cur, il);
     }
@@ -586,44 +658,65 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
         llm_graph_input_rs * inp,
         ggml_tensor *        cur,
         int                  il) {
-    const auto & cmodel = static_cast<const llama_model_clover &>(model);
-    const auto & cl     = cmodel.clover_layers[il];
     const auto * mctx_cur = inp->mctx;
 
     const int64_t d_inner      = hparams.ssm_d_inner;
     const int64_t n_seqs       = ubatch.n_seqs;
-    const int64_t head_k_dim   = hparams.ssm_d_state;
-    const int64_t num_k_heads  = hparams.ssm_n_group;
-    const int64_t num_v_heads  = hparams.ssm_dt_rank;
-    const int64_t head_v_dim   = d_inner / num_v_heads;
+    const int64_t head_v_dim   = d_inner / hparams.ssm_dt_rank;
     const int64_t n_seq_tokens = ubatch.n_seq_tokens;
 
     GGML_ASSERT(n_seqs != 0);
     GGML_ASSERT(ubatch.equal_seqs());
     GGML_ASSERT(ubatch.n_tokens == n_seq_tokens * n_seqs);
+
+    // 1. projections
+    auto qkvz = build_qkvz(cur, il);
+
+    // 2. the committed conv and ssm state (read only)
+    const int64_t conv_kernel_size = model.layers[il].ssm_conv1d->ne[0];
+    const int64_t conv_channels    = d_inner + 2 * hparams.ssm_n_group * hparams.ssm_d_state;
+    ggml_tensor * conv_states = build_rs(inp, mctx_cur->get_r_l(il), hparams.n_embd_r(), n_seqs);
+    conv_states = ggml_reshape_3d(ctx0, conv_states, conv_kernel_size - 1, conv_channels, n_seqs);
+    cb(conv_states, "clover_conv_states", il);
+
+    ggml_tensor * state = build_rs(inp, mctx_cur->get_s_l(il), hparams.n_embd_s(), n_seqs);
+    state = ggml_reshape_4d(ctx0, state, head_v_dim, head_v_dim, hparams.ssm_dt_rank, n_seqs);
+
+    // 3. the block mixing and the output projection, as causal mode
+    ggml_tensor * mixed = build_block_mixing(qkvz.first, qkvz.second, conv_states, state, n_seq_tokens, n_seqs, il);
+    cur = build_lora_mm(model.layers[il].ssm_out, mixed, model.layers[il].ssm_out_s);
+    cb(cur, "linear_attn_out", il);
+
+    return ggml_reshape_2d(ctx0, cur, n_embd, n_seq_tokens * n_seqs);
+}
+
+ggml_tensor * llama_model_clover::graph::build_block_mixing(
+        ggml_tensor * qkv_mixed,
+        ggml_tensor * z,
+        ggml_tensor * conv_states,
+        ggml_tensor * state,
+        int64_t       n_seq_tokens,
+        int64_t       n_seqs,
+        int           il) {
+    const auto & cmodel = static_cast<const llama_model_clover &>(model);
+    const auto & cl     = cmodel.clover_layers[il];
+
+    const int64_t d_inner      = hparams.ssm_d_inner;
+    const int64_t head_k_dim   = hparams.ssm_d_state;
+    const int64_t num_k_heads  = hparams.ssm_n_group;
+    const int64_t num_v_heads  = hparams.ssm_dt_rank;
+    const int64_t head_v_dim   = d_inner / num_v_heads;
+
     GGML_ASSERT(head_k_dim == head_v_dim);
     if (!(cl.bd_conv_right && cl.bd_logit_scale && cl.bd_history_bias && cl.bd_history_c)) {
         // clover_block_decode refuses this before decoding; a direct non-causal decode of a trunk-only file ends here
         GGML_ABORT("clover: a block pass needs the block-diffusion tensors; this GGUF is trunk-only");
     }
 
-    // 1. projections
-    auto qkvz = build_qkvz(cur, il);
-    ggml_tensor * qkv_mixed = qkvz.first;   // {conv_dim, T, S}
-    ggml_tensor * z         = qkvz.second;
+    ggml_tensor * conv_kernel   = model.layers[il].ssm_conv1d;
+    const int64_t conv_channels = d_inner + 2 * hparams.ssm_n_group * hparams.ssm_d_state;
 
-    ggml_tensor * conv_states_all = mctx_cur->get_r_l(il);
-    ggml_tensor * ssm_states_all  = mctx_cur->get_s_l(il);
-
-    ggml_tensor * conv_kernel      = model.layers[il].ssm_conv1d;
-    const int64_t conv_kernel_size = conv_kernel->ne[0];
-    const int64_t conv_channels    = d_inner + 2 * hparams.ssm_n_group * hparams.ssm_d_state;
-
-    // 2. conv: causal part with the committed conv state (read only) ...
-    ggml_tensor * conv_states = build_rs(inp, conv_states_all, hparams.n_embd_r(), n_seqs);
-    conv_states = ggml_reshape_3d(ctx0, conv_states, conv_kernel_size - 1, conv_channels, n_seqs);
-    cb(conv_states, "clover_conv_states", il);
-
+    // conv: the causal part over the history's conv tail ...
     ggml_tensor * qkv_t = ggml_transpose(ctx0, qkv_mixed);                  // {T, conv_dim, S}
     ggml_tensor * conv_input = ggml_concat(ctx0, conv_states, qkv_t, 0);     // {K-1+T, conv_dim, S}
     ggml_tensor * conv_left  = ggml_ssm_conv(ctx0, conv_input, conv_kernel); // {conv_dim, T, S}
@@ -640,7 +733,7 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
     ggml_tensor * conv_out = ggml_silu(ctx0, ggml_add(ctx0, conv_left, conv_right));
     cb(conv_out, "clover_conv_silu", il);
 
-    // 3. split and l2-normalise
+    // split and l2-normalise
     const int64_t qkv_dim = head_k_dim * num_k_heads * 2 + head_v_dim * num_v_heads;
     const size_t  nb1_qkv = ggml_row_size(conv_out->type, qkv_dim);
 
@@ -668,14 +761,12 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
     ggml_tensor * kp = ggml_cont(ctx0, ggml_permute(ctx0, k, 0, 2, 1, 3)); // {d, T, H_v, S}
     ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, v, 1, 2, 0, 3)); // {T, d, H_v, S}
 
-    // 4. history readout from the committed state: r_i = S^T (q^_i * history_readout_scale)
-    ggml_tensor * state = build_rs(inp, ssm_states_all, hparams.n_embd_s(), n_seqs);
-    state = ggml_reshape_4d(ctx0, state, head_v_dim, head_v_dim, num_v_heads, n_seqs);
+    // history readout from the committed state: r_i = S^T (q^_i * history_readout_scale)
     ggml_tensor * r = ggml_mul_mat(ctx0, state, qp);                        // {d_v, T, H_v, S}
     r = ggml_scale(ctx0, r, hparams.clover_history_readout_scale);
     cb(r, "clover_hist_readout", il);
 
-    // 5. logits over W+1 units: the window rows, l_ij = bd_logit_scale_h * q^_i . k^_j ...
+    // logits over W+1 units: the window rows, l_ij = bd_logit_scale_h * q^_i . k^_j ...
     ggml_tensor * kq = ggml_mul_mat(ctx0, kp, qp);                          // {T_k, T_q, H_v, S}
     kq = ggml_mul(ctx0, kq, ggml_reshape_4d(ctx0, cl.bd_logit_scale, 1, 1, num_v_heads, 1));
 
@@ -690,7 +781,7 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
     ggml_tensor * w = ggml_soft_max(ctx0, scores);
     cb(w, "clover_block_weights", il);
 
-    // 6. o_i = sum_j w_ij v_j + w_iH r_i
+    // o_i = sum_j w_ij v_j + w_iH r_i
     ggml_tensor * w_blk = ggml_cont(ctx0, ggml_view_4d(ctx0, w, n_seq_tokens, n_seq_tokens, num_v_heads, n_seqs,
             w->nb[1], w->nb[2], w->nb[3], 0));
     ggml_tensor * w_h   = ggml_cont(ctx0, ggml_view_4d(ctx0, w, 1, n_seq_tokens, num_v_heads, n_seqs,
@@ -701,15 +792,130 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_block(
     o = ggml_cont(ctx0, ggml_permute(ctx0, o, 0, 2, 1, 3));                 // {d_v, H_v, T, S}
     cb(o, "clover_block_out", il);
 
-    // 7. gated RMSNorm with z and the output projection, as causal mode
+    // gated RMSNorm with z, as causal mode
     ggml_tensor * z_4d = ggml_reshape_4d(ctx0, z, head_v_dim, num_v_heads, n_seq_tokens, n_seqs);
     ggml_tensor * attn_out_norm = build_norm_gated(o, model.layers[il].ssm_norm, z_4d, il);
+    return ggml_reshape_3d(ctx0, attn_out_norm, head_v_dim * num_v_heads, n_seq_tokens, n_seqs);
+}
 
-    ggml_tensor * final_output = ggml_reshape_3d(ctx0, attn_out_norm, head_v_dim * num_v_heads, n_seq_tokens, n_seqs);
-    cur = build_lora_mm(model.layers[il].ssm_out, final_output, model.layers[il].ssm_out_s);
+// A fused verify + draft pass's GDN layer (docs/native.md, "The fused pass"): one sequence's ubatch of n_c causal rows
+// followed by a block window of fused_w rows. The causal rows are causal mode, qwen35moe's GDN (conv, then the gated
+// delta rule), and write the recurrent state as a pass of the whole ubatch would, except at the window's own
+// positions: group g (the state g rows before the ubatch's end) gets the causal rows' state g - fused_w rows before
+// their end, and the window's groups (g < fused_w) are not written. The engine removes the window after every fused
+// pass (seq_rm), which always selects a group >= fused_w. The window is block mode over the conv tail and the ssm
+// state that the causal rows leave, read in the same graph.
+ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_fused(
+        llm_graph_input_rs * inp,
+        ggml_tensor *        cur,
+        int                  il) {
+    const auto * mctx_cur = inp->mctx;
+
+    const int64_t d_inner     = hparams.ssm_d_inner;
+    const int64_t head_k_dim  = hparams.ssm_d_state;
+    const int64_t num_k_heads = hparams.ssm_n_group;
+    const int64_t num_v_heads = hparams.ssm_dt_rank;
+    const int64_t head_v_dim  = d_inner / num_v_heads;
+    const int64_t n_tokens    = ubatch.n_seq_tokens;
+    const int64_t n_w         = fused_w;
+    const int64_t n_c         = n_tokens - n_w;
+    const int64_t K           = (int64_t) cparams.n_rs_seq + 1;  // snapshot groups
+
+    GGML_ASSERT(ubatch.n_seqs == 1 && n_c > 0 && K > n_tokens - 1);
+
+    // projections of every row; the causal rows' gates, as qwen35moe computes them
+    auto qkvz = build_qkvz(cur, il);
+    ggml_tensor * qkv_mixed = qkvz.first;   // {conv_dim, T, 1}
+    ggml_tensor * z         = qkvz.second;  // {d_inner, T}
+    ggml_tensor * qkv_c = ggml_view_3d(ctx0, qkv_mixed, qkv_mixed->ne[0], n_c, 1, qkv_mixed->nb[1], qkv_mixed->nb[2], 0);
+    ggml_tensor * qkv_w = ggml_view_3d(ctx0, qkv_mixed, qkv_mixed->ne[0], n_w, 1, qkv_mixed->nb[1], qkv_mixed->nb[2],
+            n_c * qkv_mixed->nb[1]);
+    ggml_tensor * z_c = ggml_view_2d(ctx0, z, z->ne[0], n_c, z->nb[1], 0);
+    ggml_tensor * z_w = ggml_view_2d(ctx0, z, z->ne[0], n_w, z->nb[1], n_c * z->nb[1]);
+    ggml_tensor * cur_c = ggml_view_2d(ctx0, cur, cur->ne[0], n_c, cur->nb[1], 0);
+
+    ggml_tensor * beta = build_lora_mm(model.layers[il].ssm_beta, cur_c, model.layers[il].ssm_beta_s);
+    beta = ggml_sigmoid(ctx0, ggml_reshape_4d(ctx0, beta, 1, num_v_heads, n_c, 1));
+    ggml_tensor * alpha = build_lora_mm(model.layers[il].ssm_alpha, cur_c, model.layers[il].ssm_alpha_s);
+    alpha = ggml_reshape_3d(ctx0, alpha, num_v_heads, n_c, 1);
+    ggml_tensor * gate = ggml_mul(ctx0, ggml_softplus(ctx0, ggml_add(ctx0, alpha, model.layers[il].ssm_dt)),
+            model.layers[il].ssm_a);
+    gate = ggml_reshape_4d(ctx0, gate, 1, num_v_heads, n_c, 1);
+
+    // the causal rows' conv over the committed conv state, and its snapshot groups
+    ggml_tensor * conv_states_all  = mctx_cur->get_r_l(il);
+    ggml_tensor * ssm_states_all   = mctx_cur->get_s_l(il);
+    ggml_tensor * conv_kernel      = model.layers[il].ssm_conv1d;
+    const int64_t conv_kernel_size = conv_kernel->ne[0];
+    const int64_t conv_channels    = d_inner + 2 * hparams.ssm_n_group * hparams.ssm_d_state;
+    const auto    kv_head          = mctx_cur->get_head();
+    const auto    mem_size         = mctx_cur->get_size();
+
+    ggml_tensor * conv_states = build_rs(inp, conv_states_all, hparams.n_embd_r(), 1);
+    conv_states = ggml_reshape_3d(ctx0, conv_states, conv_kernel_size - 1, conv_channels, 1);
+    ggml_tensor * conv_input = ggml_concat(ctx0, conv_states, ggml_transpose(ctx0, qkv_c), 0);  // {K-1+C, conv_dim, 1}
+    cb(conv_input, "clover_fused_conv_input", il);
+
+    const int64_t row_count = (conv_kernel_size - 1) * conv_channels;
+    const size_t  conv_row  = ggml_row_size(conv_states_all->type, row_count);
+    for (int64_t g = n_w; g < K; ++g) {
+        const int64_t s_idx = std::max<int64_t>(0, n_tokens - g);  // <= n_c: g >= n_w
+        ggml_tensor * src = ggml_view_3d(ctx0, conv_input, conv_kernel_size - 1, conv_channels, 1,
+                conv_input->nb[1], conv_input->nb[2], ggml_row_size(conv_input->type, s_idx));
+        ggml_tensor * dst = ggml_view_2d(ctx0, conv_states_all, row_count, 1, conv_states_all->nb[1],
+                ((size_t) g * mem_size + kv_head) * conv_row);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx0, src, dst));
+    }
+
+    ggml_tensor * conv_out = ggml_silu(ctx0, ggml_ssm_conv(ctx0, conv_input, conv_kernel));  // {conv_dim, C, 1}
+    const int64_t qkv_dim = head_k_dim * num_k_heads * 2 + head_v_dim * num_v_heads;
+    const size_t  nb1_qkv = ggml_row_size(conv_out->type, qkv_dim);
+    ggml_tensor * q = ggml_view_4d(ctx0, conv_out, head_k_dim, num_k_heads, n_c, 1,
+            ggml_row_size(conv_out->type, head_k_dim), nb1_qkv, nb1_qkv * n_c, 0);
+    ggml_tensor * k = ggml_view_4d(ctx0, conv_out, head_k_dim, num_k_heads, n_c, 1,
+            ggml_row_size(conv_out->type, head_k_dim), nb1_qkv, nb1_qkv * n_c,
+            ggml_row_size(conv_out->type, head_k_dim * num_k_heads));
+    ggml_tensor * v = ggml_view_4d(ctx0, conv_out, head_v_dim, num_v_heads, n_c, 1,
+            ggml_row_size(conv_out->type, head_v_dim), nb1_qkv, nb1_qkv * n_c,
+            ggml_row_size(conv_out->type, 2 * head_k_dim * num_k_heads));
+    q = build_gdn_l2_norm(ctx0, q, hparams.f_norm_rms_eps);
+    k = build_gdn_l2_norm(ctx0, k, hparams.f_norm_rms_eps);
+
+    // the gated delta rule over the causal rows (the fused op tiles key heads over value heads), and its snapshots:
+    // op slot s (s rows before the causal rows' end) -> group s + n_w
+    ggml_tensor * state = build_rs(inp, ssm_states_all, hparams.n_embd_s(), 1);
+    state = ggml_reshape_4d(ctx0, state, head_v_dim, head_v_dim, num_v_heads, 1);
+    ggml_tensor * gdn = ggml_gated_delta_net(ctx0, q, k, v, gate, beta, state, K);
+    res->add_fused_node({n_c > 1 ? LLM_FUSED_OP_GDN_CH : LLM_FUSED_OP_GDN_AR, gdn, il});
+    cb(gdn, "clover_fused_gdn", il);
+
+    const int64_t D         = head_v_dim * head_v_dim * num_v_heads;
+    const size_t  out_bytes = ggml_row_size(gdn->type, head_v_dim * num_v_heads * n_c);
+    const size_t  ssm_row   = hparams.n_embd_s() * ggml_element_size(ssm_states_all);
+    const int64_t n_snap    = std::min<int64_t>(n_c, K - n_w);
+    ggml_tensor * snaps = ggml_view_3d(ctx0, gdn, D, 1, n_snap, ggml_row_size(gdn->type, D), ggml_row_size(gdn->type, D),
+            out_bytes);
+    ggml_tensor * groups = ggml_view_3d(ctx0, ssm_states_all, D, 1, n_snap, ssm_states_all->nb[1],
+            (size_t) mem_size * ssm_row, ((size_t) n_w * mem_size + kv_head) * ssm_row);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx0, snaps, groups));
+
+    ggml_tensor * out_c = ggml_view_4d(ctx0, gdn, head_v_dim, num_v_heads, n_c, 1, ggml_row_size(gdn->type, head_v_dim),
+            ggml_row_size(gdn->type, head_v_dim * num_v_heads), out_bytes, 0);
+    out_c = build_norm_gated(out_c, model.layers[il].ssm_norm, ggml_reshape_4d(ctx0, z_c, head_v_dim, num_v_heads, n_c, 1), il);
+    out_c = ggml_reshape_3d(ctx0, out_c, d_inner, n_c, 1);
+
+    // the window: block mixing over the conv tail and the final state the causal rows leave
+    ggml_tensor * conv_tail = ggml_view_3d(ctx0, conv_input, conv_kernel_size - 1, conv_channels, 1, conv_input->nb[1],
+            conv_input->nb[2], ggml_row_size(conv_input->type, n_c));
+    ggml_tensor * state_w = ggml_view_4d(ctx0, gdn, head_v_dim, head_v_dim, num_v_heads, 1,
+            ggml_row_size(gdn->type, head_v_dim), ggml_row_size(gdn->type, head_v_dim * head_v_dim),
+            ggml_row_size(gdn->type, D), out_bytes);
+    ggml_tensor * out_w = build_block_mixing(qkv_w, z_w, conv_tail, state_w, n_w, 1, il);
+
+    ggml_tensor * mixed = ggml_concat(ctx0, out_c, out_w, 1);  // {d_inner, T, 1}
+    cur = build_lora_mm(model.layers[il].ssm_out, mixed, model.layers[il].ssm_out_s);
     cb(cur, "linear_attn_out", il);
-
-    return ggml_reshape_2d(ctx0, cur, n_embd, n_seq_tokens * n_seqs);
+    return ggml_reshape_2d(ctx0, cur, n_embd, n_tokens);
 }
 
 //
@@ -722,6 +928,7 @@ LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model)
 LLAMA_API bool  llama_clover_set_seq_coreset_top_p(struct llama_model * model, llama_seq_id seq_id, float top_p);
 LLAMA_API float llama_clover_get_seq_coreset_top_p(const struct llama_model * model, llama_seq_id seq_id);
 LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);
+LLAMA_API bool  llama_clover_set_seq_fused_window(struct llama_model * model, llama_seq_id seq_id, int32_t n_window);
 LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * model);
 LLAMA_API bool  llama_clover_attach_block_diffusion(struct llama_model * model, const char * path, char * err, size_t err_size);
 }
@@ -756,6 +963,16 @@ bool llama_clover_set_seq_coreset_top_p(struct llama_model * model, llama_seq_id
 float llama_clover_get_seq_coreset_top_p(const struct llama_model * model, llama_seq_id seq_id) {
     const llama_model_clover * m = clover_model_of(model);
     return m && seq_id >= 0 && seq_id < LLAMA_MAX_SEQ ? m->coreset_top_p_of(seq_id) : -1.0f;
+}
+
+bool llama_clover_set_seq_fused_window(struct llama_model * model, llama_seq_id seq_id, int32_t n_window) {
+    const llama_model_clover * m = clover_model_of(model);
+    if (m == nullptr || seq_id < 0 || seq_id >= LLAMA_MAX_SEQ || n_window < 0 ||
+        (n_window > 0 && !m->hparams.clover_has_block_diffusion)) {
+        return false;
+    }
+    m->clover_fused_window_seq[seq_id].store(n_window);
+    return true;
 }
 
 float llama_clover_gguf_coreset_top_p(const struct llama_model * model) {

@@ -406,6 +406,9 @@ bool clover_run_diffusion(clover_run & run) {
     return true;
 }
 
+static bool clover_read_drafts(clover_run & run, std::vector<llama_token> & canvas, int32_t row0,
+                               std::vector<double> * conf);
+
 bool clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas, std::vector<double> * conf) {
     clover_slot * slot = run.slot;
     const int32_t width = (int32_t) canvas.size();
@@ -423,6 +426,16 @@ bool clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas, st
     if (!clover_timed_block(run, window, masked)) {
         return false;
     }
+    return clover_read_drafts(run, canvas, 0, conf);
+}
+
+// The drafts of a block window whose rows are batch rows row0 .. row0 + width - 1 (a block pass's, or a fused pass's
+// window): every empty target of canvas takes the best token of its row's P, after the known targets before it
+// (penalties) and within the grammar after the drafts before it; conf gets their confidences.
+static bool clover_read_drafts(clover_run & run, std::vector<llama_token> & canvas, int32_t row0,
+                               std::vector<double> * conf) {
+    clover_slot * slot = run.slot;
+    const int32_t width = (int32_t) canvas.size();
     std::vector<llama_token> known(canvas);  // the targets known at the start of this pass (spec 4, penalties)
     clover_window_counts counts(run, known);
     clover_draft_grammar grammar(run);       // drafts the grammar allows after the ones before (verification decides)
@@ -431,7 +444,7 @@ bool clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas, st
             grammar.known(run, known[j]);
             continue;
         }
-        float * logits = clover_get_row(slot, j);
+        float * logits = clover_get_row(slot, row0 + j);
         if (!logits) {
             return false;
         }
@@ -465,6 +478,9 @@ static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_toke
 // drafts accepted gives a_{n_drafts+1} as a free token). m = min(c+1, width, R, first end-of-generation); emits
 // a_1 .. a_m but an end-of-generation token, keeps history through p+m-1, and a_m becomes the pending token. With
 // width 1 and no draft this is exactly an ar step.
+static bool clover_accept_rows(clover_run & run, int32_t p, const llama_token * drafts, int32_t n_drafts,
+                               int32_t width, clover_round & round);
+
 bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round) {
     clover_slot * slot = run.slot;
     const int32_t p = slot->n_past;
@@ -480,6 +496,15 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
     if (!clover_timed_causal(run, inputs.data(), width, rows, width == 1 ? "ar step" : "verification pass")) {
         return false;
     }
+    return clover_accept_rows(run, p, drafts, n_drafts, width, round);
+}
+
+// Acceptance (spec 4.2, steps 3-4) over the first width rows of the pass that just ran at position p: output a_j
+// (row j-1) against draft d_j; emits the accepted tokens, keeps history through p+m-1 (rolling back everything the
+// pass wrote after it) and makes a_m the pending token.
+static bool clover_accept_rows(clover_run & run, int32_t p, const llama_token * drafts, int32_t n_drafts,
+                               int32_t width, clover_round & round) {
+    clover_slot * slot = run.slot;
     round = {};
     std::vector<llama_token> out;
     llama_token next_pending = slot->pending;
@@ -519,19 +544,90 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
     return clover_emit(run, out.data(), (int32_t) out.size());
 }
 
+// Whether a spec round of this width can be one fused pass (docs/native.md, "The fused pass"): the call asks for it,
+// the slot decodes alone (a batched round would mix other slots' rows into the ubatch), the drafts are plain argmax
+// drafts (no draft_steps), and the 2B - 1 rows fit one ubatch, the context and the recurrent rollback (a rejection at
+// the first draft removes 2B - 2 rows).
+static bool clover_can_fuse(const clover_run & run, int32_t width) {
+    const clover_slot * slot = run.slot;
+    const int32_t rows = 2 * width - 1;
+    return run.params->spec_fused != 0 && width >= 2 && !slot->shared && run.params->draft_steps == 0 &&
+           rows <= slot->batch_cap && rows <= (int32_t) llama_n_ubatch(slot->ctx) &&
+           slot->n_past + rows <= slot->n_ctx && rows - 1 <= (int32_t) llama_n_rs_seq(slot->ctx);
+}
+
+// A fused spec round: one causal pass over [pending, d_1 .. d_{B-2}] (B - 1 rows at p ..) whose ubatch continues with
+// the next round's block window [d_{B-1}, MASK x (B - 1)] at p + B - 1 ... The causal rows verify d_1 .. d_{B-1}
+// (spec 4.2). When all are accepted, d_{B-1} is the pending token at p + B - 1 and the window, a block pass over
+// exactly the history it would see in a round of its own, gives the next round's drafts (next, true); otherwise
+// the round ends as an unfused one would at the first rejection and the window is void (next_valid false). The
+// window's cells are always removed with the rolled-back rows. A round of B verifies B - 1 drafts where an unfused
+// one verifies B - 1 and adds the bonus token, for one pass instead of two.
+static bool clover_verify_fused(clover_run & run, const std::vector<llama_token> & drafts, int32_t width,
+                                clover_round & round, std::vector<llama_token> & next, bool & next_valid) {
+    clover_slot * slot = run.slot;
+    const int32_t p = slot->n_past;
+    const int32_t n_causal = width - 1;
+    std::vector<llama_token> inputs;
+    inputs.reserve(2 * width - 1);
+    inputs.push_back(slot->pending);
+    inputs.insert(inputs.end(), drafts.begin(), drafts.begin() + (width - 2));
+    inputs.push_back(drafts[width - 2]);  // the window: its known seed, then masks
+    inputs.insert(inputs.end(), width - 1, slot->info.mask_token_id);
+    std::vector<int32_t> rows(inputs.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i] = (int32_t) i;
+    }
+    llama_clover_set_seq_fused_window(slot->model, slot->seq_history, width);
+    llama_clover_set_seq_coreset_top_p(slot->model, slot->seq_history, slot->coreset_top_p);
+    const bool ok = clover_timed_causal(run, inputs.data(), (int32_t) inputs.size(), rows, "fused pass");
+    llama_clover_set_seq_fused_window(slot->model, slot->seq_history, 0);
+    if (!ok) {
+        return false;
+    }
+    run.stats->n_fused_passes++;
+    // every accepted draft leaves the history at p + width - 2 at most: the window is removed in any case
+    if (!clover_accept_rows(run, p, drafts.data(), n_causal, n_causal, round)) {
+        return false;
+    }
+    next_valid = round.m == n_causal && round.n_accepted == n_causal && !round.hit_eog && run.remaining() > 0;
+    if (!next_valid) {
+        return true;
+    }
+    next.assign(width, CLOVER_EMPTY);
+    run.dist.window_logprobs.clear();
+    return clover_read_drafts(run, next, n_causal, nullptr);
+}
+
 bool clover_run_spec(clover_run & run) {
     std::vector<llama_token> drafts;
+    bool have_drafts = false;  // drafts hold the window a fused pass drafted for this round
+    bool last_full   = false;  // the last round accepted every draft
     while (run.remaining() > 0) {
         const int32_t width = clover_block_width(run);
         if (width == 0) {
             return true;
         }
-        if (!clover_draft(run, width, drafts)) {
+        // a fused pass pays only when its window is used, so rounds fuse while every draft is accepted; the round
+        // after a rejection is an unfused one (a block pass and a verification, with its free token)
+        const bool fuse = clover_can_fuse(run, width) && (have_drafts || last_full);
+        if (!(fuse && have_drafts && (int32_t) drafts.size() == width) && !clover_draft(run, width, drafts)) {
             return false;
         }
         clover_round round;
-        if (!clover_verify(run, drafts.data(), width, width, round)) {
-            return false;
+        if (fuse) {
+            std::vector<llama_token> next;
+            if (!clover_verify_fused(run, drafts, width, round, next, have_drafts)) {
+                return false;
+            }
+            drafts.swap(next);
+            last_full = have_drafts;
+        } else {
+            have_drafts = false;
+            if (!clover_verify(run, drafts.data(), width, width, round)) {
+                return false;
+            }
+            last_full = round.n_accepted >= width - 1;
         }
         clover_histogram_add(run.stats->accepted_lengths, round.m);
         if (round.hit_eog) {

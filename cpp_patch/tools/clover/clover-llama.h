@@ -29,6 +29,14 @@ LLAMA_API bool  llama_clover_set_coreset_top_p(struct llama_model * model, float
 LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model);
 // the GGUF's value (or its default, 1); -1 for a model that is not clover_moe
 LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);
+// A fused verify + draft pass (docs/native.md, "The fused pass"): the last n_window rows of the sequence's next
+// causal ubatch are a block window (spec section 3) over the history and the causal rows before them, in one graph.
+// The causal rows write the history as usual; the window's cells must be removed after the pass (seq_rm at its
+// first position or before), which the recurrent memory needs n_rs_seq >= the rows removed for. 0 ends it. Set it
+// right before that decode and clear it right after: every causal ubatch of the sequence reads it. Returns false
+// for a negative value, a sequence id out of range, a model that is not clover_moe or (n_window > 0) has no
+// block-diffusion tensors.
+LLAMA_API bool  llama_clover_set_seq_fused_window(struct llama_model * model, llama_seq_id seq_id, int32_t n_window);
 // whether the file holds the block-diffusion tensors (false: a trunk-only file, causal mode only)
 LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * model);
 // Attach the block-diffusion keys and tensors of a sidecar GGUF (spec v2 section 5) to a trunk-only model, before

@@ -163,6 +163,7 @@ struct clover_gen_params clover_gen_default_params(void) {
     p.n_grammar_after_ids = 0;
     p.n_logprobs        = -1;
     p.on_logprobs       = nullptr;
+    p.spec_fused        = 0;
     return p;
 }
 

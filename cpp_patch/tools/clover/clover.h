@@ -192,6 +192,11 @@ struct clover_gen_params {
     int32_t             n_logprobs;        // < 0: none; k >= 0: on_logprobs gets each emitted token's log P and the k
                                            // most likely tokens (diffusion: the confidence distribution it filled from)
     clover_logprobs_cb  on_logprobs;       // called with generate's user_data, before on_tokens delivers the tokens
+    int32_t             spec_fused;        // spec mode: 1 = while every draft is accepted, a round's verification
+                                           // and the next round's draft in one fused pass where the engine can (one
+                                           // slot decoding, no draft_steps; docs/native.md, "The fused pass");
+                                           // 0 (default) = a block pass and a verification per round. The tokens are
+                                           // the same either way (lossless).
 };
 
 struct clover_stats {
@@ -220,6 +225,8 @@ struct clover_stats {
     int32_t block_size;               // B (clover_gen_params.block_size, else ARCH.block_size)
     float   threshold;                // the fill threshold (given, else the calibrated one for B, spec 4.3)
     float   coreset_top_p;            // the block passes' coreset top_p (given, else the GGUF's, spec 3.3)
+    int32_t n_fused_passes;           // spec: of the causal passes, the fused ones (a verification with the next
+                                      // round's block window in the same pass)
 };
 
 // Committed tokens, once per commit (a diffusion block, an accepted draft; ar: per token). Return false to cancel.
