@@ -54,3 +54,12 @@ def test_a_bad_value_names_the_flag_and_its_range() -> None:
     options.add_generation_args(p, max_tokens=8, max_tokens_help="", seed=None)
     with pytest.raises(Exception, match=r"--coreset-top-p must be in \(0, 1\], got 0.0"):
         options.gen_params(p.parse_args(["--coreset-top-p", "0"]))
+
+
+def test_a_bool_field_is_a_flag_pair() -> None:
+    """spec_fused: --spec-fused / --no-spec-fused; left out, GenParams' default."""
+    p = argparse.ArgumentParser()
+    options.add_generation_args(p, max_tokens=8, max_tokens_help="", seed=None, draft_steps=True)
+    assert options.gen_params(p.parse_args([])).spec_fused is GenParams().spec_fused is False
+    assert options.gen_params(p.parse_args(["--spec-fused"])).spec_fused is True
+    assert options.gen_params(p.parse_args(["--no-spec-fused"])).spec_fused is False
