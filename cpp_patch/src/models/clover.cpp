@@ -858,8 +858,9 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_fused(
 
     const int64_t row_count = (conv_kernel_size - 1) * conv_channels;
     const size_t  conv_row  = ggml_row_size(conv_states_all->type, row_count);
-    for (int64_t g = n_w; g < K; ++g) {
-        const int64_t s_idx = std::max<int64_t>(0, n_tokens - g);  // <= n_c: g >= n_w
+    // the groups of the causal rows' own tokens, as llama.cpp's build_conv_state writes a ubatch's (patch 0010)
+    for (int64_t g = n_w; g < std::min<int64_t>(K, n_tokens); ++g) {
+        const int64_t s_idx = n_tokens - g;  // in 1 .. n_c
         ggml_tensor * src = ggml_view_3d(ctx0, conv_input, conv_kernel_size - 1, conv_channels, 1,
                 conv_input->nb[1], conv_input->nb[2], ggml_row_size(conv_input->type, s_idx));
         ggml_tensor * dst = ggml_view_2d(ctx0, conv_states_all, row_count, 1, conv_states_all->nb[1],
