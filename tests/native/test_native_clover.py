@@ -530,7 +530,10 @@ def test_fused_pass_equals_its_two_passes(bundle: Bundle, top_p: float) -> None:
             assert_parity(f"{name}/window", got_w, want_w, BATCH_TOL)
             after = ids[h + c:h + c + 3]
             assert_parity(f"{name}/after", a.causal(after), b.causal(after), BATCH_TOL)
-            for keep in range(h + 1, h + c + 1):  # a fused pass rolled back as the engine does after a rejection
+            keeps = range(h + 1, h + c + 1)
+            if bundle.name != "tiny":  # the rollback does not depend on the model or the coreset (tiny sweeps it)
+                keeps = sorted({h + 1, h + c}) if top_p == 1.0 else []
+            for keep in keeps:  # a fused pass rolled back as the engine does after a rejection
                 a = bundle.context(n_rs_seq=15)
                 a.causal(ids[:h])
                 a.fused(tokens, window, keep=keep)
