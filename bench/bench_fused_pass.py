@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.pass_timing import interleaved_times, synthetic_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -41,12 +42,6 @@ def log(msg: str) -> None:
     print(f"[bench_fused_pass {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def timed(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def pass_times(path: Path, reps: int) -> dict[str, Any]:
     """{B: {verify, block, fused: {median, min}}} in ms for one GGUF."""
     from clover_native import bindings
@@ -54,13 +49,13 @@ def pass_times(path: Path, reps: int) -> dict[str, Any]:
     model = bindings.LlamaModel(path)
     ctx = bindings.Context(model, n_ctx=512, n_ubatch=64, n_rs_seq=2 * max(BLOCKS))
     mask = model.mask_token()
-    history = [t % 3000 + 1 for t in range(7, 7 + 13 * HISTORY, 13)]
+    history = synthetic_tokens(HISTORY, 7, 13)
     out: dict[str, Any] = {}
     try:
         ctx.causal(history[:-1], rows=[HISTORY - 2])  # the seed, history[-1], opens every pass
         kept = HISTORY - 1
         for b in BLOCKS:
-            drafts = [t % 3000 + 1 for t in range(101, 101 + 7 * b, 7)]
+            drafts = synthetic_tokens(b, 101, 7)
             seed, window = history[-1], [drafts[-1]] + [mask] * (b - 1)
 
             def verify(b: int = b, drafts: list[int] = drafts) -> None:
@@ -73,15 +68,7 @@ def pass_times(path: Path, reps: int) -> dict[str, Any]:
             def fused(b: int = b, drafts: list[int] = drafts, window: list[int] = window) -> None:
                 ctx.fused([seed] + drafts[:b - 2], window, keep=kept)
 
-            kinds = {"verify": verify, "block": block, "fused": fused}
-            times: dict[str, list[float]] = {k: [] for k in kinds}
-            for k, fn in kinds.items():  # the first pass of each shape builds its graph
-                fn()
-            for _ in range(reps):
-                for k, fn in kinds.items():
-                    times[k].append(timed(fn))
-            out[str(b)] = {k: {"median": statistics.median(v), "min": min(v)} for k, v in times.items()}
-            row = out[str(b)]
+            row = out[str(b)] = interleaved_times({"verify": verify, "block": block, "fused": fused}, reps)
             log(f"{path.name} B={b}: " + ", ".join(f"{k} {v['median']:.3f} ms" for k, v in row.items()))
     finally:
         ctx.close()

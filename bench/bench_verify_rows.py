@@ -15,42 +15,36 @@ Results: bench/results/bench_verify_rows.md (not written for a --widths other th
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.pass_timing import interleaved_times, synthetic_tokens
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)
 HISTORY = 64
+N_RS_SEQ = 31  # rollback snapshots: a pass of up to N_RS_SEQ + 1 rows can be rolled back
 
 
-def row_times(path: Path, reps: int, widths: tuple[int, ...]) -> dict[int, tuple[float, float]]:
-    """{w: (median ms, min ms)} of a w-row causal pass and its rollback."""
+def row_times(path: Path, reps: int, widths: tuple[int, ...]) -> dict[int, dict[str, float]]:
+    """{w: {median, min}} in ms of a w-row causal pass and its rollback."""
     from clover_native import bindings
 
     model = bindings.LlamaModel(path)
-    ctx = bindings.Context(model, n_ctx=512, n_ubatch=64, n_rs_seq=31)
-    history = [t % 3000 + 1 for t in range(7, 7 + 13 * HISTORY, 13)]
+    ctx = bindings.Context(model, n_ctx=512, n_ubatch=64, n_rs_seq=N_RS_SEQ)
     try:
-        ctx.causal(history)
-        drafts = {w: [t % 3000 + 1 for t in range(101, 101 + 7 * w, 7)] for w in widths}
+        ctx.causal(synthetic_tokens(HISTORY, 7, 13))
+        drafts = {w: synthetic_tokens(w, 101, 7) for w in widths}
 
-        def one(w: int) -> float:
-            start = time.perf_counter()
+        def verify(w: int) -> None:
             ctx.causal(drafts[w], rows=[w - 1])
             ctx.rollback(HISTORY)
-            return (time.perf_counter() - start) * 1e3
 
-        for w in widths:  # the first pass of a shape builds its graph
-            one(w)
-        times: dict[int, list[float]] = {w: [] for w in widths}
-        for _ in range(reps):  # widths interleaved, so a slow spell touches each alike
-            for w in widths:
-                times[w].append(one(w))
-        out = {w: (statistics.median(v), min(v)) for w, v in times.items()}
+        out = interleaved_times({w: functools.partial(verify, w) for w in widths}, reps)
     finally:
         ctx.close()
         model.close()
@@ -61,11 +55,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--file", choices=("f16", "Q4_K_M"), default="f16")
-    ap.add_argument("--widths", default=",".join(map(str, DEFAULT_WIDTHS)), help="rows per pass, 1 to 32")
+    ap.add_argument("--widths", default=",".join(map(str, DEFAULT_WIDTHS)), help=f"rows per pass, 1 to {N_RS_SEQ + 1}")
     args = ap.parse_args()
     widths = tuple(int(w) for w in args.widths.split(","))
-    if not all(1 <= w <= 32 for w in widths):
-        ap.error("--widths: each width must be 1 to 32 (the rollback reaches 31 tokens back)")
+    if not all(1 <= w <= N_RS_SEQ + 1 for w in widths):
+        ap.error(f"--widths: each width must be 1 to {N_RS_SEQ + 1} (the rollback reaches {N_RS_SEQ} tokens back)")
 
     from clover_native import cpu
     from clover_native.bindings import default_threads
@@ -76,20 +70,21 @@ def main() -> int:
         if args.file != "f16":
             path = quantize(path, Path(tmp) / f"demo-{args.file}.gguf", args.file)
         times = row_times(path, args.reps, widths)
-    one = times[min(widths)][0]
+    one = times[min(widths)]["median"]
     lines = [f"Verification pass by rows ({time.strftime('%Y-%m-%d')}, {cpu.read_cpuinfo().summary()}, "
              f"{default_threads()} threads; demo {args.file}, {HISTORY}-token history, median of {args.reps} "
              "interleaved passes with their rollback, minimum in brackets).", "",
              f"| rows | ms | over {min(widths)} row(s) |", "|---:|---:|---:|"]
-    lines += [f"| {w} | {m:.3f} ({lo:.3f}) | {m / one:.2f} |" for w, (m, lo) in times.items()]
+    lines += [f"| {w} | {t['median']:.3f} ({t['min']:.3f}) | {t['median'] / one:.2f} |" for w, t in times.items()]
     if len(widths) > 1:
         lo_w, hi_w = min(widths), max(widths)
-        lines += ["", f"Per row from {lo_w} to {hi_w} rows: {(times[hi_w][0] - one) / (hi_w - lo_w):.3f} ms."]
+        lines += ["", f"Per row from {lo_w} to {hi_w} rows: {(times[hi_w]['median'] - one) / (hi_w - lo_w):.3f} ms."]
     print("\n".join(lines))
     if widths == DEFAULT_WIDTHS:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "bench_verify_rows.md").write_text("\n".join(lines) + "\n")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
