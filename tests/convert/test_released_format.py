@@ -237,3 +237,33 @@ def test_a_checkpoint_written_by_transformers_converts_and_matches_it(handmade: 
     assert runs["handmade.gguf", "spec"] == runs["handmade.gguf", "auto"] == generated
     for mode in ("ar", "auto", "spec", "diffusion"):
         assert runs["trunk.gguf", mode] == runs["handmade.gguf", mode], mode
+
+
+@pytest.mark.native
+def test_the_fused_pass_on_a_checkpoint_written_by_transformers(handmade: tuple[Path, object],
+                                                                tmp_path: Path) -> None:
+    """A fused verify + draft pass (docs/native.md, "The fused pass") on transformers' own weights: its causal rows
+    equal transformers' logits, and its window the reference's block pass over the history those rows extend."""
+    import torch
+
+    from clover_native import bindings
+    from clover_ref.checkpoint import load_model
+    from tests.support.native import assert_parity
+
+    checkpoint, hf = handmade
+    path = clover_convert(checkpoint, tmp_path / "handmade.gguf", "f32")
+    tokens = [int(t) for t in np.random.default_rng(1).integers(10, 3000, 24)]
+    h, c, mask = 17, 5, 3007
+    window = [tokens[h + c]] + [mask] * 7
+    ctx = bindings.Context(bindings.LlamaModel(path), n_ctx=256, n_ubatch=64, n_rs_seq=15)
+    ctx.causal(tokens[:h])
+    got_causal, got_window = ctx.fused(tokens[h:h + c], window)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens[:h + c]])).logits[0, h:].numpy()
+    assert_parity("handmade/fused-causal-vs-transformers", got_causal, theirs, 1e-3)
+    ref = load_model(checkpoint)
+    history = ref.new_history()
+    with torch.no_grad():
+        ref.forward_causal(tokens[:h + c], history)
+        want = ref.forward_block(window, history).float().numpy()
+    assert_parity("handmade/fused-window-vs-reference", got_window, want, 1e-3)
