@@ -13,7 +13,9 @@
 //   OFF      the value that turns the parameter off, for the messages ("" when none does)
 #pragma once
 
+#include <cfloat>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
@@ -112,13 +114,35 @@ static inline std::string clover_gen_param_rule(clover_gen_param_id id) {
     return *s.off ? text + " (" + s.off + ")" : text;
 }
 
-// whether v is in the range (and finite, and whole for an integer field)
+// whether the field's C type holds v: an integer field is an int32_t, any other a float (gen_params.Bound.fits)
+static inline bool clover_gen_param_fits(clover_gen_param_id id, double v) {
+    return clover_gen_param(id).integer ? (v >= INT32_MIN && v <= INT32_MAX) : std::fabs(v) <= FLT_MAX;
+}
+
+// what the C type holds, worded as gen_params.Bound.c_rule words it
+static inline std::string clover_gen_param_c_rule(clover_gen_param_id id) {
+    return clover_gen_param(id).integer ? "must be at most 2147483647 (the engine's 32-bit integer)"
+                                        : "must be at most 3.40282e+38 in magnitude (the engine's 32-bit float)";
+}
+
+// whether v is in the range (and finite, and whole for an integer field) and its C type holds it
 static inline bool clover_gen_param_ok(clover_gen_param_id id, double v) {
     const clover_gen_param_spec & s = clover_gen_param(id);
     if (!std::isfinite(v) || (s.integer && v != std::floor(v))) {
         return false;
     }
-    return (s.lo_open ? v > s.lo : v >= s.lo) && v <= s.hi;
+    return (s.lo_open ? v > s.lo : v >= s.lo) && v <= s.hi && clover_gen_param_fits(id, v);
+}
+
+// the rule v breaks: the range's, or the C type's when only the type cannot hold it ("" when v is valid)
+static inline std::string clover_gen_param_broken(clover_gen_param_id id, double v) {
+    if (clover_gen_param_ok(id, v)) {
+        return "";
+    }
+    const clover_gen_param_spec & s = clover_gen_param(id);
+    const bool in_range = std::isfinite(v) && (!s.integer || v == std::floor(v)) &&
+                          (s.lo_open ? v > s.lo : v >= s.lo) && v <= s.hi;
+    return in_range ? clover_gen_param_c_rule(id) : clover_gen_param_rule(id);
 }
 
 // The engine's check of a call's field: empty when v is in range or stands for the GGUF's value, else
@@ -128,7 +152,7 @@ static inline std::string clover_gen_param_check(clover_gen_param_id id, double 
         return "";
     }
     const clover_gen_param_spec & s = clover_gen_param(id);
-    std::string msg = std::string(s.field) + " " + clover_gen_param_rule(id);
+    std::string msg = std::string(s.field) + " " + clover_gen_param_broken(id, v);
     if (s.unset != CLOVER_UNSET_NONE) {
         msg += std::string(" (or ") + clover_gen_param_unset_text(id) + " for the GGUF's value)";
     }

@@ -4,6 +4,7 @@
 
 #include "clover.h"
 #include "clover-gguf.h"
+#include "clover-input.h"
 #include "clover-log.h"
 
 #include "gguf.h"
@@ -189,6 +190,11 @@ static std::string clover_gguf_arch(const gguf_context * gctx) {
 // a clover GGUF's header (no tensor data), checked against the file's size, and its architecture (one of spec v2's
 // spellings); nullptr with err set
 static gguf_ptr clover_gguf_open(const char * path, std::string & arch, std::string & err) {
+    const std::string problem = clover_input_file_problem(path); // a fifo would block gguf's fopen
+    if (!problem.empty()) {
+        err = clover_format("'%s': %s", path, problem.c_str());
+        return nullptr;
+    }
     gguf_init_params gparams = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
     gguf_ptr gctx(gguf_init_from_file(path, gparams));
     if (!gctx) {
@@ -414,6 +420,11 @@ static std::string clover_fingerprint_diff(const std::string & a, const std::str
 // over info (spec 5: a trunk and a sidecar match by architecture family and fingerprint, not by spelling).
 static bool clover_read_sidecar(const gguf_context * trunk, const char * path, const std::string & trunk_arch,
                                 const char * bd_path, clover_model_info & info, std::string & err) {
+    const std::string problem = clover_input_file_problem(bd_path);  // what the path is comes first
+    if (!problem.empty()) {
+        err = clover_format("'%s': %s", bd_path, problem.c_str());
+        return false;
+    }
     if (clover_has_bd_tensors(trunk)) {
         err = clover_format("'%s' already holds the block-diffusion tensors: a sidecar (%s) goes with a trunk-only file",
                 path, bd_path);
@@ -530,9 +541,18 @@ int32_t clover_gguf_n_layer(const char * path, std::string & err) {
     std::string arch;
     gguf_ptr gctx = clover_gguf_open(path, arch, err);  // the keys are read under the file's own spelling
     int64_t n = -1;
-    if (gctx && (!clover_gguf_int(gctx.get(), (arch + ".block_count").c_str(), n) || n < 0 || n > INT32_MAX)) {
-        err = clover_format("'%s': missing %s.block_count", path, arch.c_str());
-        n = -1;
+    if (!gctx) {
+        return -1;
     }
-    return gctx ? (int32_t) n : -1;
+    const std::string key = arch + ".block_count";
+    if (!clover_gguf_int(gctx.get(), key.c_str(), n)) {  // absent, or not an integer
+        err = gguf_find_key(gctx.get(), key.c_str()) < 0 ? clover_format("'%s': missing %s", path, key.c_str())
+            : clover_format("'%s': %s is not an integer", path, key.c_str());
+        return -1;
+    }
+    if (n < 0 || n > INT32_MAX) {  // present but out of range (llama.cpp's loader allows 1 .. LLAMA_MAX_LAYERS)
+        err = clover_format("'%s': %s = %lld is out of range for a layer count", path, key.c_str(), (long long) n);
+        return -1;
+    }
+    return (int32_t) n;
 }

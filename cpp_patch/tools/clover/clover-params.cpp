@@ -252,6 +252,10 @@ bool clover_make_load_plan(const char * path, const clover_engine_params & param
         err = "engine params must not be negative";
         return false;
     }
+    if (params.n_threads > GGML_MAX_N_THREADS) { // ggml's thread pool holds at most that many
+        err = clover_format("n_threads %d must be at most %d (GGML_MAX_N_THREADS)", params.n_threads, GGML_MAX_N_THREADS);
+        return false;
+    }
     const int32_t n_parallel = params.n_parallel > 0 ? params.n_parallel : 1;  // 0 = one slot
     if (params.n_graph_cache > 64) {
         err = clover_format("n_graph_cache %d must be at most 64", params.n_graph_cache);

@@ -517,9 +517,14 @@ static bool clover_grammar_opens(llama_sampler * smpl, int32_t n_vocab, const st
 static llama_sampler * clover_grammar_load(const llama_vocab * vocab, const char * grammar, const char * root,
                                            const std::vector<uint8_t> * excluded, std::string & err) {
     llama_sampler_ptr smpl(clover_grammar_init(vocab, grammar ? grammar : "", root && root[0] ? root : "root", err));
-    if (smpl && excluded && !clover_grammar_opens(smpl.get(), llama_vocab_n_tokens(vocab), *excluded)) {
-        err = "grammar: it allows no token of the vocabulary at its start (the mask token and banned ids aside), so "
-              "nothing could be generated";
+    try {
+        if (smpl && excluded && !clover_grammar_opens(smpl.get(), llama_vocab_n_tokens(vocab), *excluded)) {
+            err = "grammar: it allows no token of the vocabulary at its start (the mask token and banned ids aside), "
+                  "so nothing could be generated";
+            return nullptr;
+        }
+    } catch (const std::exception & e) {  // llama.cpp's grammar throws past its limits (too ambiguous)
+        err = std::string("grammar: ") + e.what();
         return nullptr;
     }
     return smpl.release();

@@ -37,7 +37,10 @@
 #include "llama.h"
 #include "json-schema-to-grammar.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <stdexcept>
 #include <cstdio>
@@ -312,6 +315,42 @@ int32_t clover_engine_check_grammar(const struct clover_engine * engine, const c
     return -1;
 }
 
+static constexpr size_t CLOVER_SCHEMA_MAX_KEYS = 1024;  // in one object of a JSON schema
+
+// Refuses, before common_json parses it, a schema text with an object of more than CLOVER_SCHEMA_MAX_KEYS keys:
+// common_json keeps the order of an object's keys and finds each new one by a linear search, so parsing an object
+// of n keys costs n^2 / 2 comparisons (a 16 MB schema of one object took minutes). A SAX pass, no tree: linear.
+static void clover_check_schema_objects(const char * text) {
+    struct counter : nlohmann::json_sax<nlohmann::json> {
+        std::vector<size_t> keys;  // per open object (arrays: not counted)
+        bool too_many = false;
+
+        bool null() override { return true; }
+        bool boolean(bool) override { return true; }
+        bool number_integer(number_integer_t) override { return true; }
+        bool number_unsigned(number_unsigned_t) override { return true; }
+        bool number_float(number_float_t, const string_t &) override { return true; }
+        bool string(string_t &) override { return true; }
+        bool binary(binary_t &) override { return true; }
+        bool start_object(std::size_t) override { keys.push_back(0); return true; }
+        bool end_object() override { keys.pop_back(); return true; }
+        bool start_array(std::size_t) override { keys.push_back(SIZE_MAX); return true; }
+        bool end_array() override { keys.pop_back(); return true; }
+        bool key(string_t &) override {
+            too_many = ++keys.back() > CLOVER_SCHEMA_MAX_KEYS;
+            return !too_many;
+        }
+        bool parse_error(std::size_t, const std::string &, const nlohmann::detail::exception &) override {
+            return false;  // common_json's parse names the error
+        }
+    } sax;
+    nlohmann::json::sax_parse(text, &sax);
+    if (sax.too_many) {
+        throw std::invalid_argument("an object holds more than " + std::to_string(CLOVER_SCHEMA_MAX_KEYS) +
+                                    " keys (the limit)");
+    }
+}
+
 int32_t clover_json_schema_to_grammar(const char * schema_json, char * out, size_t out_size, char * err,
                                       size_t err_size) {
     std::string msg;
@@ -319,8 +358,11 @@ int32_t clover_json_schema_to_grammar(const char * schema_json, char * out, size
         if (!schema_json) {
             throw std::invalid_argument("no schema given");
         }
+        clover_check_schema_objects(schema_json);
         const common_json schema = common_json::parse(schema_json);
-        const std::string grammar = json_schema_to_grammar(schema);
+        common_grammar_options options;
+        options.strict = true; // a constraint that cannot be enforced is refused, never relaxed to "any string"
+        const std::string grammar = json_schema_to_grammar(schema, options);
         if (out && out_size > grammar.size()) {
             std::copy(grammar.begin(), grammar.end(), out);
             out[grammar.size()] = '\0';
@@ -329,6 +371,7 @@ int32_t clover_json_schema_to_grammar(const char * schema_json, char * out, size
     } catch (const std::exception & e) {
         msg = e.what();
     }
+    std::replace(msg.begin(), msg.end(), '\n', ' '); // the converter lists its errors a line each
     clover_set_err(err, err_size, "JSON schema: " + msg);
     return -1;
 }
@@ -375,7 +418,14 @@ int32_t clover_slot_generate(struct clover_slot * slot, const llama_token * prom
     if (!clover_prefill(slot, prompt, n_prompt, stats)) {
         return -1;
     }
-    const bool ok = clover_dispatch(run);
+    bool ok = false;
+    try {
+        ok = clover_dispatch(run);
+    } catch (const std::exception & e) {
+        // llama.cpp's grammar throws at a token past which it cannot go on (its stacks past their limit): the
+        // call fails like any other, and the engine is reset, instead of the exception leaving the C API
+        slot->last_error = std::string("generation failed: ") + e.what();
+    }
     return clover_generate_end(slot, run, ok, stats);
 }
 

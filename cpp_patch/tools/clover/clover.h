@@ -336,8 +336,10 @@ CLOVER_API int32_t clover_engine_check_grammar(const struct clover_engine * engi
                                                const char * root, char * err, size_t err_size);
 // A JSON schema (JSON text) as GBNF, converted as llama-server converts response_format and json_schema
 // (common/json-schema-to-grammar). Returns the grammar's length and writes it, NUL-terminated, when out_size is
-// larger (call with out_size 0 to size the buffer), or -1 with a message in err: text that is not JSON, or a schema
-// the converter cannot express (it names the part).
+// larger (call with out_size 0 to size the buffer), or -1 with a one-line message in err: text that is not JSON, a
+// schema the converter cannot express or enforce (it names the part: strict, so an unsupported `pattern` is an
+// error, not "any string"), one that nests deeper than COMMON_JSON_SCHEMA_MAX_DEPTH (256), or one with an object of
+// more than 1024 keys (common_json's objects find a key by a linear search).
 CLOVER_API int32_t clover_json_schema_to_grammar(const char * schema_json, char * out, size_t out_size,
                                                  char * err, size_t err_size);
 

@@ -12,6 +12,7 @@
 #include "clover.h"
 #include "clover-cpp.h"
 #include "clover-gen-params.h"
+#include "clover-input.h"
 #include "llama.h"
 
 #include <algorithm>
@@ -21,8 +22,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -84,9 +83,10 @@ static double clover_cli_param(const char * flag, clover_gen_param_id id, const 
     errno = 0;
     char * end = nullptr;
     const double v = integer ? (double) strtoll(s, &end, 10) : strtod(s, &end);
-    const bool fits = !integer || (v >= INT_MIN && v <= INT_MAX);
-    if (end == s || *end != '\0' || errno == ERANGE || !fits || !clover_gen_param_ok(id, v)) {
-        fprintf(stderr, "error: %s %s, got '%s'\n", flag, clover_gen_param_rule(id).c_str(), s);
+    if (end == s || *end != '\0' || errno == ERANGE || !clover_gen_param_ok(id, v)) {
+        const bool number = end != s && *end == '\0' && errno != ERANGE;
+        fprintf(stderr, "error: %s %s, got '%s'\n", flag,
+                (number ? clover_gen_param_broken(id, v) : clover_gen_param_rule(id)).c_str(), s);
         exit(2);
     }
     return v;
@@ -298,12 +298,11 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
             a.grammar = next("--grammar");
         } else if (arg == "--grammar-file") {
             const char * path = next("--grammar-file");
-            std::ifstream in(path, std::ios::binary);
-            if (!in) {
-                fprintf(stderr, "error: --grammar-file: cannot read '%s'\n", path);
+            const std::string problem = clover_read_input_file(path, CLOVER_MAX_GRAMMAR_FILE_BYTES, a.grammar);
+            if (!problem.empty()) {
+                fprintf(stderr, "error: --grammar-file: '%s': %s\n", path, problem.c_str());
                 return 2;
             }
-            a.grammar.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
         } else if (arg == "-j" || arg == "--json-schema") {
             char err[512];
             const char * schema = next("--json-schema");
@@ -326,7 +325,7 @@ static int clover_cli_parse(int argc, char ** argv, clover_cli_args & a) {
         } else if (arg == "-b" || arg == "--batch-size") {
             a.eparams.n_batch = (int32_t) clover_cli_int("-b/--batch-size", next("-b"), 1, INT_MAX);
         } else if (arg == "-t" || arg == "--threads") {
-            a.eparams.n_threads = (int32_t) clover_cli_int("-t/--threads", next("-t"), 0, INT_MAX);
+            a.eparams.n_threads = (int32_t) clover_cli_int("-t/--threads", next("-t"), 0, GGML_MAX_N_THREADS);
         } else if (arg == "-ngl" || arg == "--n-gpu-layers") {
             a.eparams.n_gpu_layers = (int32_t) clover_cli_int("-ngl/--n-gpu-layers", next("-ngl"), -1, INT_MAX);
         } else if (arg == "-ncmoe" || arg == "--n-cpu-moe") {
@@ -457,9 +456,10 @@ int main(int argc, char ** argv) {
 
     char err[1024] = {0};
     clover_model_info info;
+    // what the user named and gave is checked before any decoding: a file or value at fault exits 2, as a bad flag
     if (clover_model_info_read(a.model_path.c_str(), a.eparams.bd_path, &info, err, sizeof(err)) != 0) {
         fprintf(stderr, "error: %s\n", err);
-        return 1;
+        return 2;
     }
     if (a.eparams.max_block_size == 0 && a.gparams.block_size > 0) {
         int32_t mb = std::max(info.block_size, a.gparams.block_size);
@@ -471,7 +471,11 @@ int main(int argc, char ** argv) {
     clover_engine_ptr eng(clover_engine_load(a.model_path.c_str(), a.eparams, err, sizeof(err)));
     if (!eng) {
         fprintf(stderr, "error: %s\n", err);
-        return 1;
+        return 2;
+    }
+    if (!a.grammar.empty() && clover_engine_check_grammar(eng.get(), a.grammar.c_str(), nullptr, err, sizeof(err)) != 0) {
+        fprintf(stderr, "error: %s\n", err);
+        return 2;
     }
     const llama_vocab * vocab = llama_model_get_vocab(clover_engine_model(eng.get()));
     const std::vector<llama_token> prompt_ids = clover_cli_tokenize(vocab, a.prompt);
