@@ -1,14 +1,13 @@
 """The project's errors: what the user's input or machine causes, as opposed to bugs.
 
 Every command-line tool (clover-ref, clover-convert, clover-quantize, clover-cpp; clover_common.cli_runner) prints a
-``CloverError`` as one line and exits with code 2; any other exception is a bug and keeps its traceback.
+``CloverError`` as one line and exits with code 2; any other exception is a bug and keeps its traceback. A file the
+user names is read through input_files.py, whose errors are CloverInputErrors.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 
 class CloverError(Exception):
@@ -33,28 +32,3 @@ class CloverInputError(CloverError):
         if field:
             where = f"{where}: field '{field}'"
         super().__init__(f"{where}: {message}")
-
-
-def missing_path_reason(path: Path) -> str | None:
-    """Why ``path`` cannot be used although something is there: a symbolic link that leads nowhere (a loop or a
-    missing target); None otherwise."""
-    if path.is_symlink() and not path.exists():
-        return "is a symbolic link that leads nowhere (a loop or a missing target)"
-    return None
-
-
-def read_json(path: Path) -> Any:
-    """The JSON value in ``path``; CloverInputError (one line, naming the file) when it cannot be read, is not
-    UTF-8 JSON, or nests too deeply for the parser."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CloverInputError(path, missing_path_reason(path) or f"cannot be read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise CloverInputError(path, f"is not valid JSON ({exc})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CloverInputError(path, f"is not valid JSON ({exc})") from None
-    except RecursionError:
-        raise CloverInputError(path, "nests JSON arrays or objects too deeply to be read") from None

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import CloverInputError
+from .long_numbers import MAX_SHOWN_NAME, long_integer_reason, shown
+from .input_files import SAFETENSORS, WEIGHT_INDEX, open_input, present, read_input_text
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -43,8 +46,8 @@ class SourceTensor:
 def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
     """Parse and validate one safetensors header; raise CloverInputError naming the file and tensor."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
+        with open_input(path, SAFETENSORS) as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) != 8:
                 raise CloverInputError(path, "is truncated: shorter than a safetensors header")
@@ -59,6 +62,8 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CloverInputError(path, f"has a corrupt safetensors header ({exc})") from None
+    except ValueError:  # an integer of more digits than CPython converts
+        raise CloverInputError(path, f"has a corrupt safetensors header ({long_integer_reason(raw)})") from None
     except RecursionError:
         raise CloverInputError(path, "has a corrupt safetensors header (JSON nested too deeply)") from None
     if not isinstance(header, dict):
@@ -113,20 +118,40 @@ def read_weight_map(model_dir: Path) -> dict[str, Path] | None:
     """The index's tensor -> file map of a sharded checkpoint (every file checked to exist), or None when the
     checkpoint has no index."""
     index_path = model_dir / INDEX_FILE
-    if not index_path.is_file():
+    if not present(index_path):
         return None
+    text = read_input_text(index_path, WEIGHT_INDEX)
     try:
-        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = json.loads(text)["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise CloverInputError(index_path, f"is not a valid safetensors index ({exc})", field="weight_map") from None
+    except ValueError:  # an integer of more digits than CPython converts
+        raise CloverInputError(index_path, long_integer_reason(text)) from None
     except RecursionError:
         raise CloverInputError(index_path, "is not a valid safetensors index (JSON nested too deeply)") from None
     by_name: dict[str, Path] = {}
     for tensor_name, file_name in weight_map.items():
-        path = model_dir / str(file_name)
-        if not path.is_file():
-            raise CloverInputError(path, f"is named in {INDEX_FILE} (tensor '{tensor_name}') but does not exist")
+        path = _shard_path(model_dir, index_path, tensor_name, file_name)
+        if not present(path):  # anything else there is refused when its header is read
+            raise CloverInputError(path, f"is named in {INDEX_FILE} (tensor {shown(tensor_name, MAX_SHOWN_NAME)}) "
+                                         "but does not exist")
         by_name[tensor_name] = path
     return by_name
+
+
+def _shard_path(model_dir: Path, index_path: Path, tensor_name: str, file_name: object) -> Path:
+    """The file the index places ``tensor_name`` in: a relative path that stays inside the checkpoint folder
+    (no absolute path, no ``..``). The file itself may be a symbolic link, as the Hugging Face cache's snapshot
+    files are (links into its blobs folder): a link is the user's own file system, the index is the
+    checkpoint's."""
+    tensor, where = shown(tensor_name, MAX_SHOWN_NAME), shown(file_name, MAX_SHOWN_NAME)
+    if not isinstance(file_name, str) or not file_name or "\0" in file_name:
+        raise CloverInputError(index_path, f"places tensor {tensor} in {where}, which is not a file name",
+                               field="weight_map")
+    name = PurePosixPath(file_name)
+    if name.is_absolute() or ".." in name.parts:
+        raise CloverInputError(index_path, f"places tensor {tensor} in {where}, outside the checkpoint folder: "
+                                           "shard names must be paths inside it", field="weight_map")
+    return model_dir / name

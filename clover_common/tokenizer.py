@@ -175,11 +175,14 @@ def special_token_ids() -> dict[str, int]:
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
     """Load ``model_dir/tokenizer.json``; raise CloverInputError naming the file if missing or invalid."""
+    from .input_files import TOKENIZER, present, read_input_text  # here: --retrain runs this file as a script
+
     path = Path(model_dir) / TOKENIZER_FILE
-    if not path.is_file():
+    if not present(path):
         raise CloverInputError(path, "tokenizer file not found (a checkpoint needs tokenizer.json)")
+    text = read_input_text(path, TOKENIZER)
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(text)
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise CloverInputError(path, f"not a valid tokenizers file: {exc}") from exc
 

@@ -10,13 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 from gguf import GGML_QUANT_VERSION, GGUFWriter, Metadata, naming_convention, size_label
 from gguf.utility import model_weight_count_rounded_notation
 from tqdm import tqdm
 
 from clover_common.block_settings import GENERATION_CONFIG_FILE, Overrides, read_generation_config
 from clover_common.config import CONFIG_FILE, CloverConfig, is_number
-from clover_common.errors import BadInput, CloverInputError, missing_path_reason, read_json
+from clover_common.config_numbers import METADATA_RULES
+from clover_common.errors import BadInput, CloverInputError
+from clover_common.input_files import CONFIG, MODEL_CARD, check_input_dir, check_input_file, present, read_json
 
 from clover_quantize.importance import load_imatrix
 from clover_quantize.file_types import FileType, UnknownTypeError, file_type
@@ -114,10 +117,32 @@ def resolve_out_type(label: str, index: CheckpointIndex | None, raw_config: dict
 def _load_metadata_override(path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
-    data = read_json(path)
+    data = read_json(path, flag="--metadata")
     if not isinstance(data, dict):
         raise CloverInputError(path, "must hold a JSON object of general.* keys")
+    for rule in METADATA_RULES:  # numbers written as general.sampling.* (docs/gguf-format.md)
+        if rule.field in data and (why := rule.check(data[rule.field])) is not None:
+            raise CloverInputError(f"--metadata {path}", why, field=rule.field)
     return data
+
+
+def load_metadata(metadata_path: Path | None, model_dir: Path, total: int) -> Metadata:
+    """gguf's ``Metadata.load``. It opens the model card (README.md), config.json, generation_config.json and the
+    --metadata file by name and skips what is not a regular file: each is checked first, as every input is
+    (clover_common.input_files), so that none is read past its cap or skipped for being a fifo or a directory."""
+    card = model_dir / "README.md"
+    for path, kind in ((card, MODEL_CARD), (model_dir / CONFIG_FILE, CONFIG),
+                       (model_dir / GENERATION_CONFIG_FILE, CONFIG)):
+        if present(path):
+            check_input_file(path, kind)
+    if metadata_path is not None:
+        check_input_file(metadata_path, CONFIG, "--metadata")
+    try:
+        return Metadata.load(metadata_path, model_dir, None, total)
+    except UnicodeDecodeError as exc:  # the model card (the JSON files were read before)
+        raise CloverInputError(card, f"is not UTF-8 text (byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        raise CloverInputError(card, f"has front matter that is not valid YAML ({exc})") from None
 
 
 def moe_size_label(total: int, shared: int, expert: int, expert_count: int, expert_used: int) -> str:
@@ -138,7 +163,7 @@ def _describe_model(writer: GGUFWriter, model_dir: Path, metadata_path: Path | N
     Unlike gguf's Metadata.load, the file may also set general.license. The size label, when neither the card
     nor the model's name gives one, is "<total>-A<active>" (moe_size_label)."""
     total, shared, expert, expert_count = writer.get_total_parameter_count()
-    metadata = Metadata.load(metadata_path, model_dir, None, total)
+    metadata = load_metadata(metadata_path, model_dir, total)
     metadata.license = override.get("general.license", metadata.license)
     if metadata.sampling_penalty_repeat is None and "general.sampling.penalty_repeat" not in override:
         # the pinned llama.cpp's Metadata.load also reads generation_config.json's repetition_penalty (the wheel's
@@ -194,10 +219,8 @@ def _index_weights(model_dir: Path, dry_run: bool) -> CheckpointIndex | None:
 def convert(options: ConvertOptions) -> ConvertResult:
     """Convert (or, with ``dry_run``, only plan). Raises CloverInputError for unusable input and OutputError
     when the output cannot be written; either way no output file is left behind."""
+    check_input_dir(options.model_dir, "a Hugging Face checkpoint")
     model_dir = options.model_dir.resolve()
-    if not model_dir.is_dir():
-        raise CloverInputError(options.model_dir, missing_path_reason(options.model_dir)
-                               or "is not a directory (expected a Hugging Face checkpoint)")
     config = CloverConfig.load(model_dir, options.block_settings)
     check_upstream_layout(config, model_dir / CONFIG_FILE)
     if options.bd_form == "only":
@@ -216,7 +239,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
         resolve_out_type(options.outtype, index, raw_config)
     plan = build_plan(config, out_type, index, options.conv_right_order)
     trunk_plan = plan.subset(lambda name: not is_bd_tensor(name)) if sidecar else plan
-    if options.dry_run and not (model_dir / TOKENIZER_FILE).exists():
+    if options.dry_run and not present(model_dir / TOKENIZER_FILE):
         log.warning("%s has no %s: the plan leaves out the tokenizer keys", model_dir, TOKENIZER_FILE)
         tokenizer = None
     else:
@@ -331,7 +354,8 @@ def _convert_bd_only(options: ConvertOptions, model_dir: Path, config: CloverCon
     index = _index_weights(model_dir, options.dry_run)
     plan = build_plan(config, OutType.F32, index, options.conv_right_order, only=is_bd_tensor)
     tokenizer = read_tokenizer_keys(model_dir, config.vocab_size, config.mask_token_id)
-    name = Metadata.load(options.metadata, model_dir, None, 0).name or model_dir.name
+    _load_metadata_override(options.metadata)  # checked as the full conversion checks it
+    name = load_metadata(options.metadata, model_dir, 0).name or model_dir.name
     final_path = options.outfile
     result = ConvertResult(plan, OutType.F32, [final_path], [(len(plan.tensors), plan.nbytes)])
     if options.dry_run:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clover_common.errors import CloverInputError, read_json
+from clover_common.errors import CloverInputError
+from clover_common.input_files import CHAT_TEMPLATE, TOKENIZER, present, read_input_text, read_json
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +60,15 @@ def _merges(raw: Any, path: Path) -> list[str]:
 
 def _load_from_tokenizer_json(vocab: SpecialVocab, model_dir: Path) -> None:
     tokenizer_file = model_dir / "tokenizer.json"
-    tokenizer = read_json(tokenizer_file) if tokenizer_file.is_file() else None
+    tokenizer = read_json(tokenizer_file, TOKENIZER) if present(tokenizer_file) else None
     added_tokens: list[dict[str, Any]] = []
     if tokenizer:
         vocab.merges = _merges(tokenizer.get("model", {}).get("merges"), tokenizer_file)
         added_tokens = tokenizer.get("added_tokens", [])
     config_file = model_dir / "tokenizer_config.json"
-    tokenizer_config = read_json(config_file) if config_file.is_file() else None
+    tokenizer_config = read_json(config_file) if present(config_file) else None
+    if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
+        raise CloverInputError(config_file, "must hold a JSON object")
     if tokenizer:
         _apply_post_processor(vocab, tokenizer, tokenizer_config)
     if not tokenizer_config:
@@ -91,14 +94,17 @@ def _load_from_tokenizer_json(vocab: SpecialVocab, model_dir: Path) -> None:
 def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | list[dict[str, str]] | None:
     alternative: str | list[dict[str, str]] | None = None
     jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        alternative = jinja.read_text(encoding="utf-8")
+    if present(jinja):
+        alternative = read_input_text(jinja, CHAT_TEMPLATE)
         extra = sorted((model_dir / "additional_chat_templates").glob("*.jinja"))
         if extra:
             alternative = [{"name": "default", "template": alternative}]
-            alternative += [{"name": p.stem, "template": p.read_text(encoding="utf-8")} for p in extra]
-    elif (model_dir / "chat_template.json").is_file():
-        alternative = read_json(model_dir / "chat_template.json").get("chat_template")
+            alternative += [{"name": p.stem, "template": read_input_text(p, CHAT_TEMPLATE)} for p in extra]
+    elif present(model_dir / "chat_template.json"):
+        data = read_json(model_dir / "chat_template.json", CHAT_TEMPLATE)
+        if not isinstance(data, dict):
+            raise CloverInputError(model_dir / "chat_template.json", "must hold a JSON object with a chat_template")
+        alternative = data.get("chat_template")
     template = tokenizer_config.get("chat_template", alternative)
     if template is None or isinstance(template, (str, list)):
         return template
@@ -189,7 +195,7 @@ def _template_processing(vocab: SpecialVocab, processor: dict[str, Any], cfg: di
 
 def _load_from_config_json(vocab: SpecialVocab, model_dir: Path) -> None:
     config_file = model_dir / "config.json"
-    if not config_file.is_file():
+    if not present(config_file):
         return
     config = read_json(config_file)
     for typ in vocab.special_token_types:

@@ -19,6 +19,7 @@ from typing import IO, Callable, Iterator
 import numpy as np
 
 from clover_common.errors import CloverInputError
+from clover_common.input_files import SAFETENSORS, open_input_fd
 
 from .encoding import RAW_DTYPES, encode_chunk, to_float32
 from .tensor_plan import ConversionPlan, SourceSpan, TensorPlan
@@ -66,8 +67,8 @@ class SourceReader:
         self._fds: dict[Path, int] = {}
         try:
             for path in sorted({source.path for source in plan.sources.values()}):
-                self._fds[path] = os.open(path, os.O_RDONLY)
-        except OSError:
+                self._fds[path] = open_input_fd(path, SAFETENSORS)  # a regular file still, never a fifo's wait
+        except BaseException:
             self.close()
             raise
 

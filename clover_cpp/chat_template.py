@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jinja2
 
 from clover_common.chat_render import render_chat
 from clover_common.errors import BadInput
+from clover_common.input_files import CHAT_TEMPLATE, read_input_text
 
 from clover_native import loader
 
@@ -39,13 +39,8 @@ class ChatTemplate:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "ChatTemplate":
-        p = Path(path)
-        try:
-            return cls(p.read_text(encoding="utf-8"), str(p))
-        except OSError as exc:
-            raise BadInput(f"{p}: cannot read the chat template ({exc.strerror or exc})") from None
-        except UnicodeDecodeError as exc:
-            raise BadInput(f"{p}: the chat template is not UTF-8 text (byte {exc.start})") from None
+        """--chat-template FILE (clover_common.input_files: a regular file of at most CHAT_TEMPLATE's size)."""
+        return cls(read_input_text(path, CHAT_TEMPLATE, "--chat-template"), os.fspath(path))
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                enable_thinking: bool = True, add_generation_prompt: bool = True) -> str:
@@ -58,6 +53,9 @@ class ChatTemplate:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from None
         except RecursionError:
             raise TemplateError("the chat template cannot render these messages: it recursed too deeply") from None
+        except SyntaxError as exc:  # Jinja compiles the template to Python, whose compiler has nesting limits of its
+            # own ("too many statically nested blocks", "too many levels of indentation")
+            raise TemplateError(f"the chat template cannot be compiled: it nests too deeply ({exc.msg})") from None
         except MemoryError:
             raise TemplateError("the chat template cannot render these messages: it ran out of memory") from None
         except (OverflowError, ValueError, ArithmeticError) as exc:  # e.g. range(10**30), an int too large

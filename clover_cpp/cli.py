@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ import time
 from clover_common import cli_runner
 from clover_common.cli_runner import OneLineParser
 from clover_common.errors import BadInput
+from clover_common.input_files import API_KEYS, CALIBRATION_TEXT, GGUF, check_input_file, read_input_text
 
 from . import options
 from .options import BD_HELP, at_least
@@ -117,6 +119,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                      help="most requests waiting for the engine (default 64; more: 429)")
     lim.add_argument("--template-timeout", type=float, default=10.0, metavar="S",
                      help="seconds to render the chat template and tokenize one request (default 10)")
+    lim.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                     help="seconds a connection may take to send a request's headers (from when it connects or its "
+                          "previous answer ends), and may fall silent while sending its body (default 10; "
+                          "llama-server's flag name)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -183,9 +189,10 @@ def run_imatrix(args: argparse.Namespace) -> int:
     at_least(("--chunk-size", args.chunk_size, 1), ("--chunks", args.chunks, 1),
               ("--block-size", args.block_size, 1), ("-t/--threads", args.threads, 0),
               ("-ngl/--n-gpu-layers", args.n_gpu_layers, -1), ("--seed", args.seed, 0))
-    for flag, path in (("-m/--model", args.model), ("-f/--file", args.file), ("--bd", args.bd)):
-        if path is not None and not os.path.isfile(path):
-            raise BadInput(f"{path}: no such file ({flag})")
+    for flag, path, kind in (("-m/--model", args.model, GGUF), ("-f/--file", args.file, CALIBRATION_TEXT),
+                             ("--bd", args.bd, GGUF)):
+        if path is not None:
+            check_input_file(path, kind, flag)
     out = Path(args.output)
     if out.is_dir() or not out.resolve().parent.is_dir():
         raise BadInput(f"{out}: cannot write there (-o/--output needs a file in an existing folder)")
@@ -195,10 +202,7 @@ def run_imatrix(args: argparse.Namespace) -> int:
         raise BadInput(f"{args.model} is not a clover GGUF: {exc}") from None
     if args.chunk_size > info.n_ctx_train:
         raise BadInput(f"--chunk-size {args.chunk_size} exceeds the model's training context {info.n_ctx_train}")
-    try:
-        text = Path(args.file).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadInput(f"{args.file}: not UTF-8 text (byte {exc.start})") from None
+    text = read_input_text(args.file, CALIBRATION_TEXT, "-f/--file")
     if not text.strip():
         raise BadInput(f"{args.file}: the calibration file is empty")
     model = bindings.LlamaModel(args.model, n_gpu_layers=args.n_gpu_layers, bd_path=args.bd)
@@ -240,17 +244,14 @@ def run_serve_command(args: argparse.Namespace) -> int:
     at_least(("--max-body-bytes", args.max_body_bytes, 0), ("--max-messages", args.max_messages, 0),
               ("--max-prompt-chars", args.max_prompt_chars, 0), ("--max-queue", args.max_queue, 0),
               ("-np/--parallel", args.parallel, 1))
-    if not args.template_timeout >= 0:
-        raise BadInput(f"--template-timeout must be >= 0, got {args.template_timeout}")
+    for flag, seconds in (("--template-timeout", args.template_timeout), ("--timeout", args.timeout)):
+        if not 0 <= seconds < math.inf:
+            raise BadInput(f"{flag} must be a finite number >= 0, got {seconds}")
     for key in args.api_key:
         if not key or key != key.strip() or not key.isprintable() or not key.isascii():
             raise BadInput("--api-key: a key must be printable ASCII without surrounding spaces")
     if args.api_key_file:
-        try:
-            lines = open(args.api_key_file, encoding="utf-8").read().splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise BadInput(f"{args.api_key_file}: cannot read the API keys "
-                           f"({getattr(exc, 'strerror', None) or exc}) (--api-key-file)") from None
+        lines = read_input_text(args.api_key_file, API_KEYS, "--api-key-file").splitlines()
         keys = [line.strip() for line in lines if line.strip()]
         if not keys:
             raise BadInput(f"{args.api_key_file}: holds no API key (--api-key-file: one key per line)")

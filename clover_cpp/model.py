@@ -26,6 +26,7 @@ from typing import Any
 
 from clover_common.generate_output import RunStats
 from clover_common.errors import BadInput
+from clover_common.input_files import GGUF, check_input_file
 
 from clover_native import libclover, loader, bindings
 from clover_native.loader import NativeError
@@ -520,8 +521,8 @@ class Model(loader.NativeHandle):
         L = libclover.lib()
         self.path = str(path)
         for file in (self.path, bd_path):
-            if file is not None and not os.path.exists(file):
-                raise FileNotFoundError(f"{file}: no such file")
+            if file is not None:
+                check_input_file(file, GGUF)  # llama.cpp would wait on a fifo, and read a device without end
         params, keep = engine_params(n_ctx=n_ctx, n_threads=n_threads, max_block_size=max_block_size,
                                      n_gpu_layers=n_gpu_layers, n_batch=n_batch, use_extra_bufts=use_extra_bufts,
                                      offload=offload, n_parallel=n_parallel, bd_path=bd_path,

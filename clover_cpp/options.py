@@ -13,17 +13,18 @@ offload and generation arguments (llama.cpp's names and meanings where llama.cpp
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from clover_common.errors import BadInput
+from clover_common.input_files import CHAT_TEMPLATE, GGUF, GRAMMAR, JSON_SCHEMA, check_input_file, read_input_text
 
-from .gen_params import MODES, PARAMS, GenParamError, GenParams
+from .gen_params import INT32_MAX, INT32_MIN, MODES, PARAMS, GenParamError, GenParams
 from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY, Model
 from .offload import add_offload_args, offload_from_args
 
@@ -124,15 +125,6 @@ def add_distribution_args(p: argparse.ArgumentParser, grammar: bool = True) -> N
                      help="read the JSON schema from a file")
 
 
-def _read_text(path: str, what: str, flag: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadInput(f"{path}: cannot read the {what}: not UTF-8 text (byte {exc.start}) ({flag})") from None
-    except OSError as exc:
-        raise BadInput(f"{path}: cannot read the {what} ({exc.strerror or exc}) ({flag})") from None
-
-
 @contextmanager
 def _native_stderr() -> Iterator[list[str]]:
     """What native code writes to stderr (fd 2) inside the body, as a list of lines after it; sys.stderr is left
@@ -176,9 +168,9 @@ def grammar_arg(args: argparse.Namespace) -> str | None:
     if flag == "--grammar":
         return str(args.grammar)
     if args.grammar_file:
-        return _read_text(args.grammar_file, "grammar", "--grammar-file")
+        return read_input_text(args.grammar_file, GRAMMAR, "--grammar-file")
     schema = args.json_schema if args.json_schema is not None else \
-        _read_text(args.json_schema_file, "JSON schema", "-jf/--json-schema-file")
+        read_input_text(args.json_schema_file, JSON_SCHEMA, "-jf/--json-schema-file")
     from clover_native import libclover
 
     with _native_stderr() as printed:
@@ -203,27 +195,35 @@ def check_grammar(model: Model, args: argparse.Namespace, params: GenParams) -> 
 
 
 def at_least(*checks: tuple[str, int | float | None, int]) -> None:
-    """(flag, value, lowest allowed) triples; a None value is an option left at its default."""
+    """(flag, value, lowest allowed) triples; a None value is an option left at its default. A value must also be
+    finite and at most 2^31 - 1: the engine holds these counts in 32-bit ints (a larger one would wrap)."""
     for flag, value, low in checks:
-        if value is not None and value < low:
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadInput(f"{flag} must be a finite number, got {value}")
+        if value < low:
             raise BadInput(f"{flag} must be at least {low}, got {value}")
+        if value > INT32_MAX:
+            raise BadInput(f"{flag} must be at most {INT32_MAX} (a 32-bit integer), got {value}")
 
 
 def check_model_args(args: argparse.Namespace) -> None:
-    """-m and --bd name existing files; -c, -t and the engine options are not negative."""
-    if not os.path.isfile(args.model):
-        raise BadInput(f"{args.model}: no such file")
-    if args.bd is not None and not os.path.isfile(args.bd):
-        raise BadInput(f"{args.bd}: no such file (--bd)")
+    """-m, --bd and --chat-template name regular files (clover_common.input_files); -c, -t and the engine options
+    are not negative."""
+    check_input_file(args.model, GGUF, "-m/--model")
+    if args.bd is not None:
+        check_input_file(args.bd, GGUF, "--bd")
     at_least(("-c/--ctx-size", args.ctx_size, 0), ("-t/--threads", args.threads, 0),
+             ("-ngl/--n-gpu-layers", args.n_gpu_layers, INT32_MIN),
              ("--max-block-size", getattr(args, "max_block_size", None), 0),
              ("--cache-ram", getattr(args, "cache_ram", None), 0),
              ("--checkpoint-every", getattr(args, "checkpoint_every", None), 0),
              ("--prefill-chunk", getattr(args, "prefill_chunk", None), 0),
              ("--graph-cache", args.graph_cache, 0))
     template = getattr(args, "chat_template", None)
-    if template and not os.path.isfile(template):
-        raise BadInput(f"{template}: no such file (--chat-template)")
+    if template:
+        check_input_file(template, CHAT_TEMPLATE, "--chat-template")
 
 
 def gen_params(args: argparse.Namespace, **fields: Any) -> GenParams:
@@ -240,7 +240,7 @@ def gen_params(args: argparse.Namespace, **fields: Any) -> GenParams:
     try:
         return GenParams(**values)
     except GenParamError as exc:
-        raise BadInput(f"{FLAGS[exc.field]} {exc.rule}, got {exc.value}") from None
+        raise BadInput(f"{FLAGS[exc.field]} {exc.rule}, got {exc.shown}") from None
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:

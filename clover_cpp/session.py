@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from clover_common.errors import BadInput
+from clover_common.input_files import GGUF, SESSION, InputFileError, open_input
 
 from .gen_params import PARAMS
 
@@ -59,7 +60,7 @@ def gguf_fingerprint(path: str | os.PathLike[str]) -> str:
     """SHA-256 of a GGUF's size, its first MiB (the header and metadata) and 16 evenly spaced 64 KiB samples of the
     rest (the weights): cheap on a file of many GB, and different for another checkpoint or another conversion."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_input(path, GGUF) as f:
         size = os.fstat(f.fileno()).st_size
         h.update(struct.pack("<Q", size))
         h.update(f.read(FINGERPRINT_HEAD))
@@ -131,9 +132,9 @@ def read(path: str | os.PathLike[str], identity: Mapping[str, Any], n_ctx: int, 
         return SessionError(f"{name}: {field}: {problem}")
 
     try:
-        f = open(Path(path).expanduser(), "rb")
-    except OSError as exc:
-        raise SessionError(f"{name}: cannot read: {exc.strerror or exc}") from None
+        f = open_input(Path(path).expanduser(), SESSION)  # a regular file: never a fifo's wait
+    except InputFileError as exc:
+        raise SessionError(f"{name}: cannot read: {exc.reason}") from None
     with f:
         size = os.fstat(f.fileno()).st_size
 

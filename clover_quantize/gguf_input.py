@@ -11,6 +11,7 @@ from typing import Any
 from gguf import GGMLQuantizationType, GGUFReader
 
 from clover_common.errors import BadInput
+from clover_common.input_files import GGUF, check_input_file, open_input, present
 from clover_common.layout import ARCH_SPELLINGS, V1_GGUF_ARCH
 
 from .file_types import is_quantized
@@ -66,17 +67,18 @@ def input_shard_paths(path: Path) -> tuple[Path, ...]:
     if int(m.group("i")) != 1:
         raise InputError(f"{path}: give the first shard of a split model (…-00001-of-{n:05d}.gguf)")
     shards = tuple(path.with_name(f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1))
-    missing = [str(p) for p in shards if not p.is_file()]
+    missing = [str(p) for p in shards if not present(p)]
     if missing:
         raise InputError(f"{path}: split model shard(s) missing: {', '.join(missing)}")
+    for shard in shards:
+        check_input_file(shard, GGUF)
     return shards
 
 
 def read_input(path: Path) -> InputModel:
     """Read the header(s) of a clover GGUF (no tensor data) that the engine accepts (``check_engine_accepts``).
     Raises InputError for anything else."""
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    check_input_file(path, GGUF)
     shards = input_shard_paths(path)
     # the engine's checks first: its parser refuses a damaged file at once, where gguf-py's reader can spin for
     # minutes on a corrupted array length
@@ -85,7 +87,8 @@ def read_input(path: Path) -> InputModel:
     file_type: int | None = None
     for i, shard in enumerate(shards):
         try:
-            reader = GGUFReader(shard, "r")
+            with open_input(shard, GGUF) as f:  # what gguf-py maps is the checked file
+                reader = GGUFReader(f, "r")  # type: ignore[arg-type]
         except (ValueError, OSError, IndexError, KeyError) as exc:
             raise InputError(f"{shard}: not a GGUF file ({' '.join(str(exc).split()) or type(exc).__name__})") from None
         if i == 0:

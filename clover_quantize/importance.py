@@ -10,6 +10,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from clover_common.errors import BadInput
+from clover_common.input_files import IMATRIX, open_input
 
 from .gguf_input import field_value
 
@@ -31,11 +32,10 @@ class Imatrix:
 
 
 def load_imatrix(path: Path) -> Imatrix:
-    """Read and normalise an imatrix GGUF. Raises ImatrixError naming the file and the field."""
-    if not path.is_file():
-        raise ImatrixError(f"{path}: no such file (--imatrix)")
+    """Read and normalise an imatrix GGUF (--imatrix). Raises ImatrixError naming the file and the field."""
     try:
-        reader = GGUFReader(path, "r")
+        with open_input(path, IMATRIX, "--imatrix") as f:  # what gguf-py maps is the checked file
+            reader = GGUFReader(f, "r")  # type: ignore[arg-type]
     except (ValueError, OSError, IndexError, KeyError) as exc:
         raise ImatrixError(f"{path}: not a GGUF imatrix file ({' '.join(str(exc).split())}); "
                            "make one with `clover-cpp imatrix`") from None

@@ -8,6 +8,7 @@ import torch
 
 from clover_common.config import CloverConfig
 from clover_common.errors import CloverInputError
+from clover_common.input_files import check_input_dir
 from .hf_io import load_state_dict, save_state_dict, split_experts
 from .model import CloverModel
 
@@ -15,8 +16,7 @@ from .model import CloverModel
 def load_model(model_dir: str | Path) -> CloverModel:
     """Read a checkpoint directory into a float32 CloverModel, with errors that name the file and field."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CloverInputError(model_dir, "is not a directory")
+    check_input_dir(model_dir, "a Clover checkpoint")
     config = CloverConfig.load(model_dir)
     state = load_state_dict(model_dir, config)
     model = CloverModel(config)

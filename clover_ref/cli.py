@@ -17,6 +17,7 @@ from pathlib import Path
 from clover_common import cli_runner
 from clover_common.cli_runner import OneLineParser
 from clover_common.errors import CloverError, CloverInputError
+from clover_common.input_files import check_input_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,8 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .decode import generate
     from clover_common.tokenizer import load_tokenizer
 
-    if not args.model_dir.is_dir():
-        raise CloverInputError(args.model_dir, "is not a directory (expected a Clover checkpoint)")
+    check_input_dir(args.model_dir, "a Clover checkpoint")
     tokenizer = load_tokenizer(args.model_dir)
     model = load_model(args.model_dir)
     prompt_ids = tokenizer.encode(args.prompt).ids

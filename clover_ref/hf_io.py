@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from clover_common.config import CloverConfig
 from clover_common.errors import CloverInputError
+from clover_common.input_files import present
 from clover_common.layout import (CONV_RIGHT, canonical_name, check_conv_right_shape, is_v1_tensor,
                                   normalize_conv_right, tensor_shapes)
 from clover_common.safetensors_header import INDEX_FILE, SINGLE_FILE, read_safetensors_header, read_weight_map
@@ -28,7 +29,7 @@ def shard_files(model_dir: Path) -> dict[str, Path]:
     if by_name is not None:
         return by_name
     single = model_dir / SINGLE_FILE
-    if not single.is_file():
+    if not present(single):
         raise CloverInputError(model_dir, f"holds neither {SINGLE_FILE} nor {INDEX_FILE}")
     return {name: single for name in read_header(single)}
 
@@ -87,7 +88,7 @@ def load_state_dict(model_dir: str | Path, config: CloverConfig, conv_right_orde
             raise CloverInputError(path, f"tensor '{stored}' has shape {list(tensor.shape)}, but config.json "
                                          f"implies {list(expected)}")
         raw[name] = tensor.to(torch.float32)
-    weights_file = model_dir / INDEX_FILE if (model_dir / INDEX_FILE).is_file() else model_dir / SINGLE_FILE
+    weights_file = model_dir / INDEX_FILE if present(model_dir / INDEX_FILE) else model_dir / SINGLE_FILE
     return _fuse_experts(raw, config, weights_file)
 
 

@@ -183,7 +183,7 @@ def test_zero_full_attention_interval_is_refused(model: Path, out_dir: Path, cap
     data.pop("layer_types", None)
     data["full_attention_interval"] = 0
     (model / "config.json").write_text(json.dumps(data))
-    assert_fails(capsys, model, out_dir, "config.json", "field 'full_attention_interval'", "positive integer")
+    assert_fails(capsys, model, out_dir, "config.json", "field 'full_attention_interval'", "an integer in 1 .. ")
 
 
 def _drop_mask_id(model: Path) -> None:
@@ -281,7 +281,7 @@ def test_config_only_directory_needs_dry_run(model: Path, out_dir: Path, capsys)
 
 
 def test_model_directory_must_exist(tmp_path: Path, out_dir: Path, capsys) -> None:
-    assert_fails(capsys, tmp_path / "nowhere", out_dir, "nowhere", "is not a directory")
+    assert_fails(capsys, tmp_path / "nowhere", out_dir, "nowhere", "no such directory")
 
 
 def test_nonfinite_weights_refused_then_allowed(model: Path, out_dir: Path, capsys) -> None:

@@ -8,6 +8,10 @@ mutant would cost a second of imports each); the runner announces each mutant be
 hang is pinned on that mutant and the runner is restarted on the rest. A few mutants also run through the real
 console scripts, to check that the one line is all they print.
 
+Special files (a fifo, /dev/zero, a directory, a link that leads nowhere, a file over its kind's size cap) go into
+every file option of every tool (tests/support/fuzz_files.py): one line naming the path, what it is and the
+option, within a bounded time and memory.
+
 CLOVER_FUZZ=full runs the larger set: more random flips over three seeds, and every GGUF mutant through
 clover-quantize (the default sends a seeded sample). The counts go to the run's notes."""
 
@@ -22,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from clover_ref.factory import init_checkpoint
 from tests.support import fuzz_checkpoint
+from tests.support import fuzz_files
 from tests.support import fuzz_gguf
 from clover_dev.convert import clover_convert
 
@@ -142,7 +148,8 @@ def test_gguf_mutants_quantize(tiny_gguf: Path, tmp_path: Path, record_property)
 
 
 def test_checkpoint_mutants_convert(tiny_checkpoint: Path, tmp_path: Path, record_property) -> None:
-    """clover-convert on broken checkpoints: one line naming the file and the field or tensor, no output."""
+    """clover-convert on broken checkpoints: one line naming the file and the field or tensor, no output. Most are
+    the numeric edge values in every numeric config field (fuzz_checkpoint.numeric_mutants)."""
     root = tmp_path / "mutants"
     root.mkdir()
     items = []
@@ -151,7 +158,7 @@ def test_checkpoint_mutants_convert(tiny_checkpoint: Path, tmp_path: Path, recor
         for m in fuzz_checkpoint.mutants(tiny_checkpoint, seed=seed):
             path = fuzz_checkpoint.materialize(tiny_checkpoint, m, root / f"s{seed}")
             items.append((f"s{seed}-{m.name}", m.expect, False, str(path)))
-    assert len(items) >= 80
+    assert len(items) >= 800
     out = tmp_path / "out"
     out.mkdir()
     results = fuzz_gguf.run_mutants("convert", [p for *_, p in items], out, TIMEOUT_S, None)
@@ -185,3 +192,101 @@ def test_console_script_prints_one_line(tiny_gguf: Path, tmp_path: Path, name: s
             assert f"clover_moe.{UPSTREAM_CHECKS[name]}" in lines[0] and str(path) in lines[0], lines[0]
         assert not proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+# ---------------------------------------------------------------------- special files in every file option
+SPECIAL_TIMEOUT_S = 30  # per command line: a fifo waited on
+SPECIAL_MAX_DATA = 4 * 2**30  # the runner's RLIMIT_DATA: /dev/zero read to its end fails at once, not after 30 s
+
+
+@pytest.fixture(scope="module")
+def special_bases(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The checkpoints whose files the cases replace: tiny, and tiny in five shards with an index."""
+    sharded = tmp_path_factory.mktemp("fuzz-files-sharded")
+    init_checkpoint(sharded, "tiny", seed=0, max_shard_bytes=300_000)
+    assert (sharded / "model-00002-of-00005.safetensors").is_file()
+    return {"tiny": tiny_checkpoint, "sharded": sharded}
+
+
+def _special_files(tmp_path: Path, bases: dict[str, Path], gguf: Path | None, native: bool,
+                   record_property) -> None:
+    items = fuzz_files.cases(tmp_path / "cases", bases, gguf, native)
+    slots = {c.slot for c in items}
+    assert slots == {s for s in fuzz_files.SLOTS if s.native == native}  # every file option has cases
+    assert all(sum(c.slot == s for c in items) >= 5 for s in slots)
+    results = fuzz_gguf.run_mutants("cli", [fuzz_files.case_key(c) for c in items], tmp_path, SPECIAL_TIMEOUT_S,
+                                    None, SPECIAL_MAX_DATA)
+    outcomes = {c.name: fuzz_files.outcome(c, results[fuzz_files.case_key(c)]) for c in items}
+    bad = [f"{c.name}: {outcomes[c.name]}: {str(results[fuzz_files.case_key(c)])[:300]}" for c in items
+           if outcomes[c.name] != "clean"]
+    left = sorted(str(p) for p in (tmp_path / "cases").rglob("out*"))
+    tools = sorted({s.prog for s in slots})
+    summary = (f"special files: {len(items)} command lines, {len(slots)} file options of {', '.join(tools)}: "
+               f"{sum(o == 'clean' for o in outcomes.values())} clean one-line errors")
+    record_property("note", summary)
+    assert not bad and not left, summary + "\n" + "\n".join(bad[:40] + [f"left behind: {p}" for p in left])
+
+
+def test_special_files_convert_ref(special_bases: dict[str, Path], tmp_path: Path, record_property) -> None:
+    """clover-convert and clover-ref: every checkpoint file they read and every file option, as a fifo, /dev/zero,
+    /dev/null, a directory, a link that leads nowhere or to a fifo, a sparse file over the cap, missing."""
+    _special_files(tmp_path, special_bases, None, False, record_property)
+
+
+@pytest.mark.native
+def test_special_files_quantize_cpp(special_bases: dict[str, Path], tiny_gguf: Path, tmp_path: Path,
+                                    record_property) -> None:
+    """clover-quantize and clover-cpp generate, chat, serve and imatrix: every file option, as above."""
+    _special_files(tmp_path, special_bases, tiny_gguf, True, record_property)
+
+
+# the console scripts themselves print only the one line (a sample: a fifo, /dev/zero, a too-large file)
+SPECIAL_SCRIPT_CASES = ("clover-convert-model.safetensors-fifo", "clover-convert---metadata-dev-zero",
+                        "clover-cpp-generate---grammar-file-fifo", "clover-cpp-serve---api-key-file-dev-zero",
+                        "clover-cpp-chat---chat-template-too-large", "clover-quantize-IN-fifo")
+
+
+@pytest.mark.parametrize("name", SPECIAL_SCRIPT_CASES)
+@pytest.mark.native
+def test_special_files_console_scripts(special_bases: dict[str, Path], tiny_gguf: Path, tmp_path: Path,
+                                       name: str) -> None:
+    case = next(c for native in (False, True) for c in fuzz_files.cases(tmp_path / str(native), special_bases,
+                                                                        tiny_gguf, native) if c.name == name)
+    proc = subprocess.run([str(VENV_BIN / case.argv[0]), *case.argv[1:]], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=SPECIAL_TIMEOUT_S)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{case.argv[0]}: error: "), proc.stderr
+    assert all(e in lines[0] for e in case.expect), (case.expect, lines[0])
+    assert not proc.stdout
+
+
+# llama-clover (C): its file options through cpp_patch/tools/clover/clover-input.h, one process per command line
+# (it exits before loading anything). The too-large case: --grammar-file, whose cap is the grammar kind's.
+LLAMA_CLOVER_SLOTS = (("-m", ("-m", "{FILE}", "-p", "x", "-n", "1")),
+                      ("--bd", ("-m", "{GGUF}", "--bd", "{FILE}", "-p", "x", "-n", "1")),
+                      ("--grammar-file", ("-m", "{GGUF}", "--grammar-file", "{FILE}", "-p", "x", "-n", "1")))
+
+
+@pytest.mark.native
+def test_special_files_llama_clover(tiny_gguf: Path, tmp_path: Path) -> None:
+    """llama-clover's -m, --bd and --grammar-file as a fifo, /dev/zero, /dev/null, a directory, a link that leads
+    nowhere or to a fifo, a file over the grammar cap, missing: exit 2 and one line that names the path and what it
+    is, at once (a fifo would block llama.cpp's fopen)."""
+    from clover_common.input_files import GRAMMAR
+    from tests.support.native import native_tool
+
+    tool = native_tool("llama-clover")
+    bad = []
+    for flag, argv in LLAMA_CLOVER_SLOTS:
+        for special, (_, says, _) in fuzz_files.SPECIALS.items():
+            if says is None or (special == "too-large" and flag != "--grammar-file"):
+                continue
+            path = fuzz_files.make_special(special, tmp_path / f"{flag.strip('-')}-{special}", GRAMMAR)
+            says = "bytes allowed" if special == "too-large" else says
+            done = subprocess.run([str(tool), *(a.format(FILE=path, GGUF=tiny_gguf) for a in argv)],
+                                  capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=SPECIAL_TIMEOUT_S)
+            lines = done.stderr.strip().splitlines()
+            if not (done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+                    and path in lines[0] and says in lines[0]):
+                bad.append(f"{flag} {special}: exit {done.returncode}: {done.stderr[-300:]}")
+    assert not bad, "\n".join(bad)

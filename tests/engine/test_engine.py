@@ -552,9 +552,9 @@ CLI_BAD: list[tuple[list[str], str]] = [
     (["generate", "-p", "x"], ""),
     (["frobnicate"], ""),
 ] + [(["generate", "-m", "MODEL", "-p", "x", "-n", "4", *flags], needle) for flags, needle in [
-    (["--grammar-file", "/nonexistent/g.gbnf"], "/nonexistent/g.gbnf: cannot read the grammar (No such file"),
-    (["--grammar-file", "NOT_UTF8"], "cannot read the grammar: not UTF-8 text"),
-    (["-jf", "/nonexistent/s.json"], "/nonexistent/s.json: cannot read the JSON schema"),
+    (["--grammar-file", "/nonexistent/g.gbnf"], "--grammar-file /nonexistent/g.gbnf: no such file"),
+    (["--grammar-file", "NOT_UTF8"], "latin1.gbnf: is not UTF-8 text (byte 10)"),
+    (["-jf", "/nonexistent/s.json"], "-jf/--json-schema-file /nonexistent/s.json: no such file"),
     (["-j", "{x"], "-j/--json-schema: JSON schema: [json.exception.parse_error.101] parse error"),
     (["-j", '{"type": "nonsense"}'], "-j/--json-schema: JSON schema: JSON schema conversion failed: JSON schema "
                                      "error at #: unrecognized type nonsense"),

@@ -290,13 +290,13 @@ def test_bad_input_one_line(tiny: SimpleNamespace, tmp_path: Path, case: str) ->
     extra: list[str] = []
     expect = ""
     if case == "missing-model":
-        args["-m"], expect = str(tmp_path / "nope.gguf"), "no such file (-m/--model)"
+        args["-m"], expect = str(tmp_path / "nope.gguf"), f"-m/--model {tmp_path / 'nope.gguf'}: no such file"
     elif case == "not-gguf":
         args["-m"], expect = calib, "is not a clover GGUF"
     elif case == "not-clover":
         args["-m"], expect = str(tiny.masked), "is not a clover GGUF"  # an imatrix GGUF is not a model
     elif case == "missing-calib":
-        args["-f"], expect = str(tmp_path / "nope.txt"), "no such file (-f/--file)"
+        args["-f"], expect = str(tmp_path / "nope.txt"), f"-f/--file {tmp_path / 'nope.txt'}: no such file"
     elif case == "empty-calib":
         (tmp_path / "empty.txt").write_text(" \n\n")
         args["-f"], expect = str(tmp_path / "empty.txt"), "calibration file is empty"

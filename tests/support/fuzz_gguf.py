@@ -12,7 +12,9 @@ the chat template) and may load.
 Runner: ``python -m tests.support.fuzz_gguf generate|quantize|convert OUT_DIR PATH...`` (from the repository root)
 loads each mutant in this one process
 and prints, per mutant, ``start PATH`` before and one JSON line after: a native abort or a hang is then
-pinned on the mutant whose ``start`` came last (the parent restarts the runner on the rest).
+pinned on the mutant whose ``start`` came last (the parent restarts the runner on the rest). With the tool ``cli``
+each PATH is instead a whole command line, a JSON list of a console script's name and its arguments
+(tests/support/fuzz_files.py).
 """
 
 from __future__ import annotations
@@ -302,6 +304,26 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
         with_kv("tokenizer.ggml.token_type", ARR, (I32, tok_types[1][:-1])))
     add("kv-tokens-ints", ("tokenizer.ggml.tokens", "tokenizer"),
         with_kv("tokenizer.ggml.tokens", ARR, (I32, list(range(3072)))))
+    # two ids with one text (llama-vocab's load error, not its assert): seeded pairs of token kinds, and an empty
+    # token next to the "[EMPTY_<id>]" text llama.cpp gives it
+    texts = g0.kv("tokenizer.ggml.tokens").value[1]
+    by_type: dict[int, list[int]] = {}
+    for i, t in enumerate(tok_types[1]):
+        by_type.setdefault(t, []).append(i)
+    for a_type, b_type in ((1, 1), (1, 3), (3, 3), (3, 1)):
+        if len(by_type.get(a_type, [])) < 2 or len(by_type.get(b_type, [])) < 2:
+            continue
+        a = rng.choice(by_type[a_type])
+        b = rng.choice([i for i in by_type[b_type] if i != a])
+        dup = list(texts)
+        dup[b] = dup[a]
+        add(f"kv-tokens-duplicate-{a_type}{b_type}", ("tokenizer.ggml.tokens", "same text", f"{min(a, b)} and"),
+            with_kv("tokenizer.ggml.tokens", ARR, (STR, dup)))
+    dup = list(texts)
+    j = rng.randrange(10, len(dup))
+    dup[j], dup[j - 1] = "", f"[EMPTY_{j}]"
+    add("kv-tokens-duplicate-empty", ("tokenizer.ggml.tokens", "same text", "EMPTY_"),
+        with_kv("tokenizer.ggml.tokens", ARR, (STR, dup)))
     add("kv-arch-unknown", ("general.architecture", "architecture"), with_kv("general.architecture", STR, "nonesuch"))
     add("kv-arch-qwen35moe", ("general.architecture", "architecture", "clover"),
         with_kv("general.architecture", STR, "qwen35moe"))
@@ -421,11 +443,29 @@ def _run_one(tool: str, path: str, out_dir: Path) -> dict:
         elif tool == "quantize":
             from clover_quantize.cli import main
             rc = main([path, str(out_dir / (Path(path).stem + "-q8.gguf")), "Q8_0"])
+        elif tool == "cli":
+            prog, *args = json.loads(path)
+            rc = _console_script(prog)(args)
         else:
             from clover_convert.cli import main
             rc = main([path, str(out_dir / f"{Path(path).parent.name}-{Path(path).name}.gguf"), "--outtype", "f32",
                        "--threads", "1"])
     return {"path": path, "rc": rc, "stderr": err.getvalue()}
+
+
+def _console_script(prog: str) -> Any:
+    """The ``main`` of a console script (pyproject.toml's [project.scripts])."""
+    if prog == "clover-convert":
+        from clover_convert.cli import main
+    elif prog == "clover-quantize":
+        from clover_quantize.cli import main
+    elif prog == "clover-cpp":
+        from clover_cpp.cli import main
+    elif prog == "clover-ref":
+        from clover_ref.cli import main
+    else:
+        raise ValueError(f"no console script {prog!r}")
+    return main
 
 
 def runner(argv: list[str]) -> int:
@@ -441,21 +481,28 @@ def runner(argv: list[str]) -> int:
 
 
 def run_mutants(tool: str, paths: list[str], out_dir: Path, timeout: float,
-                env: dict[str, str] | None = None) -> dict[str, dict]:
+                env: dict[str, str] | None = None, max_data_bytes: int | None = None) -> dict[str, dict]:
     """Each path's outcome: {"rc": int | "exception", "stderr": str} or {"signal": N} / {"hang": True}, running the
-    runner on the paths in one process and restarting it after a crash or a hang (per-mutant ``timeout``)."""
+    runner on the paths in one process and restarting it after a crash or a hang (per-mutant ``timeout``).
+    ``max_data_bytes``: the runner's RLIMIT_DATA, so that an unbounded read fails fast instead of filling memory."""
     import os
     import queue
+    import resource
     import signal
     import subprocess
     import threading
+
+    def limit() -> None:
+        if max_data_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, (max_data_bytes, max_data_bytes))
 
     results: dict[str, dict] = {}
     todo = list(paths)
     while todo:
         proc = subprocess.Popen([sys.executable, "-m", "tests.support.fuzz_gguf", tool, str(out_dir), *todo],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, start_new_session=True, cwd=Path(__file__).resolve().parents[2],
+                                preexec_fn=limit if max_data_bytes is not None else None)
         lines: queue.Queue[str | None] = queue.Queue()
 
         def pump() -> None:
