@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from . import block_settings
-from .errors import CloverInputError, missing_path_reason, read_json
+from .config_numbers import I32_MAX, MAX_BLOCK_SIZE, MAX_LAYERS, first_violation  # noqa: F401 (MAX_BLOCK_SIZE)
+from .errors import CloverInputError
+from .input_files import present, read_json
+from .long_numbers import shown
 
-# the largest block size a checkpoint may declare; the engine's GGUF readers refuse the same
-# (cpp_patch/src/clover-keys.h, the block_size row)
-MAX_BLOCK_SIZE = 256
 
 CONFIG_FILE = "config.json"
 MODEL_TYPE = "clover_moe"
@@ -62,8 +62,9 @@ def _refuse_v1(data: Any, path: str | Path | None) -> None:
     if old:
         raise CloverInputError(path, f"is {old[0]!r}, a spec v1 Clover checkpoint, which is retired; this toolkit "
                                f"reads spec v2 ({ARCHITECTURES[0]}, the released format)", field="architectures")
+    text = data.get("text_config")
     for name in V1_FIELDS:
-        if name in data or name in (data.get("text_config") or {}):
+        if name in data or (isinstance(text, dict) and name in text):
             raise CloverInputError(path, "is a spec v1 field, which is retired; spec v2 takes K_r = "
                                    "linear_conv_kernel_dim - 1 from the conv_right_weight tensors", field=name)
 
@@ -134,8 +135,9 @@ class CloverConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        n = self.full_attention_interval
-        if self.layer_types is None and _is_int(n) and n > 0:  # validate() names a bad interval
+        n, layers = self.full_attention_interval, self.num_hidden_layers
+        if self.layer_types is None and _is_int(n) and n > 0 and _is_int(layers) and layers <= MAX_LAYERS:
+            # validate() names a bad interval or layer count
             self.layer_types = [
                 "full_attention" if (i + 1) % n == 0 else "linear_attention"
                 for i in range(self.num_hidden_layers)
@@ -208,30 +210,18 @@ class CloverConfig:
         def bad(name: str, message: str) -> CloverInputError:
             return CloverInputError(path, message, field=name)
 
-        positive = (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
-            "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "block_size",
-            "max_position_embeddings", "history_rows", "full_attention_interval",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(name, f"must be a positive integer, got {value!r}")
+        values = self.numeric_values()
+        if (found := first_violation(values)) is not None:
+            raise bad(*found)
         if self.linear_conv_kernel_dim < 2:
             raise bad("linear_conv_kernel_dim", f"is {self.linear_conv_kernel_dim}; block mode needs at least 2 "
                       "(K_r = linear_conv_kernel_dim - 1 right taps, spec 2.3)")
-        if not is_number(self.coreset_top_p) or not (0.0 < self.coreset_top_p <= 1.0):
-            raise bad("coreset_top_p", f"must lie in (0, 1], got {self.coreset_top_p!r}")
-        if self.history_readout_scale is not None and not (
-                is_number(self.history_readout_scale) and math.isfinite(self.history_readout_scale)):
-            raise bad("history_readout_scale", f"must be a finite number, got {self.history_readout_scale!r}")
-        if self.num_shared_experts != 1 or isinstance(self.num_shared_experts, bool):
-            raise bad("num_shared_experts", f"is {self.num_shared_experts!r}; only 1 shared expert is supported "
-                      "(spec 2.1: the layout of more is not known)")
+        if self.linear_value_head_dim * self.linear_num_value_heads > I32_MAX:
+            raise bad("linear_num_value_heads", f"times linear_value_head_dim is "
+                      f"{self.linear_value_head_dim * self.linear_num_value_heads}, more than the GGUF's "
+                      f"ssm.inner_size may hold ({I32_MAX})")
         if self.hidden_act != "silu":
-            raise bad("hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
+            raise bad("hidden_act", f"only 'silu' is supported, got {shown(self.hidden_act)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise bad("num_key_value_heads", "must divide num_attention_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -239,56 +229,44 @@ class CloverConfig:
         if self.num_experts_per_tok > self.num_experts:
             raise bad("num_experts_per_tok", "must not exceed num_experts")
         if not isinstance(self.layer_types, list):
-            raise bad("layer_types", f"must be a list, got {self.layer_types!r}")
+            raise bad("layer_types", f"must be a list, got {shown(self.layer_types)}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise bad("layer_types", f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         for kind in self.layer_types:
             if kind not in LAYER_TYPES:
-                raise bad("layer_types", f"unknown layer type {kind!r}; expected one of {LAYER_TYPES}")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
-            raise bad("rms_norm_eps", f"must be a positive number, got {self.rms_norm_eps!r}")
+                raise bad("layer_types", f"unknown layer type {shown(kind)}; expected one of {LAYER_TYPES}")
         rope = self.rope_parameters
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if not isinstance(rope.get(key), (int, float)) or rope[key] <= 0:
-                raise bad(f"rope_parameters.{key}", f"must be a positive number, got {rope.get(key)!r}")
         if rope.get("rope_type", "default") != "default":
-            raise bad("rope_parameters.rope_type", f"only 'default' is supported, got {rope['rope_type']!r}")
+            raise bad("rope_parameters.rope_type", f"only 'default' is supported, got {shown(rope['rope_type'])}")
         rotary = self.head_dim * float(rope["partial_rotary_factor"])
         if rotary != int(rotary) or int(rotary) % 2 or int(rotary) > self.head_dim:
             raise bad("rope_parameters.partial_rotary_factor", f"gives a rotary dim of {rotary} for head_dim "
                       f"{self.head_dim}; it must be an even integer no larger than head_dim")
-        section = rope.get("mrope_section")
-        if not isinstance(section, list) or not all(isinstance(s, int) and s >= 0 for s in section):
-            raise bad("rope_parameters.mrope_section", f"must be a list of non-negative integers, got {section!r}")
+        section = rope["mrope_section"]
         if sum(section) != self.rotary_dim // 2:
             raise bad("rope_parameters.mrope_section", f"sums to {sum(section)}, but must equal rotary_dim/2 = "
                       f"{self.rotary_dim // 2} (llama.cpp aborts otherwise)")
-        if not _is_int(self.mask_token_id) or not (0 <= self.mask_token_id < self.vocab_size):
-            raise bad("mask_token_id", f"is {self.mask_token_id!r}; it must be a token id in [0, {self.vocab_size})")
-        if not (self.eos_token_id is None or _is_int(self.eos_token_id) or isinstance(self.eos_token_id, list)):
-            raise bad("eos_token_id", f"must be an integer or a list of integers, got {self.eos_token_id!r}")
+        if self.mask_token_id >= self.vocab_size:
+            raise bad("mask_token_id", f"is {self.mask_token_id}; it must be a token id in [0, {self.vocab_size})")
         for eos in self.eos_token_ids:
-            if not _is_int(eos) or not (0 <= eos < self.vocab_size):
+            if eos >= self.vocab_size:
                 raise bad("eos_token_id", f"is {eos}, outside the vocabulary [0, {self.vocab_size})")
-        if not is_number(self.confidence_threshold) or not (0.0 <= self.confidence_threshold <= 1.0):
-            raise bad("confidence_threshold", f"must lie in [0, 1], got {self.confidence_threshold!r}")
-        for name in ("calibrated_block_sizes", "calibrated_thresholds"):
-            if not isinstance(getattr(self, name), list):
-                raise bad(name, f"must be a list, got {getattr(self, name)!r}")
         assert self.calibrated_block_sizes is not None and self.calibrated_thresholds is not None
         if len(self.calibrated_block_sizes) != len(self.calibrated_thresholds):
             raise bad("calibrated_thresholds", f"has {len(self.calibrated_thresholds)} entries but "
                       f"calibrated_block_sizes has {len(self.calibrated_block_sizes)}")
-        for size in self.calibrated_block_sizes:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise bad("calibrated_block_sizes", f"must hold positive integers, got {size!r}")
-        for name, sizes in (("block_size", [self.block_size]), ("calibrated_block_sizes", self.calibrated_block_sizes)):
-            if max(sizes, default=0) > MAX_BLOCK_SIZE:
-                raise bad(name, f"holds {max(sizes)}; block sizes above {MAX_BLOCK_SIZE} are not supported "
-                                "(the engine keeps B-1 rollback states of the recurrent memory)")
-        for threshold in self.calibrated_thresholds:
-            if not is_number(threshold) or not (0.0 <= threshold <= 1.0):
-                raise bad("calibrated_thresholds", f"must hold numbers in [0, 1], got {threshold!r}")
+
+    def numeric_values(self) -> dict[str, Any]:
+        """The numeric fields of config.json by name (config_numbers.RULES): this config's, with the other
+        fields clover-convert writes from config.json when present (kept in ``extra``; a nested text_config's
+        over the top level's, as llama.cpp's converter reads them)."""
+        values = dict(self.extra)
+        text = values.pop("text_config", None)
+        if self.nested_text_config and isinstance(text, dict):
+            values.update(text)
+        values.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                       if f.name not in ("nested_text_config", "extra")})
+        return values
 
     # ----- (de)serialisation -----
     @classmethod
@@ -335,7 +313,7 @@ class CloverConfig:
                 values[name] = top[name]
         for name, value in values.items():
             if name == "rope_parameters" and not isinstance(value, dict):
-                raise CloverInputError(path, f"must be an object, got {value!r}", field=name)
+                raise CloverInputError(path, f"must be an object, got {shown(value)}", field=name)
         try:
             config = cls(**values, nested_text_config=nested, extra=extra)
         except (TypeError, ValueError) as exc:
@@ -378,9 +356,8 @@ class CloverConfig:
         """config.json of ``model_dir``, with the block-diffusion settings found as spec 2.2 says
         (block_settings: other names, generation_config.json, the mask token by name) and ``overrides``."""
         path = Path(model_dir) / CONFIG_FILE
-        if not path.is_file():
-            raise CloverInputError(path,
-                                   missing_path_reason(path) or "not found; a Clover checkpoint needs a config.json")
+        if not present(path):
+            raise CloverInputError(path, "not found; a Clover checkpoint needs a config.json")
         data = read_json(path)
         if not isinstance(data, dict):
             raise CloverInputError(path, "config must be a JSON object")

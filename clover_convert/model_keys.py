@@ -19,6 +19,7 @@ from gguf import ExpertGatingFuncType, GGUFValueType, GGUFWriter, LlamaFileType
 from clover_common.config import CloverConfig
 from clover_common.errors import CloverInputError
 from clover_common.layout import GGUF_ARCH
+from clover_common.long_numbers import shown
 
 ARCH = GGUF_ARCH  # the default; --arch-name writes another (the writer's arch is the key prefix)
 
@@ -91,8 +92,8 @@ def add_model_keys(writer: GGUFWriter, config: CloverConfig, raw_config: dict[st
     if (topk_group := hparams.get("topk_group")) is not None:
         writer.add_expert_group_used_count(topk_group)
     if (score_func := _first(hparams, _SCORE_FUNC_FIELDS)) is not None:
-        if score_func not in _GATING_FUNCS:
-            raise CloverInputError(config_path, f"expert score function {score_func!r} is not supported "
+        if not isinstance(score_func, str) or score_func not in _GATING_FUNCS:
+            raise CloverInputError(config_path, f"expert score function {shown(score_func)} is not supported "
                                                 f"(expected one of {sorted(_GATING_FUNCS)})")
         writer.add_expert_gating_func(_GATING_FUNCS[score_func])
     writer.add_key_length(c.head_dim)

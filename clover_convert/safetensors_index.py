@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clover_common.errors import CloverInputError
+from clover_common.input_files import present
 from clover_common.layout import canonical_name
 from clover_common.safetensors_header import (INDEX_FILE, SINGLE_FILE, SUPPORTED_DTYPES, SourceTensor,  # noqa: F401
                                            read_safetensors_header, read_weight_map)
@@ -37,7 +38,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], dict[str, Path] | None]:
         files = sorted(set(by_name.values()))
         return files, by_name
     single = model_dir / SINGLE_FILE
-    if single.is_file():
+    if present(single):  # whatever is there: refused unless a regular file, when its header is read
         return [single], None
     return sorted(model_dir.glob("model*.safetensors")), None
 

@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from .coreset import check_top_p
+from clover_common.config_numbers import MAX_BLOCK_SIZE
 from clover_common.errors import BadInput
+from clover_common.long_numbers import shown
 from clover_common.generate_output import RunStats
 from .model import CloverModel
 from .sampling import Sampler, SamplingParams
@@ -157,8 +159,10 @@ class Session:
     def resolve_block(self, block_size: int | None, threshold: float | None) -> tuple[int, float]:
         """Spec 4.3: default B and the calibrated threshold for B (float32)."""
         b = block_size or self.config.block_size
-        if b < 1:
-            raise BadInput(f"block size must be at least 1, got {b}")
+        if not 1 <= b <= MAX_BLOCK_SIZE:
+            raise BadInput(f"block size must be in 1 .. {MAX_BLOCK_SIZE}, got {shown(b)}")
+        if threshold is not None and not 0.0 <= threshold <= 1.0:  # NaN too
+            raise BadInput(f"threshold must be in [0, 1], got {shown(threshold)}")
         if threshold is None:
             threshold = self.config.threshold_for(b)
             if threshold is None:

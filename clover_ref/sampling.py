@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from clover_common.config_numbers import I32_MAX
+from clover_common.errors import BadInput
+from clover_common.long_numbers import shown
 
 
 @dataclass(frozen=True)
@@ -13,6 +18,18 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse, as BadInput naming the setting, what the sampler cannot use (torch's generator takes a seed
+        of at most 64 bits)."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise BadInput(f"temperature must be a finite number >= 0, got {shown(self.temperature)}")
+        if not 0 <= self.top_k <= I32_MAX:
+            raise BadInput(f"top_k must be an integer in 0 .. {I32_MAX}, got {shown(self.top_k)}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadInput(f"top_p must be in (0, 1], got {shown(self.top_p)}")
+        if not 0 <= self.seed < 2**63:
+            raise BadInput(f"seed must be an integer in 0 .. {2**63 - 1}, got {shown(self.seed)}")
 
     @property
     def greedy(self) -> bool:

@@ -73,3 +73,30 @@ def test_a_foreign_split_regex_is_warned_about(tiny_checkpoint: Path, tmp_path: 
     assert code == 0, err
     assert "does not use Qwen3.5's split regex" in err
     assert fields(tmp_path / "x.gguf", "clover_moe")["tokenizer.ggml.pre"][1] == "qwen35"
+
+
+@pytest.mark.parametrize("where", ["model.vocab", "added_tokens"])
+@pytest.mark.native
+def test_a_real_token_with_a_filler_text_keeps_every_text_unique(tiny_checkpoint: Path, tmp_path: Path, capsys,
+                                                                  where: str) -> None:
+    """A real token whose text is the [PAD{i}] of a padded id (llama.cpp's converter would then write that text
+    twice, and llama.cpp refuses such a vocabulary): the filler of id i becomes [PAD{i}.1], with a warning, every
+    text stays unique, and llama.cpp loads the file."""
+    from clover_native.bindings import check_model
+
+    model = copy_checkpoint(tiny_checkpoint, tmp_path / "tiny")
+    data = json.loads((model / "tokenizer.json").read_text())
+    if where == "model.vocab":
+        data["model"]["vocab"]["[PAD3071]"] = 3030
+    else:
+        data["added_tokens"].append({"id": 3008, "content": "[PAD3071]", "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    (model / "tokenizer.json").write_text(json.dumps(data))
+    code, _, err = run_convert(capsys, model, "--outfile", tmp_path / "x.gguf", "--outtype", "bf16")
+    assert code == 0, err
+    assert "so the filler of the unused id 3071 is '[PAD3071.1]'" in err
+    tokens = fields(tmp_path / "x.gguf", "clover_moe")["tokenizer.ggml.tokens"][1]
+    real = 3030 if where == "model.vocab" else 3008
+    assert (tokens[real], tokens[3071]) == ("[PAD3071]", "[PAD3071.1]")
+    assert len(set(tokens)) == len(tokens) == 3072
+    check_model(tmp_path / "x.gguf")

@@ -244,6 +244,23 @@ def test_cli_bad_offload_flags(tiny_gguf: Path, flags: list[str], needle: str) -
     assert needle in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("value", [2**31, 2**32 - 1])
+def test_a_layer_count_out_of_range_is_named_not_called_missing(tiny_gguf: Path, tmp_path: Path, value: int) -> None:
+    """The offload plan reads block_count before llama.cpp's loader (clover-gguf.cpp, clover_gguf_n_layer): a
+    count that does not fit an int32 is refused with its value, never reported as a missing key."""
+    from tests.support.fuzz_gguf import parse, serialize
+
+    gguf = parse(tiny_gguf.read_bytes())
+    (kv,) = [kv for kv in gguf.kvs if kv.key == "clover_moe.block_count"]
+    kv.value = value
+    path = tmp_path / "layers.gguf"
+    path.write_bytes(serialize(gguf))
+    done = _cli("generate", "-m", str(path), "-p", "x", "-n", "1")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr)
+    assert f"clover_moe.block_count = {value}" in lines[0] and "missing" not in lines[0], lines[0]
+
+
 def test_cli_generate_with_experts_on_cpu(tiny_gguf: Path) -> None:
     import json
 

@@ -307,6 +307,20 @@ def test_corrupt_tokenizer(broken: Path, capsys, text: str) -> None:
     assert_one_line_error(rc, err, broken / "tokenizer.json")
 
 
+@pytest.mark.parametrize(("option", "needle"), [
+    (("--block-size", "99999999999"), "block size must be in 1 .. 256, got 99999999999"),
+    (("--threshold", "nan"), "threshold must be in [0, 1], got NaN"),
+    (("--temperature", "inf"), "temperature must be a finite number >= 0, got Infinity"),
+    (("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
+    (("--top-k", "-1"), "top_k must be an integer in 0 .. 2147483647, got -1"),
+    (("--seed", "9" * 30), "seed must be an integer in 0 .. 9223372036854775807, got an integer of 30 digits"),
+])
+def test_bad_generate_options(tiny_checkpoint: Path, capsys, option: tuple[str, str], needle: str) -> None:
+    """Values the decoders cannot use are one line naming the setting, not a traceback from torch."""
+    rc, _, err = run_main(capsys, *generate_args(tiny_checkpoint, *option))
+    assert rc == 2 and err.splitlines() == [f"clover-ref: error: {needle}"], err
+
+
 def test_bad_input_via_console_script(broken: Path, broken_sharded: Path) -> None:
     """The installed entry point: exit code 2, one line on stderr, no traceback."""
     edit_config(broken, _set("mask_token_id", 5000))

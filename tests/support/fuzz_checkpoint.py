@@ -1,7 +1,13 @@
 """Seeded checkpoint mutants for the fuzz tests (tests/convert/test_fuzz.py): broken config.json values, JSON that nests
 too deeply, symlink loops, and safetensors headers and data that lie (overlapping, out-of-order or out-of-file
 data_offsets, wrong dtypes and shapes, NaN weights). Each mutant is a copy of a tiny checkpoint with one
-defect, and names what clover-convert's one-line error mentions (any of ``expect``)."""
+defect, and names what clover-convert's one-line error mentions (any of ``expect``).
+
+Generated, not listed: the numeric edge values (``EDGES``: NaN, +-Infinity, 2^31, 2^33, 2^63, an integer of 5,001
+digits, -1 and 0) in every numeric field of config.json and generation_config.json that the toolkit reads
+(clover_common.config_numbers), top level and under ``text_config``, and in every other name of a block-diffusion
+setting (clover_common.block_settings.NAMES), wherever a value is one its field refuses (``numeric_mutants``);
+token texts that two ids share; shard names in model.safetensors.index.json that leave the checkpoint folder."""
 
 from __future__ import annotations
 
@@ -17,20 +23,44 @@ from typing import Any
 
 import numpy as np
 
+from clover_common.block_settings import NAMES
+from clover_common.config import CLOVER_FIELDS, CloverConfig
+from clover_common.config_numbers import GENERATION_RULES, RULE, RULES, NumberRule
+from clover_common.safetensors_header import INDEX_FILE
+
 
 @dataclass
 class CheckpointMutant:
     name: str
     expect: tuple[str, ...]
     apply: Callable[[Path], None]  # damages the copy in this folder
+    linked: tuple[str, ...] = ()  # files the mutant leaves alone: linked to the base's, not copied
+
+
+# The numeric edge values: (label, the value, its JSON text). An integer of 5,001 digits is more than CPython's
+# json reads (4,300), so its text is written verbatim.
+EDGES: tuple[tuple[str, Any, str], ...] = (
+    ("NaN", math.nan, "NaN"), ("Infinity", math.inf, "Infinity"), ("-Infinity", -math.inf, "-Infinity"),
+    ("2^31", 2**31, str(2**31)), ("2^33", 2**33, str(2**33)), ("2^63", 2**63, str(2**63)),
+    ("10^5000", 10**5000, "1" + "0" * 5000), ("-1", -1, "-1"), ("0", 0, "0"),
+)
+NESTED_EDGES = tuple(e for e in EDGES if e[0] in ("NaN", "2^33", "10^5000"))  # under text_config, other names
+RAW = "@@edge@@"  # stands for an edge value until the file is written, then replaced by its JSON text
+
+
+def _edit_json(name: str, edit: Callable[[dict], None], literal: str | None = None) -> Callable[[Path], None]:
+    """Edit the JSON object in the file ``name`` (absent: {}); a RAW value becomes ``literal`` verbatim."""
+    def apply(d: Path) -> None:
+        path = d / name
+        data = json.loads(path.read_text()) if path.exists() else {}
+        edit(data)
+        text = json.dumps(data)
+        path.write_text(text.replace(json.dumps(RAW), literal) if literal is not None else text)
+    return apply
 
 
 def _config(edit: Callable[[dict], None]) -> Callable[[Path], None]:
-    def apply(d: Path) -> None:
-        cfg = json.loads((d / "config.json").read_text())
-        edit(cfg)
-        (d / "config.json").write_text(json.dumps(cfg))
-    return apply
+    return _edit_json("config.json", edit)
 
 
 def _set(key: str, value: Any) -> Callable[[dict], None]:
@@ -173,13 +203,156 @@ def mutants(base: Path, seed: int = 0) -> list[CheckpointMutant]:
     add("tok-missing", ("tokenizer.json",), lambda d: (d / "tokenizer.json").unlink())
     add("tok-garbage", ("tokenizer.json",), lambda d: (d / "tokenizer.json").write_text("{"))
     add("tok-deep", ("tokenizer.json",), lambda d: (d / "tokenizer.json").write_text("[" * 100000 + "]" * 100000))
+    out += _token_text_mutants(base, rng) + _index_mutants(names, rng)
+    out += numeric_mutants(base)
     rng.shuffle(out)
     return out
 
 
+def _nested(cfg: dict) -> dict:
+    """``cfg`` with its text fields under ``text_config``, as multimodal checkpoints ship them."""
+    config = CloverConfig.from_dict(cfg)
+    config.nested_text_config = True
+    return config.to_dict()
+
+
+def _place(node: dict, key: str, shape: str = "one") -> None:
+    """Put RAW at ``key`` (``a.b``: key b of the object under a) of ``node``: as the value (``shape`` "one"), or as
+    the middle item of the list there ("list")."""
+    *parents, last = key.split(".")
+    for parent in parents:
+        node = node.setdefault(parent, {})
+    if shape == "list":
+        items = list(node[last]) if isinstance(node.get(last), list) and node[last] else [0]
+        items[len(items) // 2] = RAW
+        node[last] = items
+    else:
+        node[last] = RAW
+
+
+def numeric_mutants(base: Path, edges: tuple[tuple[str, Any, str], ...] = NESTED_EDGES) -> list[CheckpointMutant]:
+    """Every numeric field the toolkit reads, with every edge value the field refuses: config.json's
+    (config_numbers.RULES) at the top level and the text fields under ``text_config`` too (``edges`` only: the full
+    set runs at the top level), generation_config.json's (GENERATION_RULES), and the block-diffusion settings under
+    their other names (block_settings.NAMES) in config.json, its text_config and generation_config.json. The line
+    must name the field (``a.b`` for a nested one)."""
+    cfg = json.loads((base / "config.json").read_text())
+    nested = _nested(cfg)
+    untouched = tuple(sorted(p.name for p in base.iterdir() if p.name not in ("config.json", "generation_config.json")))
+    nested_labels = {label for label, _, _ in edges}
+    out: list[CheckpointMutant] = []
+
+    def add(name: str, field: str, file: str, start: dict | None, edit: Callable[[dict], None], label: str,
+            text: str) -> None:
+        def apply(d: Path, start: dict | None = start) -> None:
+            if start is not None:
+                (d / "config.json").write_text(json.dumps(start))
+            _edit_json(file, edit, text)(d)
+        out.append(CheckpointMutant(f"num-{name}-{label}", (f"{field}'",), apply, linked=untouched))
+
+    def shapes(rule: NumberRule) -> list[tuple[str, str]]:  # (how the value is placed, name suffix)
+        return {"one": [("one", "")], "list": [("list", "-item")],
+                "one or list": [("one", ""), ("list", "-item")]}[rule.shape]
+
+    for rule in RULES + GENERATION_RULES:
+        generation = rule in GENERATION_RULES
+        for label, value, text in EDGES:
+            for shape, suffix in shapes(rule):
+                held = value if shape == "one" else [value]
+                if rule.check(held) is None:
+                    continue  # a value the field allows
+                if generation:
+                    add(f"generation-{rule.field}{suffix}", rule.field, "generation_config.json", None,
+                        lambda g, f=rule.field, sh=shape: _place(g, f, sh), label, text)
+                    continue
+                add(f"{rule.field}{suffix}", rule.field, "config.json", None,
+                    lambda c, f=rule.field, sh=shape: _place(c, f, sh), label, text)
+                if label not in nested_labels:
+                    continue
+                under = rule.field if rule.field in CLOVER_FIELDS else f"text_config.{rule.field}"
+                add(f"nested-{rule.field}{suffix}", rule.field, "config.json", nested,
+                    lambda c, f=under, sh=shape: _place(c, f, sh), label, text)
+    for field_name, names in NAMES.items():
+        for alt in names[1:]:
+            for where in ("config.json", "text_config", "generation_config.json"):
+                for label, value, text in edges:
+                    if RULE[field_name].check(value) is None:
+                        continue
+                    # the field's own name is gone from config.json, so that the other name is the one found
+                    without = {k: v for k, v in cfg.items() if k != field_name}
+                    if where == "generation_config.json":
+                        add(f"{field_name}-as-{alt}-in-generation", alt, where, without,
+                            lambda g, a=alt: _place(g, a), label, text)
+                    else:
+                        key = f"text_config.{alt}" if where == "text_config" else alt
+                        add(f"{field_name}-as-{key}", key, "config.json", without,
+                            lambda c, k=key: _place(c, k), label, text)
+    return out
+
+
+def _token_text_mutants(base: Path, rng: random.Random) -> list[CheckpointMutant]:
+    """Two ids with one token text: an added token with a vocabulary entry's text, two added tokens with one
+    text, and two added tokens that llama.cpp's normalization makes equal ("\u2581" is a space)."""
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    added = tokenizer["added_tokens"]
+    free = max([*vocab.values(), *(t["id"] for t in added)]) + 1  # the next id the tokenizers library keeps
+    text = rng.choice(sorted(vocab))
+    twin = rng.choice(added)["content"]
+
+    def tok(token_id: int, content: str, special: bool) -> dict:
+        return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": True, "special": special}
+
+    def adding(*tokens: dict) -> Callable[[Path], None]:
+        return _edit_json("tokenizer.json", lambda t: t["added_tokens"].extend(tokens))
+
+    out = [
+        CheckpointMutant("tok-dup-vocab-text", (f"gives token {free} the text",),
+                         adding(tok(free, text, False)), linked=("model.safetensors",)),
+        CheckpointMutant("tok-dup-added-text", (f"gives token {free} the text",),
+                         adding(tok(free, twin, True)), linked=("model.safetensors",)),
+        CheckpointMutant("tok-dup-normalized", (f"gives tokens {free} and {free + 1} the same text",),
+                         adding(tok(free, " xq", False), tok(free + 1, "\u2581xq", False)),
+                         linked=("model.safetensors",)),
+    ]
+    return out
+
+
+def _index_mutants(names: list[str], rng: random.Random) -> list[CheckpointMutant]:
+    """model.safetensors.index.json placing one tensor in a file outside the checkpoint folder (absolute, through
+    "..", to a file that exists and one that does not), in no file name at all, or holding an integer too long to
+    read; the others sit in model.safetensors."""
+    victim = rng.choice(names)
+
+    def index(place: Callable[[Path], Any], literal: str | None = None) -> Callable[[Path], None]:
+        def apply(d: Path) -> None:
+            weight_map: dict[str, Any] = {n: "model.safetensors" for n in names}
+            weight_map[victim] = place(d)
+            text = json.dumps({"metadata": {"total_size": RAW if literal else 0}, "weight_map": weight_map})
+            (d / INDEX_FILE).write_text(text.replace(json.dumps(RAW), literal) if literal else text)
+        return apply
+
+    escape = (f"{INDEX_FILE}: field 'weight_map'",)
+    return [
+        CheckpointMutant(f"index-{label}", escape, index(place)) for label, place in (
+            ("parent", lambda d: "../../x.safetensors"),
+            ("parent-existing", lambda d: f"../{d.name}/model.safetensors"),
+            ("inner-parent", lambda d: "sub/../../model.safetensors"),
+            ("absolute", lambda d: str(d / "model.safetensors")),
+            ("etc-passwd", lambda d: "/etc/passwd"),
+            ("not-a-name", lambda d: 5),
+            ("empty-name", lambda d: ""),
+        )
+    ] + [CheckpointMutant("index-long-integer", (f"{INDEX_FILE}: field 'metadata.total_size'",),
+                          index(lambda d: "model.safetensors", "1" + "0" * 5000))]
+
+
 def materialize(base: Path, mutant: CheckpointMutant, root: Path) -> Path:
-    """A copy of ``base`` under ``root`` with ``mutant`` applied."""
+    """A copy of ``base`` under ``root`` with ``mutant`` applied (its ``linked`` files are links to the base's)."""
     d = root / mutant.name.replace("/", "_")
-    shutil.copytree(base, d, symlinks=True)
+    shutil.copytree(base, d, symlinks=True, ignore=lambda _, names: [n for n in names if n in mutant.linked])
+    for name in mutant.linked:
+        (d / name).symlink_to((base / name).resolve())
     mutant.apply(d)
     return d
