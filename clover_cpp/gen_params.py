@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from clover_common.errors import BadInput
+from clover_common.long_numbers import shown
 from clover_native import libclover
 
 MODES: tuple[str, ...] = tuple(libclover.MODES)  # enum clover_mode's names, in its order: the one mode list
@@ -29,14 +30,27 @@ class GenParamError(BadInput):
 
     def __init__(self, field: str, rule: str, value: Any, message: str | None = None) -> None:
         self.field, self.rule, self.value = field, rule, value
-        super().__init__(message or f"{field} {rule}, got {value!r}")
+        super().__init__(message or f"{field} {rule}, got {self.shown}")
+
+    @property
+    def shown(self) -> str:
+        """The value for a message, short (an integer of hundreds of digits by its length)."""
+        return shown(self.value)
+
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite 32-bit float
 
 
 @dataclass(frozen=True)
 class Bound:
-    """A range with open or closed ends (``None``: no end), finite unless ``inf_ok``; ``off`` names the value
-    that turns the parameter off, for the messages. The one check of a range: GenParams, the CLI and the server's
-    request schema (``pydantic``) all read it."""
+    """A range with open or closed ends (``None``: no end), of finite values only; ``off`` names the value that
+    turns the parameter off, for the messages. The one check of a range: GenParams, the CLI and the server's
+    request schema (``pydantic``) all read it.
+
+    The engine holds an ``integer`` field in a 32-bit int and any other in a 32-bit float (clover.h's
+    ``clover_gen_params``), so a value must also fit that type (``fits``): 10^12 tokens would wrap negative, 1e39
+    would become inf. The C table (clover-gen-params.h) needs no such row, as its values have those types already."""
 
     low: float | None = None
     high: float | None = None
@@ -46,11 +60,25 @@ class Bound:
     integer: bool = False
 
     def ok(self, value: float) -> bool:
-        if not math.isfinite(value):  # NaN and inf fail every bound
-            return False
+        return self.broken(value) is None
+
+    def broken(self, value: float) -> str | None:
+        """The rule ``value`` breaks (``rule``, or ``c_rule`` when only the engine's type cannot hold it); None
+        when it is valid."""
+        if not isinstance(value, int) and not math.isfinite(value):  # NaN and inf fail every bound (an int of any
+            # size is finite, and compared exactly below)
+            return self.rule
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
+            return self.rule
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return self.rule
+        return None if self.fits(value) else self.c_rule
+
+    def fits(self, value: float) -> bool:
+        """Whether the engine's C type holds ``value`` (an int of any size is compared exactly)."""
+        if self.integer:
+            return INT32_MIN <= value <= INT32_MAX
+        return -FLOAT32_MAX <= value <= FLOAT32_MAX
 
     @property
     def rule(self) -> str:
@@ -66,13 +94,18 @@ class Bound:
             text = "must be finite"
         return f"{text} ({self.off})" if self.off else text
 
+    @property
+    def c_rule(self) -> str:
+        if self.integer:
+            return f"must be at most {INT32_MAX} (the engine's 32-bit integer)"
+        return f"must be at most {FLOAT32_MAX:.6g} in magnitude (the engine's 32-bit float)"
+
     def pydantic(self) -> dict[str, float | bool]:
-        """The bound as pydantic ``Field`` arguments (ge/gt/le/lt, no NaN or inf)."""
+        """The bound as pydantic ``Field`` arguments (ge/gt/le/lt, no NaN or inf), within the engine's type."""
         out: dict[str, float | bool] = {} if self.integer else {"allow_inf_nan": False}
-        if self.low is not None:
-            out["gt" if self.low_open else "ge"] = self.low
-        if self.high is not None:
-            out["lt" if self.high_open else "le"] = self.high
+        type_low, type_high = (INT32_MIN, INT32_MAX) if self.integer else (-FLOAT32_MAX, FLOAT32_MAX)
+        out["gt" if self.low_open else "ge"] = type_low if self.low is None else self.low
+        out["lt" if self.high_open else "le"] = type_high if self.high is None else self.high
         return out
 
 
@@ -121,7 +154,8 @@ class GenParams:
 
     The bounds are the engine's (clover.h) for the Python API, the CLI and the server alike: llama-server's
     sampling fields accept any temperature and penalty, and the engine accepts every value that has a meaning
-    (temperature >= 0, finite penalties), so none of them narrows it to OpenAI's documented ranges."""
+    (temperature >= 0, finite penalties, repeat_penalty > 0) and that its 32-bit fields hold (``Bound.fits``), so
+    none of them narrows it to OpenAI's documented ranges (docs/serve.md, "Request fields")."""
 
     mode: str = param(DEFAULT_MODE, flags=("--mode",), c_field="mode",
                       help=f"{DEFAULT_MODE} (default): lossless, faster than ar where drafts are accepted; "
@@ -194,8 +228,9 @@ class GenParams:
                                 f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         for name, spec in PARAMS.items():
             value = getattr(self, name)
-            if spec.bound is not None and value is not None and not spec.bound.ok(value):
-                raise GenParamError(name, spec.bound.rule, value)
+            broken = spec.bound.broken(value) if spec.bound is not None and value is not None else None
+            if broken:
+                raise GenParamError(name, broken, value)
         if not all(math.isfinite(b) or b == -math.inf for _, b in self.logit_bias):
             raise GenParamError("logit_bias", "values must be finite or -inf", self.logit_bias)
 

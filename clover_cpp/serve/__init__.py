@@ -10,5 +10,6 @@ queued or running. Every error is an OpenAI error body; nothing a client sends s
 - ``service``: the model and queue behind the routes, preparation off the event loop, a whole answer's course;
 - ``streaming``: streamed answers;
 - ``routes``: the endpoints;
+- ``connections``: the cap on open connections, the --timeout deadline, throttled per-connection log lines;
 - ``startup``: ``run_serve``.
 """

@@ -35,7 +35,8 @@ def schema_grammar(schema: Any, param: str) -> str:
     try:
         return libclover.json_schema_to_grammar(json.dumps(schema))
     except libclover.NativeError as exc:
-        raise invalid(f"'{param}' is not a schema this server can enforce: {exc}", param) from None
+        raise invalid(f"'{param}' is not a schema this server can enforce: {str(exc).removeprefix('JSON schema: ')}",
+                      param) from None
 
 
 def _response_format(fmt: dict[str, Any]) -> Constraint | None:
@@ -119,7 +120,7 @@ def request_constraint(model: Model, req: CloverFields) -> Constraint | None:
     try:
         model.check_grammar(found[0].grammar)
     except BadInput as exc:
-        raise invalid(f"'{found[0].param}': {exc}", found[0].param) from None
+        raise invalid(f"'{found[0].param}': {str(exc).removeprefix('grammar: ')}", found[0].param) from None
     return found[0]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Callable
@@ -114,13 +115,29 @@ def _completion_body(svc: CloverService, req: CompletionRequest, prep: Prepared,
     return _answer(svc, req, prep, job, tokens, "text_completion", choice)
 
 
+def _unreadable_body(cause: BaseException) -> str:
+    """Why json.loads refused a body other than for its syntax (that is a RequestValidationError): nesting deeper
+    than Python's recursion limit, an integer longer than CPython converts, bytes that are no Unicode text."""
+    if isinstance(cause, RecursionError):
+        reason = "it nests too deeply (about 1,000 levels at most)"
+    elif isinstance(cause, UnicodeDecodeError):
+        reason = f"it is not UTF-8 text (byte {cause.start})"
+    elif isinstance(cause, ValueError) and "digits" in str(cause):
+        reason = f"it holds an integer of more than {sys.get_int_max_str_digits()} digits"
+    else:
+        reason = str(cause)
+    return f"We could not parse the JSON body of your request: {reason}."
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     kind = first.get("type", "")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    if kind == "json_invalid":
-        return APIError(400, f"We could not parse the JSON body of your request: {first.get('msg', '')}.",
+    if kind == "json_invalid":  # FastAPI's loc: ("body", the character where json.loads stopped)
+        reason = str((first.get("ctx") or {}).get("error") or first.get("msg", "")).removesuffix(" at")
+        where = f" at character {loc[0]}" if loc else ""
+        return APIError(400, f"We could not parse the JSON body of your request: {reason}{where}.",
                         code="invalid_json")
     if not loc:
         return APIError(400, "The request body must be a JSON object (Content-Type: application/json).",
@@ -136,8 +153,21 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     code = "missing_required_parameter" if kind == "missing" else (
         "invalid_type" if kind.endswith("_type") or kind in ("model_attributes_type",) else "invalid_value")
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    return APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}{more}.", param=param,
-                    code=code)
+    return APIError(400, f"Invalid value for '{param}': {_reason(first)}{more}.", param=param, code=code)
+
+
+# pydantic's range errors, whose message writes a float bound in full (3.4e38 as 39 digits)
+RANGE_WORDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "greater than or equal to"),
+               "less_than": ("lt", "less than"), "less_than_equal": ("le", "less than or equal to")}
+
+
+def _reason(error: dict[str, Any]) -> str:
+    kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    if kind in RANGE_WORDS and RANGE_WORDS[kind][0] in ctx:
+        key, words = RANGE_WORDS[kind]
+        limit = ctx[key]
+        return f"Input should be {words} {limit if isinstance(limit, int) else format(limit, '.9g')}"
+    return str(error.get("msg", "invalid"))
 
 
 def create_app(svc: CloverService, security: Security | None = None, webui: bool = False) -> Any:
@@ -175,6 +205,8 @@ def _routes(svc: CloverService) -> FastAPI:
             msg, code = f"Unknown endpoint: {request.method} {request.url.path}", "not_found"
         elif exc.status_code == 405:
             msg, code = f"Method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        elif exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI: json.loads failed, not as a syntax error
+            msg, code = _unreadable_body(exc.__cause__), "invalid_json"
         else:
             msg, code = str(exc.detail), None
         return JSONResponse(error_body(msg, "invalid_request_error", None, code), status_code=exc.status_code,

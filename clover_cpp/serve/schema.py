@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from clover_common.cli_runner import one_line
+
 from ..gen_params import MODES, PARAMS
 from ..model import Stats
 from ..output_parser import ToolCall
@@ -46,10 +48,12 @@ class APIError(Exception):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error body; the message on one line (a converter's or a template's reason may span several, and a
+    request's own text may hold line breaks)."""
     def clean(text: str | None) -> str | None:  # a lone surrogate from the request must not break the answer
         return None if text is None else text.encode("utf-8", "replace").decode("utf-8")
 
-    return {"error": {"message": clean(message), "type": type, "param": clean(param), "code": code}}
+    return {"error": {"message": clean(one_line(message)), "type": type, "param": clean(param), "code": code}}
 
 
 def invalid(message: str, param: str | None, code: str = "invalid_value") -> APIError:

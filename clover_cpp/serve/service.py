@@ -73,7 +73,10 @@ class CloverService:
         if self._prepare_slots is None:
             self._prepare_slots = asyncio.Semaphore(self.limits.prepare_threads)
         async with self._prepare_slots:
-            return await run_with_timeout(fn, self.limits.template_timeout_s)
+            try:
+                return await run_with_timeout(fn, self.limits.template_timeout_s)
+            except RecursionError:  # a field the JSON parser read, nested deeper than the thread's Python can walk
+                raise APIError(400, "The request nests too deeply to process.", code="invalid_value") from None
 
     def pipeline(self, prep: Prepared, chat: bool) -> TextPipeline:
         parser = OutputParser(prep.start_in_reasoning, prep.parse_tools) if chat else None

@@ -12,6 +12,7 @@ from clover_common.errors import BadInput
 from .. import options
 from ..chat_template import load_template
 from ..model import EngineError
+from . import connections
 from .prepare import Defaults
 from .routes import create_app
 from .security import Endpoints, Limits, Security, loopback_hosts
@@ -36,8 +37,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     model = options.open_model(args, n_parallel=args.parallel)  # the --cache-ram budget is shared among the slots
     try:
         template = load_template(model.llama_model, args.model, args.chat_template)
@@ -70,9 +69,9 @@ def run_serve(args: argparse.Namespace) -> int:
         if not args.api_key and security.allowed_hosts is None:
             print(f"clover-cpp serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
                   "port can use the model (docs/serve.md, \"Security\")", file=sys.stderr, flush=True)
-        config = uvicorn.Config(create_app(svc, security, webui=not args.no_webui), log_level=args.log_level,
-                                access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=3)
-        uvicorn.Server(config).run(sockets=[sock])
+        connections.serve(create_app(svc, security, webui=not args.no_webui), sock, args.timeout,
+                          log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
+                          timeout_graceful_shutdown=3)
     finally:
         model.close()
     return 0

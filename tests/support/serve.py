@@ -1,10 +1,11 @@
-"""Helpers for the tests of `clover-cpp serve` (tests/surfaces/test_serve_live.py, test_serve_endpoints.py): a live
-server on a GGUF, and plain HTTP calls to it."""
+"""Helpers for the tests of `clover-cpp serve` (tests/surfaces/test_serve_*.py): a live server on a GGUF, plain HTTP
+calls to it, and the checks of an OpenAI error body."""
 
 from __future__ import annotations
 
 import json
 import re
+import resource
 import subprocess
 import time
 import urllib.error
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -25,13 +27,15 @@ THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @contextmanager
-def serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True
+def serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True, files: tuple[int, int] | None = None
           ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    """A live `clover-cpp serve` on any free port: (url, process, log path); SIGTERM at the end."""
+    """A live `clover-cpp serve` on any free port: (url, process, log path); SIGTERM at the end. ``files``: the
+    server starts with this (soft, hard) limit on open files (RLIMIT_NOFILE) instead of the test's."""
     log_path = folder / f"server-{time.monotonic_ns()}.log"
+    limit = None if files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, files))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "--log-level", "warning", *args),
-                                stdout=log, stderr=subprocess.STDOUT, env=child_env())
+                                stdout=log, stderr=subprocess.STDOUT, env=child_env(), preexec_fn=limit)
     try:
         url = None
         deadline = time.monotonic() + 120
@@ -54,6 +58,13 @@ def serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True
         assert proc.poll() is None or not alive_at_end, f"the server died:\n{log_path.read_text()[-3000:]}"
     finally:
         stop_process(proc)
+
+
+def address(url: str) -> tuple[str, int]:
+    """The (host, port) a server's URL names, for raw sockets."""
+    parts = urlsplit(url)
+    assert parts.hostname and parts.port, url
+    return parts.hostname, parts.port
 
 
 def get(url: str) -> dict[str, Any]:
@@ -89,3 +100,19 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def check_error_body(status: int, body: bytes, context: object = None) -> dict[str, Any]:
+    """An error answer's body is the OpenAI error object, its message one line; returns the inner object."""
+    try:
+        err = json.loads(body)
+    except ValueError:
+        pytest.fail(f"{status} answer is not JSON: {body[:300]!r} ({context})")
+    assert isinstance(err, dict) and set(err) == {"error"}, (status, err, context)
+    inner = err["error"]
+    assert set(inner) == {"message", "type", "param", "code"}, (status, err, context)
+    message = inner["message"]
+    assert isinstance(message, str) and message and len(message.splitlines()) == 1, (status, err, context)
+    assert isinstance(inner["type"], str) and (inner["param"] is None or isinstance(inner["param"], str)), \
+        (status, err, context)
+    return inner

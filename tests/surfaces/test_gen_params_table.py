@@ -4,15 +4,21 @@ and GenParams accept the same values, and every flag of the table is an option o
 from __future__ import annotations
 
 import argparse
+import math
+import re
 
 import pytest
 from pydantic import ValidationError
+
+from clover_common.errors import BadInput
 
 from clover_cpp import options
 from clover_cpp.gen_params import PARAMS, GenParamError, GenParams
 from clover_cpp.serve.schema import CompletionRequest
 
-PROBES = (-3.0, -1.0, 0.0, 1e-6, 0.5, 1.0, 1.5, 2.5, 50.0)
+PROBES = (-3.0, -1.0, 0.0, 1e-6, 0.5, 1.0, 1.5, 2.5, 50.0,
+          # the engine's 32-bit types: the largest int32 and float32, and beyond (Bound.fits)
+          2.0**31 - 1, 2.0**31, 2.0**63, 3.4028234663852886e38, 1e39, -1e39, 1e308, -1e308)
 REQUEST_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repeat_penalty",
                   "block_size", "threshold", "coreset_top_p")
 
@@ -63,3 +69,36 @@ def test_a_bool_field_is_a_flag_pair() -> None:
     assert options.gen_params(p.parse_args([])).spec_fused is GenParams().spec_fused is False
     assert options.gen_params(p.parse_args(["--spec-fused"])).spec_fused is True
     assert options.gen_params(p.parse_args(["--no-spec-fused"])).spec_fused is False
+
+
+@pytest.mark.parametrize("name,value,refused", [
+    ("max_tokens", 2**31 - 1, None), ("max_tokens", 10**12, "at most 2147483647 (the engine's 32-bit integer)"),
+    ("top_k", 2**63, "at most 2147483647"), ("block_size", 10**400, "got an integer of 401 digits"),
+    ("temperature", 3.4028234663852886e38, None), ("temperature", 1e39, "(the engine's 32-bit float), got 1e+39"),
+    ("frequency_penalty", -1e308, "at most 3.40282e+38 in magnitude"), ("repeat_penalty", math.inf, "> 0"),
+])
+def test_a_value_the_engines_field_cannot_hold_is_refused(name: str, value: float, refused: str | None) -> None:
+    """The engine holds these in 32-bit ints and floats: 10^12 tokens would wrap negative, 1e39 become inf. The
+    request schema refuses the same values (a request's max_tokens is held to the context instead)."""
+    schema = name in REQUEST_FIELDS
+    if refused is None:
+        assert getattr(GenParams(**{name: value}), name) == value
+        if schema:
+            CompletionRequest(model="m", prompt="x", **{name: value})
+        return
+    with pytest.raises(GenParamError, match=re.escape(refused)):
+        GenParams(**{name: value})
+    if schema:
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="x", **{name: value})
+
+
+def test_the_command_line_refuses_what_would_wrap() -> None:
+    p = argparse.ArgumentParser()
+    options.add_generation_args(p, max_tokens=8, max_tokens_help="", seed=None, distribution=True)
+    for argv, message in ((["-n", str(10**12)], "-n/--max-tokens must be at most 2147483647"),
+                          (["--top-k", str(2**32)], "--top-k must be at most 2147483647"),
+                          (["--temp", "1e39"], "--temp must be at most 3.40282e+38 in magnitude"),
+                          (["--frequency-penalty=-1e300"], "--frequency-penalty must be at most")):
+        with pytest.raises(BadInput, match=re.escape(message)):
+            options.gen_params(p.parse_args(argv))

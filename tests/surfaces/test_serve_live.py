@@ -499,6 +499,28 @@ BAD_COMPLETION = [
 ]
 
 
+# docs/serve.md, "Request fields": llama-server's ranges, within the engine's 32-bit fields, not OpenAI's documented
+# ones (temperature 0..2, the penalties -2..2)
+SAMPLING_RANGES = [
+    ({"temperature": 3.5, "presence_penalty": -5, "frequency_penalty": 7.5, "repeat_penalty": 20}, None),
+    ({"temperature": 0, "presence_penalty": 3.4e38, "frequency_penalty": -3.4e38, "repeat_penalty": 1e-3}, None),
+    ({"temperature": -0.1}, "temperature"), ({"temperature": 1e308}, "temperature"),
+    ({"presence_penalty": 1e39}, "presence_penalty"), ({"frequency_penalty": -1e39}, "frequency_penalty"),
+    ({"repeat_penalty": 0}, "repeat_penalty"), ({"repeat_penalty": 1e39}, "repeat_penalty"),
+    ({"top_k": 2**31}, "top_k"), ({"top_k": 2**63}, "top_k"), ({"block_size": 2**31}, "block_size"),
+]
+
+
+@pytest.mark.parametrize("fields,param", SAMPLING_RANGES)
+def test_sampling_ranges_are_llama_servers(server: str, fields: dict[str, Any], param: str | None) -> None:
+    got, body = _post_raw(server + "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 1,
+                                                                 "mode": "ar", **fields}).encode())
+    if param is None:
+        assert got == 200 and body["usage"]["completion_tokens"] <= 1, body
+    else:
+        assert got == 400 and body["error"]["param"] == param and "\n" not in body["error"]["message"], body
+
+
 @pytest.mark.parametrize("name,fields,param", BAD_COMPLETION, ids=[c[0] for c in BAD_COMPLETION])
 def test_bad_completion_requests(server: str, name: str, fields: dict[str, Any], param: str) -> None:
     got, err = _post_raw(server + "/v1/completions", json.dumps({"model": MODEL_ID, **fields}).encode())

@@ -1,0 +1,220 @@
+"""The server stays reachable (docs/serve.md, "Limits"): connections that never finish a request neither keep
+`/health` from answering nor fill the log; `--timeout` closes them; beyond the cap, a newcomer is refused quickly.
+
+Written against HTTP alone (raw sockets and urllib), so that they run unchanged against whichever server
+tests/support/serve.py starts.
+"""
+
+from __future__ import annotations
+
+import resource
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from http.client import HTTPConnection
+
+import pytest
+
+from tests.support.native import skip_or_fail
+from tests.support.serve import MODEL_ID, address, check_error_body, get, http, serve
+
+pytestmark = pytest.mark.native
+
+HALF_OPEN = 2000  # connections that send no head, or half of one
+HOLD_S = 3.0  # how long they are held while /health is asked
+SERVER_FILES = 1024  # a default Linux session's soft limit on open files
+
+
+@pytest.fixture
+def many_files() -> Iterator[None]:
+    """This process may hold HALF_OPEN sockets and more (its soft limit raised for the test, then restored)."""
+    need = HALF_OPEN + 512
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        skip_or_fail(f"the test holds {HALF_OPEN} connections and needs {need} open files, but the hard limit is "
+                     f"{hard} (ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, need), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _partial_head(where: tuple[str, int]) -> bytes:
+    """The start of a request's head: its request line and two of its headers."""
+    host, port = where
+    return f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
+
+
+def _no_body(where: tuple[str, int]) -> bytes:
+    """A whole head, and one byte of the 100 its body should have."""
+    return _partial_head(where) + b"Content-Length: 100\r\n\r\n{"
+
+
+def _connect(where: tuple[str, int], send: bytes = b"") -> socket.socket | None:
+    """A connection that sends ``send`` (part of a head) and then nothing; None when the server refused it."""
+    try:
+        sock = socket.create_connection(where, timeout=5)
+        if send:
+            sock.sendall(send)
+        return sock
+    except OSError:
+        return None
+
+
+def _health_s(url: str) -> float:
+    start = time.monotonic()
+    assert get(url + "/health")["status"] == "ok"
+    return time.monotonic() - start
+
+
+def _flood(where: tuple[str, int], n: int) -> list[socket.socket]:
+    """``n`` connections, connecting without waiting (the kernel retries what the server's queue drops); every
+    second one sends part of a head once it is connected (within 5 s). None sends more."""
+    family = socket.getaddrinfo(*where, type=socket.SOCK_STREAM)[0][0]
+    socks = []
+    for _ in range(n):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.connect_ex(where)
+        socks.append(sock)
+    with selectors.DefaultSelector() as sel:
+        for sock in socks[1::2]:
+            sel.register(sock, selectors.EVENT_WRITE)
+        deadline = time.monotonic() + 5
+        while sel.get_map() and time.monotonic() < deadline:
+            for key, _ in sel.select(0.1):
+                sock = key.fileobj
+                sel.unregister(sock)
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    try:
+                        sock.send(_partial_head(where))
+                    except OSError:
+                        pass  # closed by the server meanwhile
+    return socks
+
+
+def test_health_answers_while_2000_connections_send_no_head(tiny_gguf: Path, many_files: None) -> None:
+    """The attack of a client without an API key: HALF_OPEN connections, half of them with part of a head, held
+    for HOLD_S. The server starts with the soft limit of open files a default session gives (1024); /health
+    answers within 1 s all along, a completion still gets through, and the log grows by less than 1 MB."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    with serve(tiny_gguf, tiny_gguf.parent, files=(SERVER_FILES, hard)) as (url, _, log):
+        logged = log.stat().st_size
+        held = _flood(address(url), HALF_OPEN)
+        try:
+            slowest, asked = 0.0, 0
+            deadline = time.monotonic() + HOLD_S
+            while time.monotonic() < deadline:
+                slowest = max(slowest, _health_s(url))
+                asked += 1
+                time.sleep(0.05)
+            status, _, body = http(url + "/v1/completions", {"model": MODEL_ID, "prompt": "hi", "max_tokens": 1},
+                                   timeout=30)
+            assert status == 200, body[:300]
+        finally:
+            for sock in held:
+                sock.close()
+        grown = log.stat().st_size - logged
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while {HALF_OPEN} connections were held"
+    assert asked >= 10
+    assert grown < 2**20, f"the log grew by {grown} bytes:\n{log.read_text()[-2000:]}"
+
+
+def _closed_after(sock: socket.socket, limit_s: float) -> float | None:
+    """Seconds until the server closes ``sock`` (reads give EOF or a reset), None if it stays open for limit_s."""
+    start = time.monotonic()
+    sock.settimeout(limit_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except (socket.timeout, TimeoutError):
+        return None
+    except OSError:
+        pass
+    return time.monotonic() - start
+
+
+def test_timeout_closes_connections_that_never_finish_a_request(tiny_gguf: Path) -> None:
+    """--timeout 1: a silent connection, one that stops mid-head, one that sends its head a byte every 0.3 s and
+    one whose body never comes are closed after about a second; a client that keeps asking on one connection is
+    not."""
+    with serve(tiny_gguf, tiny_gguf.parent, "--timeout", "1") as (url, _, _):
+        where = address(url)
+        silent = _connect(where)
+        partial = _connect(where, _partial_head(where))
+        no_body = _connect(where, _no_body(where))
+        trickle = _connect(where)
+        assert silent and partial and no_body and trickle
+        stop = threading.Event()
+
+        def slowloris() -> None:
+            for byte in _partial_head(where) * 10:
+                if stop.wait(0.3):
+                    return
+                try:
+                    trickle.send(bytes([byte]))
+                except OSError:
+                    return
+
+        thread = threading.Thread(target=slowloris, daemon=True)
+        thread.start()
+        keep = HTTPConnection(*where, timeout=10)
+        early = None
+        try:
+            keep.request("GET", "/health")
+            assert keep.getresponse().read()
+            first = keep.sock
+            for _ in range(6):  # 0.3 s apart, within the deadline that each answer's end starts
+                time.sleep(0.3)
+                keep.request("GET", "/health")
+                answer = keep.getresponse()
+                assert answer.status == 200 and answer.read()
+            assert keep.sock is first, "the server closed a connection that kept asking"
+            # answered before its body came (the server reads no GET body), then the body: the next head has a deadline
+            early = _connect(where, f"GET /nowhere HTTP/1.1\r\nHost: {where[0]}:{where[1]}\r\n"
+                                    "Content-Length: 5\r\n\r\n".encode())
+            assert early is not None
+            assert early.recv(4096).startswith(b"HTTP/1.1 404")
+            early.sendall(b"hello")
+            for name, sock in (("silent", silent), ("partial head", partial), ("no body", no_body),
+                               ("slowloris", trickle), ("answered early", early)):
+                waited = _closed_after(sock, 10)
+                assert waited is not None, f"{name}: still open 10 s after the deadline"
+        finally:
+            stop.set()
+            thread.join()
+            keep.close()
+            for sock in (silent, partial, no_body, trickle, early):
+                if sock is not None:
+                    sock.close()
+        assert get(url + "/health")["status"] == "ok"
+
+
+def test_a_full_cap_of_requests_refuses_a_newcomer_with_a_503(tiny_gguf: Path) -> None:
+    """With 128 open files the cap is small; requests whose bodies have not arrived fill it. A newcomer then gets
+    a 503 with an OpenAI error body at once; once they go, it gets in."""
+    with serve(tiny_gguf, tiny_gguf.parent, "--timeout", "30", files=(128, 128)) as (url, _, _):
+        where = address(url)
+        pending = []
+        for _ in range(100):  # one at a time: the server has read each head before the next one connects
+            pending.append(_connect(where, _no_body(where)))
+            time.sleep(0.01)
+        try:
+            start = time.monotonic()
+            status, headers, body = http(url + "/health", timeout=10)
+            assert time.monotonic() - start < 1.0
+            assert status == 503, body[:300]
+            err = check_error_body(status, body)
+            assert err["code"] == "too_many_connections", err
+        finally:
+            for sock in pending:
+                if sock is not None:
+                    sock.close()
+        deadline = time.monotonic() + 5
+        while http(url + "/health", timeout=10)[0] != 200:
+            assert time.monotonic() < deadline, "the server still refuses after the requests went"
+            time.sleep(0.05)
