@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from .long_numbers import shown
 
-I32_MAX = 2**31 - 1
+I32_MIN, I32_MAX = -2**31, 2**31 - 1
 F32_MAX = 3.4028234663852886e38  # the largest finite float32
 # the largest block size a checkpoint may declare; the engine's GGUF readers refuse the same
 # (cpp_patch/src/clover-keys.h, the block_size row)

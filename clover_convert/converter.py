@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from clover_common.block_settings import GENERATION_CONFIG_FILE, Overrides, read_generation_config
 from clover_common.config import CONFIG_FILE, CloverConfig, is_number
-from clover_common.config_numbers import METADATA_RULES
+from clover_common.config_numbers import F32_MAX, METADATA_RULES
 from clover_common.errors import BadInput, CloverInputError
 from clover_common.input_files import CONFIG, MODEL_CARD, check_input_dir, check_input_file, present, read_json
 
@@ -196,7 +196,7 @@ def read_penalties(model_dir: Path) -> dict[str, float]:
         if value is None:
             continue
         # a float32 (a huge int would not even convert)
-        number = float(value) if is_number(value) and abs(value) < 3.4e38 else math.nan
+        number = float(value) if is_number(value) and abs(value) <= F32_MAX else math.nan
         if not math.isfinite(number):
             raise CloverInputError(path, f"must be a finite number (0 = off), got {value!r}", name)
         out[key] = number

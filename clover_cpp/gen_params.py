@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from clover_common.errors import BadInput
+from clover_common.config_numbers import F32_MAX, I32_MAX, I32_MIN  # the engine's C types' ranges
 from clover_common.long_numbers import shown
 from clover_native import libclover
 
@@ -38,8 +39,6 @@ class GenParamError(BadInput):
         return shown(self.value)
 
 
-INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
-FLOAT32_MAX = 3.4028234663852886e38  # the largest finite 32-bit float
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,8 @@ class Bound:
     def fits(self, value: float) -> bool:
         """Whether the engine's C type holds ``value`` (an int of any size is compared exactly)."""
         if self.integer:
-            return INT32_MIN <= value <= INT32_MAX
-        return -FLOAT32_MAX <= value <= FLOAT32_MAX
+            return I32_MIN <= value <= I32_MAX
+        return -F32_MAX <= value <= F32_MAX
 
     @property
     def rule(self) -> str:
@@ -97,13 +96,13 @@ class Bound:
     @property
     def c_rule(self) -> str:
         if self.integer:
-            return f"must be at most {INT32_MAX} (the engine's 32-bit integer)"
-        return f"must be at most {FLOAT32_MAX:.6g} in magnitude (the engine's 32-bit float)"
+            return f"must be at most {I32_MAX} (the engine's 32-bit integer)"
+        return f"must be at most {F32_MAX:.6g} in magnitude (the engine's 32-bit float)"
 
     def pydantic(self) -> dict[str, float | bool]:
         """The bound as pydantic ``Field`` arguments (ge/gt/le/lt, no NaN or inf), within the engine's type."""
         out: dict[str, float | bool] = {} if self.integer else {"allow_inf_nan": False}
-        type_low, type_high = (INT32_MIN, INT32_MAX) if self.integer else (-FLOAT32_MAX, FLOAT32_MAX)
+        type_low, type_high = (I32_MIN, I32_MAX) if self.integer else (-F32_MAX, F32_MAX)
         out["gt" if self.low_open else "ge"] = type_low if self.low is None else self.low
         out["lt" if self.high_open else "le"] = type_high if self.high is None else self.high
         return out

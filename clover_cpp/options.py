@@ -21,10 +21,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from clover_common.config_numbers import I32_MAX, I32_MIN
 from clover_common.errors import BadInput
 from clover_common.input_files import CHAT_TEMPLATE, GGUF, GRAMMAR, JSON_SCHEMA, check_input_file, read_input_text
 
-from .gen_params import INT32_MAX, INT32_MIN, MODES, PARAMS, GenParamError, GenParams
+from .gen_params import MODES, PARAMS, GenParamError, GenParams
 from .model import DEFAULT_CACHE_RAM_MIB, DEFAULT_CHECKPOINT_EVERY, Model
 from .offload import add_offload_args, offload_from_args
 
@@ -204,8 +205,8 @@ def at_least(*checks: tuple[str, int | float | None, int]) -> None:
             raise BadInput(f"{flag} must be a finite number, got {value}")
         if value < low:
             raise BadInput(f"{flag} must be at least {low}, got {value}")
-        if value > INT32_MAX:
-            raise BadInput(f"{flag} must be at most {INT32_MAX} (a 32-bit integer), got {value}")
+        if value > I32_MAX:
+            raise BadInput(f"{flag} must be at most {I32_MAX} (a 32-bit integer), got {value}")
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -215,7 +216,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.bd is not None:
         check_input_file(args.bd, GGUF, "--bd")
     at_least(("-c/--ctx-size", args.ctx_size, 0), ("-t/--threads", args.threads, 0),
-             ("-ngl/--n-gpu-layers", args.n_gpu_layers, INT32_MIN),
+             ("-ngl/--n-gpu-layers", args.n_gpu_layers, I32_MIN),
              ("--max-block-size", getattr(args, "max_block_size", None), 0),
              ("--cache-ram", getattr(args, "cache_ram", None), 0),
              ("--checkpoint-every", getattr(args, "checkpoint_every", None), 0),

@@ -6,8 +6,9 @@ request can neither keep others out nor fill the log.
   within it of connecting, or of its previous answer's end, and may not fall silent for longer while it sends the
   body; otherwise it is closed. Once the request has arrived, answering it takes as long as it takes.
 - **The cap** (``Gate``): at most MAX_CONNECTIONS open connections (fewer when the process may open few files).
-  A connection beyond it closes the oldest one still waiting for its head; only when every open connection carries
-  a request is the newcomer refused, with a 503 ``too_many_connections`` once its head arrives.
+  A connection beyond it closes the oldest one whose request has not all arrived (its head, or its body); only when
+  every open connection carries a whole request is the newcomer refused, with a 503 ``too_many_connections`` once
+  its head arrives. So neither heads nor bodies sent slowly can keep others out.
 - **Files**: the soft limit on open files is raised to the hard limit at start, and the cap is sized below it, so
   that the cap, not EMFILE, governs. asyncio's accept loop logs every failed accept with a traceback (thousands a
   second when files run out); ``OncePerInterval`` lets one line through per interval, with the count.
@@ -53,7 +54,8 @@ def raise_file_limit() -> int:
 
 
 class Gate:
-    """The open connections of one server: the cap, and those still waiting for a request's head, oldest first.
+    """The open connections of one server: the cap, and those whose request has not all arrived (``waiting``: for
+    its head or the rest of its body), oldest first.
 
     ``files``: the soft limit on open files. asyncio accepts up to ``backlog`` connections in one turn of its loop
     before any is looked at, and a connection closed in one turn frees its file in the next, which may accept
@@ -68,12 +70,13 @@ class Gate:
         self.throttle = Throttle()
 
     def opened(self, conn: GatedH11) -> None:
-        """A new connection: beyond the cap, the oldest one waiting for its head is closed; if none waits, the
-        newcomer is refused (it then waits for its head, to be answered with a 503, or to be closed in turn)."""
+        """A new connection: beyond the cap, the oldest one whose request has not all arrived is closed; if none
+        waits, the newcomer is refused (it then waits for its head, to be answered with a 503, or to be closed in
+        turn)."""
         self.open.add(conn)
         while len(self.open) > self.cap and self.waiting:
             self.drop(next(iter(self.waiting)))
-            self._log("closed the oldest connection still waiting for its request head")
+            self._log("closed the oldest connection whose request had not all arrived")
         if len(self.open) > self.cap:
             conn.refuse()
             self._log("refused a connection with a 503: every open connection carries a request")
@@ -89,7 +92,8 @@ class Gate:
         self.waiting[conn] = None
         conn.arm(self.timeout_s)
 
-    def head_done(self, conn: GatedH11) -> None:
+    def arrived(self, conn: GatedH11) -> None:
+        """``conn``'s request has all arrived: answering it takes as long as it takes."""
         self.waiting.pop(conn, None)
         conn.disarm()
 
@@ -100,7 +104,7 @@ class Gate:
 
     def closed(self, conn: GatedH11) -> None:
         self.open.discard(conn)
-        self.head_done(conn)
+        self.arrived(conn)
 
 
 class GatedH11(H11Protocol):
@@ -129,9 +133,11 @@ class GatedH11(H11Protocol):
                 # 404), and that body's end now came; the next head has a deadline too
                 self.gate.await_head(self)
             return
-        self.gate.head_done(self)
-        if state is h11.SEND_BODY:  # the body: at most timeout_s of silence between its pieces
+        if state is h11.SEND_BODY:  # the body: at most timeout_s of silence between its pieces, and evictable
+            self.gate.waiting.setdefault(self, None)
             self.arm(self.gate.timeout_s)
+        else:
+            self.gate.arrived(self)
 
     def on_response_complete(self) -> None:
         if not self.transport.is_closing() and self.conn.their_state is h11.DONE:  # kept alive: the next
@@ -150,10 +156,11 @@ class GatedH11(H11Protocol):
 
     def _expired(self) -> None:
         self._timer = None
-        sending_body = self.conn.their_state is h11.SEND_BODY
-        if sending_body and self.flow.read_paused:  # the app has not taken the last piece yet: not the client's fault
-            self.arm(self.gate.timeout_s)
-        elif sending_body or self in self.gate.waiting:
+        if self not in self.gate.waiting:
+            return
+        if self.conn.their_state is h11.SEND_BODY and self.flow.read_paused:  # the app has not taken the last
+            self.arm(self.gate.timeout_s)  # piece yet: not the client's fault
+        else:
             self.gate.drop(self)
 
     def send_400_response(self, msg: str) -> None:

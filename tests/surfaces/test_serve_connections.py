@@ -7,6 +7,7 @@ tests/support/serve.py starts.
 
 from __future__ import annotations
 
+import json
 import resource
 import selectors
 import socket
@@ -194,14 +195,36 @@ def test_timeout_closes_connections_that_never_finish_a_request(tiny_gguf: Path)
         assert get(url + "/health")["status"] == "ok"
 
 
+def _whole_request(where: tuple[str, int]) -> bytes:
+    """A completion that keeps the engine busy for a while (the requests queue behind it)."""
+    body = json.dumps({"model": MODEL_ID, "prompt": "hi", "max_tokens": 2000, "ignore_eos": True}).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {where[0]}:{where[1]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def test_a_cap_full_of_unfinished_bodies_still_lets_a_newcomer_in(tiny_gguf: Path) -> None:
+    """With 128 open files the cap is small. Requests whose bodies never finish fill it: a newcomer closes the
+    oldest of them and is answered (bodies sent slowly cannot keep others out, any more than heads)."""
+    with serve(tiny_gguf, tiny_gguf.parent, "--timeout", "30", files=(128, 128)) as (url, _, _):
+        where = address(url)
+        pending = [_connect(where, _no_body(where)) for _ in range(100)]
+        try:
+            assert _health_s(url) < 1.0
+            assert sum(_closed_after(s, 0.05) is not None for s in pending if s is not None) >= 60  # the oldest went
+        finally:
+            for sock in pending:
+                if sock is not None:
+                    sock.close()
+
+
 def test_a_full_cap_of_requests_refuses_a_newcomer_with_a_503(tiny_gguf: Path) -> None:
-    """With 128 open files the cap is small; requests whose bodies have not arrived fill it. A newcomer then gets
+    """With 128 open files the cap is small; whole requests, queued for the engine, fill it. A newcomer then gets
     a 503 with an OpenAI error body at once; once they go, it gets in."""
     with serve(tiny_gguf, tiny_gguf.parent, "--timeout", "30", files=(128, 128)) as (url, _, _):
         where = address(url)
         pending = []
-        for _ in range(100):  # one at a time: the server has read each head before the next one connects
-            pending.append(_connect(where, _no_body(where)))
+        for _ in range(100):  # one at a time: the server has read each request before the next one connects
+            pending.append(_connect(where, _whole_request(where)))
             time.sleep(0.01)
         try:
             start = time.monotonic()
