@@ -125,24 +125,26 @@ static inline std::string clover_gen_param_c_rule(clover_gen_param_id id) {
                                         : "must be at most 3.40282e+38 in magnitude (the engine's 32-bit float)";
 }
 
-// whether v is in the range (and finite, and whole for an integer field) and its C type holds it
-static inline bool clover_gen_param_ok(clover_gen_param_id id, double v) {
+// whether v is in the range (and finite, and whole for an integer field)
+static inline bool clover_gen_param_in_range(clover_gen_param_id id, double v) {
     const clover_gen_param_spec & s = clover_gen_param(id);
     if (!std::isfinite(v) || (s.integer && v != std::floor(v))) {
         return false;
     }
-    return (s.lo_open ? v > s.lo : v >= s.lo) && v <= s.hi && clover_gen_param_fits(id, v);
+    return (s.lo_open ? v > s.lo : v >= s.lo) && v <= s.hi;
+}
+
+// whether v is in the range and its C type holds it
+static inline bool clover_gen_param_ok(clover_gen_param_id id, double v) {
+    return clover_gen_param_in_range(id, v) && clover_gen_param_fits(id, v);
 }
 
 // the rule v breaks: the range's, or the C type's when only the type cannot hold it ("" when v is valid)
 static inline std::string clover_gen_param_broken(clover_gen_param_id id, double v) {
-    if (clover_gen_param_ok(id, v)) {
-        return "";
+    if (!clover_gen_param_in_range(id, v)) {
+        return clover_gen_param_rule(id);
     }
-    const clover_gen_param_spec & s = clover_gen_param(id);
-    const bool in_range = std::isfinite(v) && (!s.integer || v == std::floor(v)) &&
-                          (s.lo_open ? v > s.lo : v >= s.lo) && v <= s.hi;
-    return in_range ? clover_gen_param_c_rule(id) : clover_gen_param_rule(id);
+    return clover_gen_param_fits(id, v) ? "" : clover_gen_param_c_rule(id);
 }
 
 // The engine's check of a call's field: empty when v is in range or stands for the GGUF's value, else

@@ -420,19 +420,14 @@ static std::string clover_fingerprint_diff(const std::string & a, const std::str
 // over info (spec 5: a trunk and a sidecar match by architecture family and fingerprint, not by spelling).
 static bool clover_read_sidecar(const gguf_context * trunk, const char * path, const std::string & trunk_arch,
                                 const char * bd_path, clover_model_info & info, std::string & err) {
-    const std::string problem = clover_input_file_problem(bd_path);  // what the path is comes first
-    if (!problem.empty()) {
-        err = clover_format("'%s': %s", bd_path, problem.c_str());
+    std::string arch;
+    gguf_ptr side = clover_gguf_open(bd_path, arch, err);  // what the sidecar's path is comes first
+    if (!side) {
         return false;
     }
     if (clover_has_bd_tensors(trunk)) {
         err = clover_format("'%s' already holds the block-diffusion tensors: a sidecar (%s) goes with a trunk-only file",
                 path, bd_path);
-        return false;
-    }
-    std::string arch;
-    gguf_ptr side = clover_gguf_open(bd_path, arch, err);
-    if (!side) {
         return false;
     }
     const std::string fp_key = arch + ".bd.trunk_fingerprint";
