@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import block_settings
-from .config_numbers import I32_MAX, MAX_BLOCK_SIZE, MAX_LAYERS, first_violation  # noqa: F401 (MAX_BLOCK_SIZE)
+from .config_numbers import I32_MAX, MAX_LAYERS, first_violation
 from .errors import CloverInputError
 from .input_files import present, read_json
 from .long_numbers import shown

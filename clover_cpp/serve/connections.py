@@ -32,6 +32,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .schema import error_body
+from .security import send_error
 
 MAX_CONNECTIONS = 1024
 BACKLOG = 2048  # uvicorn's default: both the listen queue and the most connections accepted in one turn of the loop
@@ -186,14 +187,11 @@ class GatedH11(H11Protocol):
 
 
 def _too_many_connections(cap: int) -> Any:
-    body = json.dumps(error_body(f"The server has {cap} open connections, each carrying a request (its limit). "
-                                 "Retry later.", "unavailable_error", None, "too_many_connections")).encode()
+    body = error_body(f"The server has {cap} open connections, each carrying a request (its limit). Retry later.",
+                      "unavailable_error", None, "too_many_connections")
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"retry-after", b"1"), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 503, body, [(b"retry-after", b"1"), (b"connection", b"close")])
     return app
 
 

@@ -72,8 +72,10 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
     return None
 
 
-async def _send_error(send: Callable[..., Any], status: int, body: dict[str, Any],
-                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(send: Callable[..., Any], status: int, body: dict[str, Any],
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """An error answer straight on the ASGI ``send`` (before or instead of the app): the JSON ``body``, with
+    ``headers`` after the content type and length."""
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -109,14 +111,14 @@ class Guard:
         allowed = self.security.allowed_hosts
         host = _header(scope, b"host")
         if allowed is not None and host is not None and host.lower() not in allowed:
-            await _send_error(send, 403, error_body(
+            await send_error(send, 403, error_body(
                 f"Host '{host}' is not this server's: a server bound to loopback answers only "
                 f"{', '.join(sorted(h for h in allowed if ':' in h))} (a DNS rebinding guard; bind another "
                 "--host to serve other names)", "invalid_request_error", None, "forbidden_host"))
             return
         path = scope.get("path", "")
         if self._keys and path not in self.security.open_paths and not self._key_ok(scope):  # /v1/... and the rest
-            await _send_error(send, 401, error_body(
+            await send_error(send, 401, error_body(
                 "Invalid or missing API key: send 'Authorization: Bearer KEY' with one of the server's "
                 "--api-key keys.", "invalid_request_error", None, "invalid_api_key"),
                 [(b"www-authenticate", b'Bearer realm="clover-cpp"')])
@@ -128,7 +130,7 @@ class Guard:
                                    "request_too_large")
             length = _header(scope, b"content-length")
             if length is not None and length.strip().isdigit() and int(length) > limit:
-                await _send_error(send, 413, too_large)
+                await send_error(send, 413, too_large)
                 return
             chunks, size = [], 0
             while True:
@@ -138,7 +140,7 @@ class Guard:
                 chunks.append(message.get("body", b""))
                 size += len(chunks[-1])
                 if size > limit:
-                    await _send_error(send, 413, too_large)
+                    await send_error(send, 413, too_large)
                     return
                 if not message.get("more_body", False):
                     break

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from clover_common.config import MAX_BLOCK_SIZE
+from clover_common.config_numbers import MAX_BLOCK_SIZE
 from clover_convert.model_keys import BD_KEYS
 
 HEADER = Path(__file__).resolve().parents[2] / "cpp_patch" / "src" / "clover-keys.h"

@@ -327,7 +327,7 @@ def _raw_answer(where: tuple[str, int], request: bytes) -> bytes:
 def test_malformed_http_gets_a_400_with_an_error_body(server: str) -> None:
     """Requests h11 cannot read are answered with a 400 and the OpenAI error body, never a 5xx; the server lives."""
     where = address(server)
-    failures = []
+    failures, unreadable = [], 0
     for request in _mutated_requests(where, random.Random(SEED)):
         answer = _raw_answer(where, request)
         if not answer:
@@ -337,5 +337,7 @@ def test_malformed_http_gets_a_400_with_an_error_body(server: str) -> None:
         why = check_answer(status, {"content-type": "application/json"}, body, request[:80])
         if why:
             failures.append(f"{request[:80]!r}: {why}")
+        unreadable += status == 400 and b'"invalid_http"' in body
     assert not failures, "\n".join(failures[:10])
+    assert unreadable >= 10, f"only {unreadable} of the mutated requests got the 400 invalid_http"
     assert get(server + "/health")["status"] == "ok"
