@@ -197,7 +197,7 @@ def test_timeout_closes_connections_that_never_finish_a_request(tiny_gguf: Path)
 
 def _whole_request(where: tuple[str, int]) -> bytes:
     """A completion that keeps the engine busy for a while (the requests queue behind it)."""
-    body = json.dumps({"model": MODEL_ID, "prompt": "hi", "max_tokens": 2000, "ignore_eos": True}).encode()
+    body = json.dumps({"model": MODEL_ID, "prompt": "hi", "max_tokens": 4000, "ignore_eos": True}).encode()
     return (f"POST /v1/completions HTTP/1.1\r\nHost: {where[0]}:{where[1]}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
@@ -218,12 +218,16 @@ def test_a_cap_full_of_unfinished_bodies_still_lets_a_newcomer_in(tiny_gguf: Pat
 
 
 def test_a_full_cap_of_requests_refuses_a_newcomer_with_a_503(tiny_gguf: Path) -> None:
-    """With 128 open files the cap is small; whole requests, queued for the engine, fill it. A newcomer then gets
-    a 503 with an OpenAI error body at once; once they go, it gets in."""
+    """With 128 open files the cap is 32 connections; whole requests, queued for the engine, fill it. A newcomer
+    then gets a 503 with an OpenAI error body at once; once they go, it gets in.
+
+    The first request must still run when the newcomer comes: a finished one leaves an idle keep-alive connection,
+    which a newcomer may close. So the requests are few (the cap and a margin, filled in about 0.4 s) and each
+    generates 4000 tokens (about 2 s for the tiny model on one of CI's cores)."""
     with serve(tiny_gguf, tiny_gguf.parent, "--timeout", "30", files=(128, 128)) as (url, _, _):
         where = address(url)
         pending = []
-        for _ in range(100):  # one at a time: the server has read each request before the next one connects
+        for _ in range(40):  # one at a time: the server has read each request before the next one connects
             pending.append(_connect(where, _whole_request(where)))
             time.sleep(0.01)
         try:
