@@ -1,9 +1,14 @@
-"""Processes of the toolkit: the clover-cpp command line, and a port for a server to listen on."""
+"""Processes of the toolkit: the clover-cpp command line, a port for a server to listen on, and llama-server."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -18,3 +23,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def llama_server(exe: Path, gguf: Path, *args: str, log_path: Path, ready_s: float = 120) -> Iterator[str]:
+    """llama-server ``exe`` on ``gguf`` (bound to localhost, on a free port, with ``args``), once its /health
+    answers 200; its base URL. RuntimeError, with the log's tail, when it exits or is not ready within ready_s,
+    or has died by the end of the block."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:  # not listening yet, or 503 while the model loads
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server not ready in {ready_s} s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server died:\n{log_path.read_text()[-3000:]}")
+    finally:
+        stop_process(proc)
+

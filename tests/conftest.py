@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from clover_ref.factory import init_checkpoint
+from tests.support.handmade import write_handmade
 from tests.support.native import require_native
 
 # Tests send SIGINT to child processes (Ctrl-C in the chat, interrupted conversions). A shell without job
@@ -84,3 +85,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     for note in dict.fromkeys(_NOTES):
         terminalreporter.write_line(f"note: {note}")
+
+
+@pytest.fixture(scope="session")
+def handmade(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """A checkpoint written by transformers' Qwen3_5MoeForCausalLM plus the block-diffusion tensors
+    (tests/support/handmade.py), and that transformers model."""
+    out = tmp_path_factory.mktemp("handmade") / "Clover-Handmade"
+    return out, write_handmade(out)
+

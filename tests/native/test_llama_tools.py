@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,8 +22,8 @@ import numpy as np
 import pytest
 
 from clover_dev import REPO_ROOT
-from clover_dev.process import free_port
-from tests.support.native import native_tool, record, stop_process
+from tests.support import native
+from tests.support.native import native_tool, record
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -40,31 +38,9 @@ MESSAGES = [{"role": "user", "content": "Write a Python function that returns th
 @pytest.fixture(scope="module")
 def llama_server(demo_gguf: Path) -> Iterator[str]:
     """llama-server on the demo GGUF, bound to localhost, one slot; its base URL."""
-    exe = native_tool("llama-server")
-    port = free_port()
-    log_path = demo_gguf.parent / "llama-server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(exe), "-m", str(demo_gguf), "--host", "127.0.0.1", "--port", str(port),
-                                 "-c", "1024", "-np", "1", "-t", "2"],
-                                stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama-server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:  # not listening yet, or 503 while the model loads
-                pass
-            assert time.monotonic() < deadline, f"llama-server not ready in 120 s:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.2)
+    with native.llama_server(demo_gguf, "-c", "1024", "-np", "1", "-t", "2",
+                             log_path=demo_gguf.parent / "llama-server.log") as url:
         yield url
-        assert proc.poll() is None, f"llama-server died:\n{log_path.read_text()[-3000:]}"
-    finally:
-        stop_process(proc)
 
 
 def test_llama_server_chat_equals_engine_ar(llama_server: str, demo_gguf: Path) -> None:

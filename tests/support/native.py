@@ -8,7 +8,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +54,15 @@ def native_tool(name: str) -> Path:
     return path
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds (servers started by tests)."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+@contextmanager
+def llama_server(gguf: Path, *args: str, log_path: Path | None = None, ready_s: float = 120) -> Iterator[str]:
+    """The native build's llama-server on ``gguf`` (clover_dev.process.llama_server), its log beside the GGUF
+    unless ``log_path`` says where; its base URL."""
+    from clover_dev.process import free_port, llama_server as start
+
+    log_path = log_path or gguf.parent / f"llama-server-{free_port()}.log"
+    with start(native_tool("llama-server"), gguf, *args, log_path=log_path, ready_s=ready_s) as url:
+        yield url
 
 
 def record(name: str, value: Any) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from clover_dev.process import cli_command
 from tests.support.chat import child_env
-from tests.support.native import stop_process
+from clover_dev.process import stop_process
 
 MODEL_ID = "tiny"  # the tiny checkpoint's GGUF, served under its file name (tests/surfaces/conftest.py)
 THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
