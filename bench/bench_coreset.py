@@ -124,8 +124,8 @@ def block_pass_ms(path: Path, top_ps: tuple[float, ...], reps: int = 7) -> dict:
     ids = np.random.default_rng(0).integers(0, 3000, size=64 + max(NATIVE_WIDTHS)).tolist()
     out: dict = {}
     for top_p in top_ps:
-        model.set_coreset_top_p(top_p)
         ctx = bindings.Context(model, n_ctx=256, n_ubatch=64)
+        ctx.set_coreset_top_p(top_p)
         ctx.causal(ids[:64], rows=[63])
         out[str(top_p)] = {}
         for w in NATIVE_WIDTHS:

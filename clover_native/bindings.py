@@ -22,6 +22,9 @@ from .loader import NativeError, NativeHandle, env_int, error_reasons, llama, lo
 
 HISTORY_SEQ = 0
 SCRATCH_SEQ = 1
+# Clover's per-sequence graph parameters (src/llama-clover.h: LLAMA_CLOVER_PARAM_*)
+CORESET_TOP_P = "clover.coreset_top_p"
+FUSED_WINDOW = "clover.fused_window"
 
 
 def tokenize(vocab: Any, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
@@ -90,32 +93,12 @@ class LlamaModel(NativeHandle):
             self.close()
             raise NativeError(message)
 
-    def set_coreset_top_p(self, top_p: float) -> None:
-        """The model-wide block expert coreset top_p (spec 3.3; the patch's llama_clover_set_coreset_top_p): what
-        the block passes of every sequence without a value of its own use; a reused graph reads it at every pass.
-        NativeError outside (0, 1]."""
+    def has_block_diffusion(self) -> bool:
+        """Whether the file holds the block-diffusion tensors (llama_clover_has_block_diffusion)."""
         lib = llama().llama_cpp._lib
-        lib.llama_clover_set_coreset_top_p.argtypes = [ctypes.c_void_p, ctypes.c_float]
-        lib.llama_clover_set_coreset_top_p.restype = ctypes.c_bool
-        if not lib.llama_clover_set_coreset_top_p(self.ptr, float(top_p)):
-            raise NativeError(f"coreset_top_p must be in (0, 1], got {top_p!r}")
-
-    def set_seq_coreset_top_p(self, seq: int, top_p: float) -> None:
-        """Sequence ``seq``'s own coreset top_p (llama_clover_set_seq_coreset_top_p): each window of a batched
-        block pass routes inside its sequence's coreset. 0 clears it (back to the model-wide value). NativeError
-        outside [0, 1] or for a sequence id out of range."""
-        lib = llama().llama_cpp._lib
-        lib.llama_clover_set_seq_coreset_top_p.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]
-        lib.llama_clover_set_seq_coreset_top_p.restype = ctypes.c_bool
-        if not lib.llama_clover_set_seq_coreset_top_p(self.ptr, int(seq), float(top_p)):
-            raise NativeError(f"sequence {seq}: coreset_top_p must be in [0, 1] (0 clears it), got {top_p!r}")
-
-    def coreset_top_p(self, seq: int) -> float:
-        """The coreset top_p sequence ``seq``'s block passes use: its own, else the model-wide one."""
-        lib = llama().llama_cpp._lib
-        lib.llama_clover_get_seq_coreset_top_p.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-        lib.llama_clover_get_seq_coreset_top_p.restype = ctypes.c_float
-        return float(lib.llama_clover_get_seq_coreset_top_p(self.ptr, int(seq)))
+        lib.llama_clover_has_block_diffusion.argtypes = [ctypes.c_void_p]
+        lib.llama_clover_has_block_diffusion.restype = ctypes.c_bool
+        return bool(lib.llama_clover_has_block_diffusion(self.ptr))
 
     def meta(self, key: str) -> str | None:
         """A metadata value as llama.cpp stringifies it (no arrays)."""
@@ -205,6 +188,31 @@ class Context(NativeHandle):
     def pos_max(self, seq: int = HISTORY_SEQ) -> int:
         return int(llama().llama_memory_seq_pos_max(self.mem, seq))
 
+    def set_seq_param(self, seq: int, name: str, value: float) -> None:
+        """Sequence ``seq``'s value of the model's graph parameter ``name`` on this context (llama_set_seq_param:
+        src/llama-clover.h names Clover's); NaN clears it. NativeError for a sequence id out of range."""
+        lib = llama().llama_cpp._lib
+        lib.llama_set_seq_param.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_float]
+        lib.llama_set_seq_param.restype = ctypes.c_bool
+        if not lib.llama_set_seq_param(self.ptr, int(seq), name.encode(), float(value)):
+            raise NativeError(f"llama_set_seq_param refused sequence {seq}, {name!r}")
+
+    def seq_param(self, seq: int, name: str) -> float:
+        """Sequence ``seq``'s value of ``name`` (NaN when it has none)."""
+        lib = llama().llama_cpp._lib
+        lib.llama_get_seq_param.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p]
+        lib.llama_get_seq_param.restype = ctypes.c_float
+        return float(lib.llama_get_seq_param(self.ptr, int(seq), name.encode()))
+
+    def set_coreset_top_p(self, top_p: float | None, seq: int = SCRATCH_SEQ) -> None:
+        """The block expert coreset top_p (spec 3.3) of sequence ``seq``'s block passes (by default the scratch
+        sequence, where ``block`` runs); None: the GGUF's value. A reused graph reads it at every pass. NativeError
+        outside (0, 1]."""
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise NativeError(f"coreset_top_p must be in (0, 1], got {top_p!r}")
+        self.set_seq_param(seq, CORESET_TOP_P, float("nan") if top_p is None else top_p)
+
+
     # -- API ------------------------------------------------------------------------------------
     def causal(self, tokens: Sequence[int], rows: Sequence[int] | None = None) -> np.ndarray:
         """Causal pass appending ``tokens`` to the history; float32 logits [len(rows), n_vocab]
@@ -225,24 +233,22 @@ class Context(NativeHandle):
 
     def fused(self, tokens: Sequence[int], window: Sequence[int],
               keep: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """A fused pass (llama_clover_set_seq_fused_window): ``tokens`` appended to the history causally and, in
-        the same ubatch, a block window right after them over the history and those tokens; the window's cells are
+        """A fused pass (the history's LLAMA_CLOVER_PARAM_FUSED_WINDOW): ``tokens`` appended to the history causally
+        and, in the same ubatch, a block window right after them over the history and those tokens; the window's cells are
         removed afterwards with one rollback to ``keep`` (default: the end of ``tokens``; the engine keeps less
         after a rejected draft). Float32 logits of every causal row and every window row. Needs n_rs_seq >= the
         rows removed and one ubatch for both."""
         n = len(tokens) + len(window)
         if n > self.n_ubatch:
             raise ValueError(f"a fused pass of {n} rows does not fit n_ubatch={self.n_ubatch}")
-        lib = llama().llama_cpp._lib
-        lib.llama_clover_set_seq_fused_window.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
-        lib.llama_clover_set_seq_fused_window.restype = ctypes.c_bool
+        if not self.model.has_block_diffusion():
+            raise NativeError("a fused pass needs the block-diffusion tensors (a trunk-only file has none)")
         pos0 = self.pos_max(HISTORY_SEQ) + 1
-        if not lib.llama_clover_set_seq_fused_window(self.model.ptr, HISTORY_SEQ, len(window)):
-            raise NativeError("llama_clover_set_seq_fused_window refused the window (no block-diffusion tensors?)")
+        self.set_seq_param(HISTORY_SEQ, FUSED_WINDOW, len(window))
         try:
             out = self._decode(list(tokens) + list(window), pos0, HISTORY_SEQ, range(n))
         finally:
-            lib.llama_clover_set_seq_fused_window(self.model.ptr, HISTORY_SEQ, 0)
+            self.set_seq_param(HISTORY_SEQ, FUSED_WINDOW, float("nan"))
         self.rollback(pos0 + len(tokens) if keep is None else keep)
         return out[:len(tokens)], out[len(tokens):]
 

@@ -7,6 +7,7 @@ Without the native build these tests skip with the reason; with CLOVER_REQUIRE_N
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -177,31 +178,28 @@ def test_block_pass_parity_with_the_coreset(request: pytest.FixtureRequest, mode
     strict = skipped = 0
     worst = 0.0
     top_ks = [layer.mlp.top_k for layer in bundle.ref.model.layers]
-    try:
-        for top_p in CORESET_TOP_PS:
-            bundle.model.set_coreset_top_p(top_p)
-            for p in CORESET_POSITIONS:
-                ctx = bundle.context()
-                ctx.causal(bundle.ids[:p], rows=[p - 1])
-                for b in BLOCK_SIZES:
-                    for canvas in CANVASES:
-                        window = block_window(bundle.ids, p, b, canvas, bundle.mask)
-                        run = lambda: bundle.ref.forward_block(window, bundle.hist[p].clone(),  # noqa: E731
-                                                               coreset_top_p=top_p)
-                        routed = routing_margins(bundle.ref, run)
-                        ties = routing_near_ties(routed.probs, top_ks, top_p)
-                        got = ctx.block(window)
-                        if ties:
-                            skipped += 1
-                            record(f"block-coreset/{model}/top_p{top_p}/p{p}/B{b}/{canvas}/near-tie", ties[:4])
-                            continue
-                        ref = routed.result.float().numpy()
-                        m = assert_parity(f"block-coreset/{model}/top_p{top_p}/p{p}/B{b}/{canvas}", got, ref,
-                                          REF_TOL)
-                        worst = max(worst, m["rel"])
-                        strict += 1
-    finally:
-        bundle.model.set_coreset_top_p(1.0)  # the GGUF's value: the other tests share the model
+    for top_p in CORESET_TOP_PS:
+        for p in CORESET_POSITIONS:
+            ctx = bundle.context()
+            ctx.set_coreset_top_p(top_p)
+            ctx.causal(bundle.ids[:p], rows=[p - 1])
+            for b in BLOCK_SIZES:
+                for canvas in CANVASES:
+                    window = block_window(bundle.ids, p, b, canvas, bundle.mask)
+                    run = lambda: bundle.ref.forward_block(window, bundle.hist[p].clone(),  # noqa: E731
+                                                           coreset_top_p=top_p)
+                    routed = routing_margins(bundle.ref, run)
+                    ties = routing_near_ties(routed.probs, top_ks, top_p)
+                    got = ctx.block(window)
+                    if ties:
+                        skipped += 1
+                        record(f"block-coreset/{model}/top_p{top_p}/p{p}/B{b}/{canvas}/near-tie", ties[:4])
+                        continue
+                    ref = routed.result.float().numpy()
+                    m = assert_parity(f"block-coreset/{model}/top_p{top_p}/p{p}/B{b}/{canvas}", got, ref,
+                                      REF_TOL)
+                    worst = max(worst, m["rel"])
+                    strict += 1
     record(f"block-coreset/{model}/summary", {"strict": strict, "near_tie_skipped": skipped, "worst_rel": worst})
     assert strict >= skipped, f"only {strict} of {strict + skipped} coreset passes were decisive"
 
@@ -215,12 +213,9 @@ def test_the_coreset_changes_routing_and_one_row_windows_route_per_row(tiny: Bun
     wide = block_window(tiny.ids, p, 8, "partly", tiny.mask)
     one = wide[:1]
     base_wide, base_one = ctx.block(wide), ctx.block(one)
-    try:
-        tiny.model.set_coreset_top_p(0.5)
-        assert np.abs(ctx.block(wide) - base_wide).max() > 1e-2
-        np.testing.assert_array_equal(ctx.block(one), base_one)
-    finally:
-        tiny.model.set_coreset_top_p(1.0)
+    ctx.set_coreset_top_p(0.5)
+    assert np.abs(ctx.block(wide) - base_wide).max() > 1e-2
+    np.testing.assert_array_equal(ctx.block(one), base_one)
 
 
 def _two_window_pass(ctx: Any, windows: list[list[int]], seqs: tuple[int, int]) -> list[np.ndarray]:
@@ -258,51 +253,65 @@ def _two_window_pass(ctx: Any, windows: list[list[int]], seqs: tuple[int, int]) 
 
 @pytest.mark.parametrize("top_ps", [(0.5, 1.0), (1.0, 0.5), (0.9, 0.5)])
 def test_each_window_of_a_batched_pass_routes_in_its_own_sequences_coreset(tiny: Bundle, top_ps: tuple) -> None:
-    """spec 3.3 per sequence (llama_clover_set_seq_coreset_top_p): two windows with different top_p in one block
-    pass each equal their own solo pass at their own top_p, a window at 1 included (per-row routing inside a
-    graph that has the coreset ops). The model-wide value stays the default of a sequence with none of its own."""
+    """spec 3.3 per sequence (the context's LLAMA_CLOVER_PARAM_CORESET_TOP_P): two windows with different top_p in
+    one block pass each equal their own solo pass at their own top_p, a window at 1 included (per-row routing inside
+    a graph that has the coreset ops). A sequence without a value follows the GGUF's (1 here)."""
     from clover_native import bindings
 
     p, other = 37, 3
     ctx = tiny.context(n_seq_max=4)
     ctx.causal(tiny.ids[:p], rows=[p - 1])
     windows = [block_window(tiny.ids, p, 8, "partly", tiny.mask), block_window(tiny.ids, p, 8, "masked", tiny.mask)]
-    model = tiny.model
-    try:
-        solo = []
-        for window, top_p in zip(windows, top_ps):
-            model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, top_p)
-            solo.append(ctx.block(window))
-        model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, top_ps[0])
-        model.set_seq_coreset_top_p(other, top_ps[1])
-        batched = _two_window_pass(ctx, windows, (bindings.SCRATCH_SEQ, other))
-        for s in range(2):
-            np.testing.assert_allclose(batched[s], solo[s], rtol=1e-5, atol=1e-5 * np.abs(solo[s]).max(),
-                                       err_msg=f"window {s} at top_p {top_ps[s]}")
-        # the coreset is really on for the window below 1: its logits differ from per-row routing
-        model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, 1.0)
-        low = int(np.argmin(top_ps))
-        assert np.abs(ctx.block(windows[low]) - solo[low]).max() > 1e-2
-        # a sequence without a value of its own follows the model-wide one; its own overrides it
-        model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, 0.0)
-        model.set_coreset_top_p(top_ps[low])
-        assert model.coreset_top_p(bindings.SCRATCH_SEQ) == pytest.approx(top_ps[low])
-        np.testing.assert_array_equal(ctx.block(windows[low]), solo[low])
-        model.set_seq_coreset_top_p(bindings.SCRATCH_SEQ, 1.0)
-        assert model.coreset_top_p(bindings.SCRATCH_SEQ) == 1.0
-    finally:
-        model.set_coreset_top_p(1.0)  # the GGUF's value: the other tests share the model
-        for seq in (bindings.SCRATCH_SEQ, other):
-            model.set_seq_coreset_top_p(seq, 0.0)
+    solo = []
+    for window, top_p in zip(windows, top_ps):
+        ctx.set_coreset_top_p(top_p)
+        solo.append(ctx.block(window))
+    ctx.set_coreset_top_p(top_ps[0])
+    ctx.set_coreset_top_p(top_ps[1], seq=other)
+    batched = _two_window_pass(ctx, windows, (bindings.SCRATCH_SEQ, other))
+    for s in range(2):
+        np.testing.assert_allclose(batched[s], solo[s], rtol=1e-5, atol=1e-5 * np.abs(solo[s]).max(),
+                                   err_msg=f"window {s} at top_p {top_ps[s]}")
+    # the coreset is really on for the window below 1: its logits differ from per-row routing, which is what a
+    # sequence without a value gets from this GGUF
+    low = int(np.argmin(top_ps))
+    ctx.set_coreset_top_p(None)
+    assert math.isnan(ctx.seq_param(bindings.SCRATCH_SEQ, bindings.CORESET_TOP_P))
+    per_row = ctx.block(windows[low])
+    assert np.abs(per_row - solo[low]).max() > 1e-2
+    ctx.set_coreset_top_p(1.0)
+    np.testing.assert_array_equal(ctx.block(windows[low]), per_row)
 
 
-def test_sequence_coreset_settings_outside_the_range_are_refused(tiny: Bundle) -> None:
+def test_two_contexts_on_one_model_keep_their_own_coreset(tiny: Bundle) -> None:
+    """The settings live on the context: a value set on one context's sequence changes nothing on another
+    context of the same model (the same sequence id), before or after."""
+    p = 37
+    a, b = tiny.context(), tiny.context()
+    for ctx in (a, b):
+        ctx.causal(tiny.ids[:p], rows=[p - 1])
+    window = block_window(tiny.ids, p, 8, "partly", tiny.mask)
+    before = b.block(window)
+    a.set_coreset_top_p(0.5)
+    assert np.abs(a.block(window) - before).max() > 1e-2
+    np.testing.assert_array_equal(b.block(window), before)
+
+
+def test_sequence_settings_outside_the_range_are_refused(tiny: Bundle) -> None:
+    from clover_native import bindings
     from clover_native.loader import NativeError
 
-    for seq, top_p in ((0, 1.5), (0, -0.1), (0, float("nan")), (-1, 0.5), (256, 0.5)):
-        with pytest.raises(NativeError, match=f"sequence {seq}: coreset_top_p must be in"):
-            tiny.model.set_seq_coreset_top_p(seq, top_p)
-    assert tiny.model.coreset_top_p(256) == -1.0
+    ctx = tiny.context()
+    for top_p in (1.5, -0.1, 0.0, float("nan")):
+        with pytest.raises(NativeError, match="coreset_top_p must be in"):
+            ctx.set_coreset_top_p(top_p)
+    for seq in (-1, 2, 256):  # the context has sequences 0 and 1
+        with pytest.raises(NativeError, match=f"refused sequence {seq}"):
+            ctx.set_seq_param(seq, bindings.CORESET_TOP_P, 0.5)
+    with pytest.raises(NativeError, match="refused sequence 0"):
+        ctx.set_seq_param(0, "", 0.5)
+    assert math.isnan(ctx.seq_param(0, bindings.CORESET_TOP_P))
+    assert math.isnan(ctx.seq_param(7, bindings.CORESET_TOP_P))
 
 
 def test_history_c_matters_only_below_history_rows(tiny: Bundle, tmp_path: Path) -> None:
@@ -507,45 +516,46 @@ FUSED_CASES = [(37, 3, 4), (10, 1, 2), (64, 7, 8), (5, 2, 3)]  # (history, causa
 
 @pytest.mark.parametrize("top_p", [1.0, 0.5])
 def test_fused_pass_equals_its_two_passes(bundle: Bundle, top_p: float) -> None:
-    """A fused pass (C causal rows, then a W-row block window in the same ubatch; llama_clover_set_seq_fused_window)
+    """A fused pass (C causal rows, then a W-row block window in the same ubatch; LLAMA_CLOVER_PARAM_FUSED_WINDOW)
     gives the causal rows of a causal pass and the window rows of a block pass over the history those rows extend,
     with and without the window's coreset, to float32 rounding of the different batching; afterwards the history
     holds the causal rows only, and a rollback into them (keeping at least the first) leaves what a fresh context
     holding the kept history has, for a causal pass and for the next block pass."""
     ids, mask = bundle.ids, bundle.mask
-    try:
+
+    def context() -> Any:
+        ctx = bundle.context(n_rs_seq=15)
         for seq in (0, 1):
-            bundle.model.set_seq_coreset_top_p(seq, top_p)
-        for h, c, w in FUSED_CASES:
-            tokens, window = ids[h:h + c], [ids[h + c]] + [mask] * (w - 1)
-            a = bundle.context(n_rs_seq=15)
+            ctx.set_coreset_top_p(top_p, seq=seq)
+        return ctx
+
+    for h, c, w in FUSED_CASES:
+        tokens, window = ids[h:h + c], [ids[h + c]] + [mask] * (w - 1)
+        a = context()
+        a.causal(ids[:h])
+        got_c, got_w = a.fused(tokens, window)
+        b = context()
+        b.causal(ids[:h])
+        want_c = b.causal(tokens)
+        want_w = b.block(window)
+        name = f"fused/{bundle.name}/top_p{top_p}/h{h}-c{c}-w{w}"
+        assert_parity(f"{name}/causal", got_c, want_c, BATCH_TOL)
+        assert_parity(f"{name}/window", got_w, want_w, BATCH_TOL)
+        after = ids[h + c:h + c + 3]
+        assert_parity(f"{name}/after", a.causal(after), b.causal(after), BATCH_TOL)
+        keeps = range(h + 1, h + c + 1)
+        if bundle.name != "tiny":  # the rollback does not depend on the model or the coreset (tiny sweeps it)
+            keeps = sorted({h + 1, h + c}) if top_p == 1.0 else []
+        for keep in keeps:  # a fused pass rolled back as the engine does after a rejection
+            a = context()
             a.causal(ids[:h])
-            got_c, got_w = a.fused(tokens, window)
-            b = bundle.context(n_rs_seq=15)
-            b.causal(ids[:h])
-            want_c = b.causal(tokens)
-            want_w = b.block(window)
-            name = f"fused/{bundle.name}/top_p{top_p}/h{h}-c{c}-w{w}"
-            assert_parity(f"{name}/causal", got_c, want_c, BATCH_TOL)
-            assert_parity(f"{name}/window", got_w, want_w, BATCH_TOL)
-            after = ids[h + c:h + c + 3]
-            assert_parity(f"{name}/after", a.causal(after), b.causal(after), BATCH_TOL)
-            keeps = range(h + 1, h + c + 1)
-            if bundle.name != "tiny":  # the rollback does not depend on the model or the coreset (tiny sweeps it)
-                keeps = sorted({h + 1, h + c}) if top_p == 1.0 else []
-            for keep in keeps:  # a fused pass rolled back as the engine does after a rejection
-                a = bundle.context(n_rs_seq=15)
-                a.causal(ids[:h])
-                a.fused(tokens, window, keep=keep)
-                fresh = bundle.context(n_rs_seq=15)
-                fresh.causal(ids[:keep])
-                nxt = [ids[keep]] + [mask] * (w - 1)
-                assert_parity(f"{name}/keep{keep}/block", a.block(nxt), fresh.block(nxt), BATCH_TOL)
-                after = ids[keep:keep + 3]
-                assert_parity(f"{name}/keep{keep}/causal", a.causal(after), fresh.causal(after), BATCH_TOL)
-    finally:
-        for seq in (0, 1):
-            bundle.model.set_seq_coreset_top_p(seq, 0.0)
+            a.fused(tokens, window, keep=keep)
+            fresh = context()
+            fresh.causal(ids[:keep])
+            nxt = [ids[keep]] + [mask] * (w - 1)
+            assert_parity(f"{name}/keep{keep}/block", a.block(nxt), fresh.block(nxt), BATCH_TOL)
+            after = ids[keep:keep + 3]
+            assert_parity(f"{name}/keep{keep}/causal", a.causal(after), fresh.causal(after), BATCH_TOL)
 
 
 def test_the_fused_window_matches_the_reference(tiny: Bundle) -> None:
@@ -562,17 +572,23 @@ def test_the_fused_window_matches_the_reference(tiny: Bundle) -> None:
     assert_parity("fused/tiny/window_vs_reference", got, ref, REF_TOL)
 
 
-def test_a_fused_window_needs_block_diffusion_and_a_valid_sequence(tiny: Bundle) -> None:
-    import ctypes
+def test_a_fused_window_outside_its_range_is_an_ordinary_causal_pass(tiny: Bundle) -> None:
+    """The fused window is the history's LLAMA_CLOVER_PARAM_FUSED_WINDOW: a value below 1 (or unset) is no window,
+    and the pass is the ordinary causal one; a sequence id the context lacks is refused."""
+    from clover_native import bindings
+    from clover_native.loader import NativeError
 
-    from clover_native.loader import llama
-
-    lib = llama().llama_cpp._lib
-    lib.llama_clover_set_seq_fused_window.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
-    lib.llama_clover_set_seq_fused_window.restype = ctypes.c_bool
-    assert not lib.llama_clover_set_seq_fused_window(tiny.model.ptr, -1, 4)
-    assert not lib.llama_clover_set_seq_fused_window(tiny.model.ptr, 0, -1)
-    assert lib.llama_clover_set_seq_fused_window(tiny.model.ptr, 0, 0)
+    ids, h = tiny.ids, 37
+    want = tiny.context()
+    want.causal(ids[:h])
+    want_rows = want.causal(ids[h:h + 6])
+    for value in (-1.0, 0.0, 0.5):
+        ctx = tiny.context()
+        ctx.causal(ids[:h])
+        ctx.set_seq_param(bindings.HISTORY_SEQ, bindings.FUSED_WINDOW, value)
+        np.testing.assert_array_equal(ctx.causal(ids[h:h + 6]), want_rows, err_msg=f"fused window {value}")
+    with pytest.raises(NativeError, match="refused sequence -1"):
+        tiny.context().set_seq_param(-1, bindings.FUSED_WINDOW, 4)
 
 
 # ------------------------------------------------------------------------------------------ tokenizer

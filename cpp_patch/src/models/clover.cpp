@@ -19,6 +19,7 @@
 #include "llama-impl.h"
 #include "llama-memory-recurrent.h"
 #include "../clover-keys.h"
+#include "../llama-clover.h"
 
 #include <algorithm>
 #include <cmath>
@@ -165,7 +166,6 @@ void llama_model_clover::load_bd_hparams(llama_model_loader & ml) {
         throw std::runtime_error("clover: " + clover_bd_key_name(CLOVER_BD_KEY_CALIBRATED_BLOCK_SIZES, ml.get_arch_name()) +
                 " and " + clover_bd_key_name(CLOVER_BD_KEY_CALIBRATED_THRESHOLDS, ml.get_arch_name()) + " differ in length");
     }
-    clover_coreset_top_p_now.store(hparams.clover_coreset_top_p);
 }
 
 // The qwen35moe trunk's hyperparameters, checked where a bad value would otherwise reach a GGML_ASSERT in a
@@ -427,8 +427,7 @@ void llama_model_clover::attach_block_diffusion(const std::string & path) {
         }
     } catch (...) {
         hparams = saved;
-        clover_coreset_top_p_now.store(hparams.clover_coreset_top_p);
-        throw;
+            throw;
     }
     for (auto & it : ctx_of) {
         clover_sidecar_ctxs.push_back(std::move(it.second));
@@ -449,9 +448,9 @@ std::unique_ptr<llm_graph_context> llama_model_clover::build_arch_graph(const ll
     return std::make_unique<graph>(*this, params);
 }
 
-float llama_model_clover::coreset_top_p_of(llama_seq_id seq) const {
-    const float own = seq >= 0 && seq < LLAMA_MAX_SEQ ? clover_coreset_top_p_seq[seq].load() : 0.0f;
-    return own > 0.0f ? own : clover_coreset_top_p_now.load();
+float llama_model_clover::coreset_top_p_of(const llama_seq_params * sp, llama_seq_id seq) const {
+    const float own = sp ? sp->get(seq, LLAMA_CLOVER_PARAM_CORESET_TOP_P) : NAN;
+    return own > 0.0f && own <= 1.0f ? own : hparams.clover_coreset_top_p;  // NaN (unset) fails the test
 }
 
 // the sequence of window s of a block ubatch: split_equal lays the windows out one after the other, W rows each
@@ -460,9 +459,10 @@ static llama_seq_id clover_window_seq(const llama_ubatch & ubatch, uint32_t s) {
 }
 
 // whether any window of the ubatch routes inside a coreset (its sequence's top_p is below 1)
-static bool clover_coreset_active(const llama_model_clover & model, const llama_ubatch & ubatch) {
+static bool clover_coreset_active(const llama_model_clover & model, const llama_seq_params * sp,
+                                  const llama_ubatch & ubatch) {
     for (uint32_t s = 0; s < ubatch.n_seqs; ++s) {
-        if (model.coreset_top_p_of(clover_window_seq(ubatch, s)) < 1.0f) {
+        if (model.coreset_top_p_of(sp, clover_window_seq(ubatch, s)) < 1.0f) {
             return true;
         }
     }
@@ -476,7 +476,8 @@ static bool clover_coreset_active(const llama_model_clover & model, const llama_
 // expert, its bias is 0 and its rows route exactly per row.
 class llm_graph_input_clover_coreset : public llm_graph_input_i {
 public:
-    llm_graph_input_clover_coreset(const llama_model_clover & model, bool active) : model(model), active(active) {}
+    llm_graph_input_clover_coreset(const llama_model_clover & model, const llama_seq_params * sp, bool active) :
+        model(model), sp(sp), active(active) {}
 
     void set_input(const llama_ubatch * ubatch) override {
         if (top_p == nullptr) {
@@ -485,7 +486,7 @@ public:
         GGML_ASSERT(top_p->ne[2] == (int64_t) ubatch->n_seqs);
         std::vector<float> v(ubatch->n_seqs);
         for (uint32_t s = 0; s < ubatch->n_seqs; ++s) {
-            const float p = model.coreset_top_p_of(clover_window_seq(*ubatch, s));
+            const float p = model.coreset_top_p_of(sp, clover_window_seq(*ubatch, s));
             v[s] = p < 1.0f ? p : 2.0f;
         }
         ggml_backend_tensor_set(top_p, v.data(), 0, v.size() * sizeof(float));
@@ -493,28 +494,30 @@ public:
 
     bool can_reuse(const llm_graph_params & params) override {
         const bool shape_ok = top_p == nullptr || top_p->ne[2] == (int64_t) params.ubatch.n_seqs;
-        return shape_ok && clover_coreset_active(model, params.ubatch) == active;
+        return shape_ok && params.seq_params == sp && clover_coreset_active(model, sp, params.ubatch) == active;
     }
 
     ggml_tensor * top_p = nullptr;  // F32 {1, 1, n_seqs}; nullptr when inactive
 
 private:
     const llama_model_clover & model;
+    const llama_seq_params * sp;  // the context's
     const bool active;
 };
 
-int32_t llama_model_clover::fused_window_of(llama_seq_id seq) const {
-    return seq >= 0 && seq < LLAMA_MAX_SEQ ? clover_fused_window_seq[seq].load() : 0;
+int32_t llama_model_clover::fused_window_of(const llama_seq_params * sp, llama_seq_id seq) const {
+    const float w = sp ? sp->get(seq, LLAMA_CLOVER_PARAM_FUSED_WINDOW) : NAN;
+    return w >= 1.0f && w < 1048576.0f ? (int32_t) w : 0;  // NaN (unset) fails the test
 }
 
 // the fused window of a causal ubatch: its sequence's setting when the ubatch is that one sequence and holds causal
 // rows before the window, else 0 (an ordinary causal pass)
-static int64_t clover_fused_window(const llama_model_clover & model, const llama_cparams & cparams,
-                                   const llama_ubatch & ubatch) {
+static int64_t clover_fused_window(const llama_model_clover & model, const llama_seq_params * sp,
+                                   const llama_cparams & cparams, const llama_ubatch & ubatch) {
     if (!cparams.causal_attn || ubatch.n_seqs != 1 || !model.hparams.clover_has_block_diffusion) {
         return 0;
     }
-    const int64_t w = model.fused_window_of(ubatch.seq_id[0][0]);
+    const int64_t w = model.fused_window_of(sp, ubatch.seq_id[0][0]);
     return w > 0 && w < (int64_t) ubatch.n_seq_tokens ? w : 0;
 }
 
@@ -526,8 +529,9 @@ static int64_t clover_fused_window(const llama_model_clover & model, const llama
 // the causal rows keep theirs (the window's cells lie after them).
 class llm_graph_input_clover_fused : public llm_graph_input_i {
 public:
-    llm_graph_input_clover_fused(const llama_model_clover & model, int64_t fused_w, ggml_tensor * kq_mask) :
-        model(model), fused_w(fused_w), kq_mask(kq_mask) {}
+    llm_graph_input_clover_fused(const llama_model_clover & model, const llama_seq_params * sp, int64_t fused_w,
+                                 ggml_tensor * kq_mask) :
+        model(model), sp(sp), fused_w(fused_w), kq_mask(kq_mask) {}
 
     void set_input(const llama_ubatch * ubatch) override {
         if (fused_w == 0 || kq_mask == nullptr) {
@@ -543,11 +547,12 @@ public:
     }
 
     bool can_reuse(const llm_graph_params & params) override {
-        return clover_fused_window(model, params.cparams, params.ubatch) == fused_w;
+        return params.seq_params == sp && clover_fused_window(model, sp, params.cparams, params.ubatch) == fused_w;
     }
 
 private:
     const llama_model_clover & model;
+    const llama_seq_params * sp;  // the context's
     const int64_t fused_w;
     ggml_tensor * kq_mask;  // the hybrid memory input's attention mask (host)
 };
@@ -555,12 +560,12 @@ private:
 llama_model_clover::graph::graph(const llama_model & model, const llm_graph_params & params) :
     llama_model_qwen35moe::graph(model, params, defer_build{}) {
     const auto & cmodel = static_cast<const llama_model_clover &>(model);
-    fused_w = clover_fused_window(cmodel, cparams, ubatch);
+    fused_w = clover_fused_window(cmodel, params.seq_params, cparams, ubatch);
     // block windows of more than one row may route inside a coreset (a one-row window is per-row routing)
     const int64_t window_rows = fused_w > 0 ? fused_w : cparams.causal_attn ? 0 : (int64_t) ubatch.n_seq_tokens;
     if (window_rows > 1 && n_expert_used < n_expert && n_expert > 0) {
-        const bool active = clover_coreset_active(cmodel, ubatch);
-        auto inp = std::make_unique<llm_graph_input_clover_coreset>(cmodel, active);
+        const bool active = clover_coreset_active(cmodel, params.seq_params, ubatch);
+        auto inp = std::make_unique<llm_graph_input_clover_coreset>(cmodel, params.seq_params, active);
         if (active) {
             inp->top_p = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, 1, ubatch.n_seqs);
             ggml_set_input(inp->top_p);
@@ -578,7 +583,7 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
             }
         }
         GGML_ASSERT(fused_w == 0 || kq_mask != nullptr);
-        res->add_input(std::make_unique<llm_graph_input_clover_fused>(cmodel, fused_w, kq_mask));
+        res->add_input(std::make_unique<llm_graph_input_clover_fused>(cmodel, params.seq_params, fused_w, kq_mask));
     }
 }
 
@@ -920,60 +925,11 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn_linear_fused(
 }
 
 //
-// the clover model's C functions (declared for the tools in tools/clover/clover-llama.h)
+// the clover model's C functions (declared in src/llama-clover.h)
 //
-
-extern "C" {
-LLAMA_API bool  llama_clover_set_coreset_top_p(struct llama_model * model, float top_p);
-LLAMA_API float llama_clover_get_coreset_top_p(const struct llama_model * model);
-LLAMA_API bool  llama_clover_set_seq_coreset_top_p(struct llama_model * model, llama_seq_id seq_id, float top_p);
-LLAMA_API float llama_clover_get_seq_coreset_top_p(const struct llama_model * model, llama_seq_id seq_id);
-LLAMA_API float llama_clover_gguf_coreset_top_p(const struct llama_model * model);
-LLAMA_API bool  llama_clover_set_seq_fused_window(struct llama_model * model, llama_seq_id seq_id, int32_t n_window);
-LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * model);
-LLAMA_API bool  llama_clover_attach_block_diffusion(struct llama_model * model, const char * path, char * err, size_t err_size);
-}
 
 static const llama_model_clover * clover_model_of(const struct llama_model * model) {
     return model ? dynamic_cast<const llama_model_clover *>(model) : nullptr;
-}
-
-bool llama_clover_set_coreset_top_p(struct llama_model * model, float top_p) {
-    const llama_model_clover * m = clover_model_of(model);
-    if (m == nullptr || !(top_p > 0.0f && top_p <= 1.0f)) {  // NaN fails too
-        return false;
-    }
-    m->clover_coreset_top_p_now.store(top_p);
-    return true;
-}
-
-float llama_clover_get_coreset_top_p(const struct llama_model * model) {
-    const llama_model_clover * m = clover_model_of(model);
-    return m ? m->clover_coreset_top_p_now.load() : -1.0f;
-}
-
-bool llama_clover_set_seq_coreset_top_p(struct llama_model * model, llama_seq_id seq_id, float top_p) {
-    const llama_model_clover * m = clover_model_of(model);
-    if (m == nullptr || seq_id < 0 || seq_id >= LLAMA_MAX_SEQ || !(top_p >= 0.0f && top_p <= 1.0f)) {  // NaN fails
-        return false;
-    }
-    m->clover_coreset_top_p_seq[seq_id].store(top_p);
-    return true;
-}
-
-float llama_clover_get_seq_coreset_top_p(const struct llama_model * model, llama_seq_id seq_id) {
-    const llama_model_clover * m = clover_model_of(model);
-    return m && seq_id >= 0 && seq_id < LLAMA_MAX_SEQ ? m->coreset_top_p_of(seq_id) : -1.0f;
-}
-
-bool llama_clover_set_seq_fused_window(struct llama_model * model, llama_seq_id seq_id, int32_t n_window) {
-    const llama_model_clover * m = clover_model_of(model);
-    if (m == nullptr || seq_id < 0 || seq_id >= LLAMA_MAX_SEQ || n_window < 0 ||
-        (n_window > 0 && !m->hparams.clover_has_block_diffusion)) {
-        return false;
-    }
-    m->clover_fused_window_seq[seq_id].store(n_window);
-    return true;
 }
 
 float llama_clover_gguf_coreset_top_p(const struct llama_model * model) {
@@ -984,6 +940,11 @@ float llama_clover_gguf_coreset_top_p(const struct llama_model * model) {
 bool llama_clover_has_block_diffusion(const struct llama_model * model) {
     const llama_model_clover * m = clover_model_of(model);
     return m != nullptr && m->hparams.clover_has_block_diffusion;
+}
+
+int32_t llama_clover_block_size(const struct llama_model * model) {
+    const llama_model_clover * m = clover_model_of(model);
+    return m != nullptr && m->hparams.clover_has_block_diffusion ? (int32_t) m->hparams.clover_block_size : 0;
 }
 
 bool llama_clover_attach_block_diffusion(struct llama_model * model, const char * path, char * err, size_t err_size) {

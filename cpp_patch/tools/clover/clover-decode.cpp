@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -130,7 +131,7 @@ bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, c
     }
     clover_batch_fill(slot->batch, window.data(), n, slot->n_past, slot->seq_scratch, clover_block_rows(rows, n));
     // the window's coreset top_p is its own sequence's: slots with different values share a batched pass
-    llama_clover_set_seq_coreset_top_p(slot->model, slot->seq_scratch, slot->coreset_top_p);
+    llama_set_seq_param(slot->ctx, slot->seq_scratch, LLAMA_CLOVER_PARAM_CORESET_TOP_P, slot->coreset_top_p);
     const int32_t rc = slot->shared ? clover_parallel_pass(slot, true)
                                     : clover_block_decode_seqs(slot->ctx, slot->batch, &slot->seq_history, &slot->seq_scratch, 1);
     if (rc != 0) {
@@ -578,10 +579,10 @@ static bool clover_verify_fused(clover_run & run, const std::vector<llama_token>
     for (size_t i = 0; i < rows.size(); ++i) {
         rows[i] = (int32_t) i;
     }
-    llama_clover_set_seq_fused_window(slot->model, slot->seq_history, width);
-    llama_clover_set_seq_coreset_top_p(slot->model, slot->seq_history, slot->coreset_top_p);
+    llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_FUSED_WINDOW, (float) width);
+    llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_CORESET_TOP_P, slot->coreset_top_p);
     const bool ok = clover_timed_causal(run, inputs.data(), (int32_t) inputs.size(), rows, "fused pass");
-    llama_clover_set_seq_fused_window(slot->model, slot->seq_history, 0);
+    llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_FUSED_WINDOW, NAN);
     if (!ok) {
         return false;
     }

@@ -257,8 +257,8 @@ CLOVER_API float clover_model_info_threshold(const struct clover_model_info * in
 // (the window, on sequence 1, at the positions after the history) with causal attention off, then remove
 // sequence 1 and turn causal attention back on. The history is never written. Returns llama_decode's code, -1
 // for a NULL argument, or -3 (nothing done) when the model has no block-diffusion tensors (a trunk-only file).
-// The coreset top_p is sequence 1's (llama_clover_set_seq_coreset_top_p in clover-llama.h), else the model-wide
-// setting (llama_clover_set_coreset_top_p; the GGUF's value by default).
+// The coreset top_p is sequence 1's on the context (llama_set_seq_param with LLAMA_CLOVER_PARAM_CORESET_TOP_P,
+// src/llama-clover.h), else the GGUF's value.
 CLOVER_API int32_t clover_block_decode(struct llama_context * ctx, const struct llama_batch * batch);
 
 // Physical cores this process may run on: its CPU affinity mask with SMT siblings counted once, capped by
