@@ -41,8 +41,9 @@ OUT=${CLOVER_NATIVE_OUT:-$ROOT/build/native}
 GPU=${GPU:-cpu}
 # llama.cpp's own tools from the patched tree (docs/llama-cpp-tools.md says what each does with a clover
 # GGUF) and the RPC server for multi-machine offload (docs/distributed.md; this tree names it ggml-rpc-server,
-# publish() links it as rpc-server too, the name llama.cpp's docs use).
-TOOL_TARGETS="llama-server llama-cli llama-bench llama-perplexity ggml-rpc-server"
+# publish() links it as rpc-server too, the name llama.cpp's docs use). llama-speculative-simple is the
+# speculative framework's reference loop (docs/decoding.md, "draft-clover in llama.cpp").
+TOOL_TARGETS="llama-server llama-cli llama-bench llama-perplexity ggml-rpc-server llama-speculative-simple"
 TARGETS=${TARGETS:-llama llama-quantize clover llama-clover $TOOL_TARGETS}
 JOBS=${JOBS:-$(nproc)}
 KEEP_BUILDS=${KEEP_BUILDS:-4}
@@ -51,11 +52,12 @@ KEEP_BUILDS=${KEEP_BUILDS:-4}
 # LLAMA_CURL is deprecated in this version (only a warning); LLAMA_OPENSSL replaces it.
 # SERVER=ON adds llama-server and llama-cli (which is built on the server's code); the web UI is neither built
 # (npm) nor downloaded (LLAMA_USE_PREBUILT_UI fetches it from the HF hub at build time), so the server answers
-# the API only. GGML_RPC=ON adds the RPC backend (ggml-rpc) to libggml and the rpc-server tool.
+# the API only. GGML_RPC=ON adds the RPC backend (ggml-rpc) to libggml and the rpc-server tool. EXAMPLES=ON
+# only defines the examples' targets: TARGETS says which are built.
 CMAKE_FLAGS=(
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON
     -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_RPC=ON
 )
 if [[ ${PORTABLE:-0} == 1 ]]; then

@@ -1,0 +1,175 @@
+"""draft-clover: Clover's block pass as a drafter of llama.cpp's own speculative framework (docs/decoding.md,
+"draft-clover in llama.cpp"), driven through llama-server's HTTP API and llama-speculative-simple.
+
+- Lossless: greedy completions with ``--spec-type draft-clover`` and ``ngram-mod,draft-clover`` equal the same
+  server's greedy completions without speculation (llama.cpp's ``ar``) token for token, or diverge first at a
+  near-tie of the PyTorch reference (tests/support/engine.py). Models: the tiny random one, the trained demo one and a
+  checkpoint that transformers itself wrote (tests/support/handmade.py); with a grammar on and off.
+- The drafts are real: the server reports drafted tokens, and on the trained demo model accepted ones.
+- A GGUF without the block-diffusion tensors runs without the drafter, and the log says why.
+- llama-speculative-simple (the framework's reference loop) with draft-clover gives llama-server's greedy text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
+from tests.support.engine import FLASH_ATTN_TOL, REF_TOL, Ledger, causal_gap
+from tests.support.native import llama_server, native_tool
+
+pytestmark = pytest.mark.native
+
+DEMO = REPO_ROOT / "models" / "clover-demo"
+SPEC_TYPES = ("draft-clover", "ngram-mod,draft-clover")
+N_PREDICT = 48
+SERVER_ARGS = ("-c", "1024", "-np", "1", "-t", "2", "--no-warmup")
+# text the demo model never saw in training, as in bench/ (library code), and a few that repeat nothing
+DEMO_PROMPTS = [
+    "def parse(line):\n",
+    "import os\n\n\ndef list_files(root):\n    \"\"\"Return every file under root.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "zebra quartz 17 violet ocean",
+]
+GRAMMAR = 'root ::= [a-z_ ():\\n]+'  # a grammar every prompt above can continue under
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 3000, n)]
+
+
+def complete(url: str, prompt: Any, **fields: Any) -> dict[str, Any]:
+    """llama-server's /completion, greedy, without its prompt cache: the JSON answer."""
+    body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0, "return_tokens": True,
+            "cache_prompt": False, **fields}
+    req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def tokenize(url: str, text: str) -> list[int]:
+    req = urllib.request.Request(url + "/tokenize", json.dumps({"content": text}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())["tokens"]
+
+
+def run_configs(gguf: Path, prompts: list[Any], **fields: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each prompt's answer under plain decoding ("none") and each of SPEC_TYPES, one server per configuration."""
+    answers: dict[str, list[dict[str, Any]]] = {}
+    for spec in ("none", *SPEC_TYPES):
+        with llama_server(gguf, *SERVER_ARGS, "--spec-type", spec) as url:
+            answers[spec] = [complete(url, p, **fields) for p in prompts]
+            if spec == "none":
+                answers["prompt_ids"] = [{"tokens": p if isinstance(p, list) else tokenize(url, p)} for p in prompts]
+    return answers
+
+
+def check_lossless(name: str, answers: dict[str, list[dict[str, Any]]], ref: Any, rel_tol: float,
+                   banned: list[int] | None = None) -> dict[str, int]:
+    """Every speculative answer equals the plain one, or diverges at a near-tie of the reference; the drafted and
+    accepted token counts of each type."""
+    ledger = Ledger(rel_tol=rel_tol)
+    counts: dict[str, int] = {}
+    for spec in SPEC_TYPES:
+        drafted = accepted = 0
+        for k, (plain, got) in enumerate(zip(answers["none"], answers[spec])):
+            context = answers["prompt_ids"][k]["tokens"]
+            ledger.check_margin(f"{name}/{spec}/{k}", got["tokens"], plain["tokens"],
+                                lambda i, ctx=context, want=plain["tokens"]:
+                                causal_gap(ref, ctx + want[:i], banned, rel_tol))
+            drafted += got["timings"].get("draft_n", 0)
+            accepted += got["timings"].get("draft_n_accepted", 0)
+        counts[f"{spec} drafted"], counts[f"{spec} accepted"] = drafted, accepted
+    ledger.assert_budget()
+    return counts
+
+
+@pytest.fixture(scope="module")
+def tiny_f32(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("draft-clover") / "tiny.gguf", "f32")
+
+
+@pytest.fixture(scope="module")
+def demo_ref() -> Any:
+    from clover_ref.checkpoint import load_model
+
+    return load_model(DEMO)
+
+
+def test_greedy_draft_clover_equals_ar_on_the_tiny_model(tiny_f32: Path, tiny_model: Any) -> None:
+    """Random weights: the drafts are mostly wrong, so every round rolls the GDN state back; the output must not
+    notice. The end-of-generation tokens are ignored so that every answer runs its full length."""
+    prompts = [_tokens(seed, n) for seed, n in ((0, 5), (1, 23), (2, 64))]
+    answers = run_configs(tiny_f32, prompts, ignore_eos=True)
+    counts = check_lossless("tiny", answers, tiny_model, REF_TOL, banned=list(tiny_model.config.eos_token_ids))
+    assert counts["draft-clover drafted"] > 0, counts
+
+
+def test_greedy_draft_clover_equals_ar_on_the_demo_model(demo_gguf: Path, demo_ref: Any) -> None:
+    """The trained model: its block drafts are right often enough to be accepted."""
+    answers = run_configs(demo_gguf, DEMO_PROMPTS)
+    counts = check_lossless("demo", answers, demo_ref, FLASH_ATTN_TOL)
+    assert counts["draft-clover drafted"] > 0 and counts["draft-clover accepted"] > 0, counts
+
+
+def test_greedy_draft_clover_equals_ar_under_a_grammar(demo_gguf: Path, demo_ref: Any) -> None:
+    """With a grammar the drafts are verified by the grammar-constrained sampler: the answers still equal ar's
+    under the same grammar (and keep to it)."""
+    answers = run_configs(demo_gguf, DEMO_PROMPTS[:2], grammar=GRAMMAR)
+    for spec in ("none", *SPEC_TYPES):
+        for answer in answers[spec]:
+            assert re.fullmatch(r"[a-z_ ():\n]*", answer["content"]), (spec, answer["content"])
+    for spec in SPEC_TYPES:
+        assert [a["tokens"] for a in answers[spec]] == [a["tokens"] for a in answers["none"]], spec
+    assert sum(a["timings"].get("draft_n", 0) for a in answers["draft-clover"]) > 0
+
+
+def test_greedy_draft_clover_equals_ar_on_a_checkpoint_written_by_transformers(
+        handmade: tuple[Path, object], tmp_path: Path) -> None:
+    from clover_ref.checkpoint import load_model
+
+    checkpoint, _ = handmade
+    gguf = clover_convert(checkpoint, tmp_path / "handmade.gguf", "f32")
+    ref = load_model(checkpoint)
+    prompts = [_tokens(seed, n) for seed, n in ((3, 7), (4, 30))]
+    answers = run_configs(gguf, prompts, ignore_eos=True)
+    counts = check_lossless("handmade", answers, ref, REF_TOL, banned=list(ref.config.eos_token_ids))
+    assert counts["draft-clover drafted"] > 0, counts
+
+
+def test_a_trunk_only_file_runs_without_the_drafter(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """llama.cpp's converter writes no block-diffusion tensors: the server says why it does not draft and answers
+    as without speculation."""
+    gguf = clover_convert(tiny_checkpoint, tmp_path / "trunk.gguf", "f32", "--bd-sidecar")
+    log = tmp_path / "server.log"
+    prompt = _tokens(5, 9)
+    with llama_server(gguf, *SERVER_ARGS, "--spec-type", "draft-clover", log_path=log) as url:
+        got = complete(url, prompt, ignore_eos=True)
+    assert "draft-clover needs a Clover model with its block-diffusion tensors" in log.read_text()
+    assert got["timings"].get("draft_n", 0) == 0
+    with llama_server(gguf, *SERVER_ARGS) as url:
+        assert complete(url, prompt, ignore_eos=True)["tokens"] == got["tokens"]
+
+
+def test_speculative_simple_with_draft_clover_gives_the_servers_text(demo_gguf: Path) -> None:
+    prompt = DEMO_PROMPTS[2]
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        want = complete(url, prompt)["content"]
+    done = subprocess.run([str(native_tool("llama-speculative-simple")), "-m", str(demo_gguf), "-p", prompt,
+                           "-n", str(N_PREDICT), "--temp", "0", "-c", "1024", "-t", "2", "--spec-type",
+                           "draft-clover"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"n_accept\s*=\s*[1-9]", done.stderr), done.stderr[-3000:]  # block drafts were accepted
+    assert want in done.stdout, f"server: {want!r}\nspeculative-simple: {done.stdout!r}"
