@@ -21,13 +21,10 @@ tar -C "$SRC" --exclude=./docs --exclude=./models --exclude=./media --exclude=./
 cp -r "$("$PY" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llama_cpp").origin))')" .devrun/llama_cpp
 rm -rf .devrun/llama_cpp/lib .devrun/llama_cpp/__pycache__
 "$PY" - <<'PY'
-import sys
 from pathlib import Path
 
-sys.path.insert(0, "tests")
 from clover_ref.factory import init_checkpoint
-from native_support import clover_convert
-from convert_support import make_qwen_twin, vendored_convert
+from clover_dev.convert import clover_convert, make_qwen_twin, vendored_convert
 
 work = Path("build/devrun-models")
 if not (work / "tiny" / "config.json").exists():

@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Clover's drafts inside llama.cpp's speculative framework: llama-server with each --spec-type, and the engine
+(`clover-cpp generate`'s loop, through the Python API) in ar and auto, side by side in one run. Not a unit test.
+
+    .venv/bin/python -m bench.bench_spec_server [--workdir build/bench-spec] [--runs 3] [--prompts 10]
+        [--tokens 128] [--files f16,Q4_K_M,35b] [--n-gpu-layers 0] [--quick] [--stem NAME]
+
+Models: the trained demo model at f16 and Q4_K_M, and a random `35b-shape` 4-layer slice at Q4_K_M (real
+Qwen3.5-35B-A3B layer dims; bench/predict_35b.py's). Prompts: --prompts held-out 48-token code prompts
+(greedy), and as many that repeat nothing (bench/bench_drafts.py's no-history prompts: prompt and continuation
+hold no repeated 3-gram, so n-gram drafting has nothing to copy).
+
+Configurations, one llama-server each, all started before the first request and asked in turn on every prompt
+(interleaved), greedy, --tokens new tokens (ignore_eos), without the prompt cache:
+- plain (no speculation), ngram-mod, ngram-map-k: llama.cpp's own;
+- draft-clover: the model's block pass as the drafter (docs/decoding.md, "draft-clover in llama.cpp");
+- ngram-mod,draft-clover: `auto` in llama.cpp (the n-gram draft first, the block draft where it pays);
+- engine ar and engine auto: libclover's own loops (what `clover-cpp generate` runs), in this process.
+End to end is the wall time of a request at the client (prefill included); decode is the server's own
+`predicted_per_second` (the engine's decode_ms). A ratio is the median over runs of that run's tok/s over the
+reference's in the same run. The block pass is reported in ar steps, from the engine's measured cost table (auto's:
+docs/decoding.md), on the same device.
+
+Results: bench/results/bench_spec_server.{json,md} (--stem names another pair, one per CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+SERVER_TYPES = ["none", "ngram-mod", "ngram-map-k", "draft-clover", "ngram-mod,draft-clover"]
+ENGINE_MODES = ["ar", "auto"]
+N_CTX = 2048
+
+
+def log(msg: str) -> None:
+    print(f"[bench_spec_server {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def label(kind: str, name: str) -> str:
+    return f"server {'plain' if name == 'none' else name}" if kind == "server" else f"engine {name}"
+
+
+def model_files(work: Path, files: list[str]) -> dict[str, Path]:
+    from clover_dev.convert import clover_convert, quantize
+
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Path] = {}
+    f16 = work / "demo-f16.gguf"
+    if not f16.exists():
+        clover_convert(REPO / "models" / "clover-demo", f16, "f16")
+    if "f16" in files:
+        out["demo f16"] = f16
+    if "Q4_K_M" in files:
+        q4 = work / "demo-Q4_K_M.gguf"
+        if not q4.exists():
+            quantize(f16, q4, "Q4_K_M")
+        out["demo Q4_K_M"] = q4
+    if "35b" in files:
+        from bench.predict_35b import slice_gguf
+
+        out["35b-shape 4-layer slice Q4_K_M"] = slice_gguf(work, 4)
+    return out
+
+
+@contextmanager
+def servers(gguf: Path, threads: int, ngl: int, work: Path) -> Iterator[dict[str, tuple[str, Path]]]:
+    """One llama-server of the native build per configuration: spec type -> (URL, log file)."""
+    from clover_dev.process import llama_server
+    from clover_native import loader
+
+    exe = loader.lib_dir().parent / "bin" / "llama-server"
+    with ExitStack() as stack:
+        out = {}
+        for spec in SERVER_TYPES:
+            log_path = work / f"server-{gguf.stem}-{spec.replace(',', '+')}.log"
+            url = stack.enter_context(llama_server(exe, gguf, "-c", str(N_CTX), "-np", "1", "-t", str(threads),
+                                                   "-ngl", str(ngl), "--no-warmup", "--spec-type", spec,
+                                                   log_path=log_path))
+            out[spec] = (url, log_path)
+        yield out
+
+
+def complete(url: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
+    req = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        answer = json.loads(resp.read())
+    answer["wall_ms"] = (time.perf_counter() - start) * 1e3
+    return answer
+
+
+def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[int]], tokens: int) -> dict:
+    """Totals per configuration over the prompts, configurations interleaved on each prompt."""
+    names = [label("server", s) for s in SERVER_TYPES] + [label("engine", m) for m in ENGINE_MODES]
+    totals = {n: {"tokens": 0, "decode_ms": 0.0, "wall_ms": 0.0, "drafted": 0, "accepted": 0} for n in names}
+    for prompt in prompts:
+        for spec in SERVER_TYPES:
+            a = complete(urls[spec][0], prompt, tokens)
+            t, tm = totals[label("server", spec)], a["timings"]
+            t["tokens"] += tm["predicted_n"]
+            t["decode_ms"] += tm["predicted_ms"]
+            t["wall_ms"] += a["wall_ms"]
+            t["drafted"] += tm.get("draft_n", 0)
+            t["accepted"] += tm.get("draft_n_accepted", 0)
+        for mode in ENGINE_MODES:
+            model.reset()
+            start = time.perf_counter()
+            s = model.run(prompt, mode=mode, max_tokens=tokens, stop_ids=[]).stats
+            t = totals[label("engine", mode)]
+            t["wall_ms"] += (time.perf_counter() - start) * 1e3
+            t["tokens"] += s.generated_tokens
+            t["decode_ms"] += s.decode_ms
+    return totals
+
+
+def summarize(per_run: list[dict], name: str, ref: str) -> dict[str, Any]:
+    def rate(r: dict, n: str, key: str) -> float:
+        return r[n]["tokens"] / r[n][key] * 1e3
+
+    out: dict[str, Any] = {}
+    for key, tag in (("decode_ms", "decode"), ("wall_ms", "e2e")):
+        rates = [rate(r, name, key) for r in per_run]
+        ratios = [rate(r, name, key) / rate(r, ref, key) for r in per_run]
+        out[f"{tag}_tok_s"] = statistics.median(rates)
+        out[f"{tag}_vs_plain"] = statistics.median(ratios)
+        out[f"{tag}_vs_plain_runs"] = ratios
+    out["drafted"] = sum(r[name]["drafted"] for r in per_run)
+    out["accepted"] = sum(r[name]["accepted"] for r in per_run)
+    return out
+
+
+def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, runs: int, threads: int, ngl: int,
+                work: Path) -> dict[str, Any]:
+    from clover_cpp import Model
+
+    res: dict[str, Any] = {}
+    with Model(path, n_threads=threads, n_gpu_layers=ngl) as model, servers(path, threads, ngl, work) as urls:
+        model.run(prompts["held-out"][0], mode="auto", max_tokens=4, stop_ids=[])  # auto's cost table, measured
+        costs, block = model.pass_costs, model.info.block_size
+        for set_name, plist in prompts.items():
+            log(f"{path.name}: {set_name}")
+            for url, _ in urls.values():
+                complete(url, plist[0], 4)  # each server's first graphs, before anything is timed
+            per_run = [one_run(model, urls, plist, tokens) for _ in range(runs)]
+            res[set_name] = {n: summarize(per_run, n, label("server", "none")) for n in per_run[0]}
+    block_ms = costs.block_fixed_ms + block * costs.block_row_ms
+    res["block_pass"] = {"block_size": block, "ms": block_ms, "ar_step_ms": costs.ar_ms,
+                         "in_ar_steps": block_ms / costs.ar_ms}
+    return res
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [f"llama-server's speculative types and the engine ({res['date']}, {res['cpu']}, {res['threads']} threads, "
+             f"-ngl {res['ngl']}). {res['prompts']} prompts per set, {res['tokens']} new tokens each (ignore_eos), "
+             f"greedy, configurations interleaved on each prompt; ratios are the median over {res['runs']} runs of "
+             "that run's tok/s over server plain's. End to end: wall time per request at the client; decode: the "
+             "server's predicted_per_second (the engine's decode time).", ""]
+    for model, m in res["models"].items():
+        bp = m.get("block_pass")
+        lines += [f"### {model}", ""]
+        if bp:
+            lines += [f"A block pass of B = {bp['block_size']} rows (the engine's measured cost table): "
+                      f"{bp['ms']:.2f} ms = {bp['in_ar_steps']:.1f} ar steps of {bp['ar_step_ms']:.3f} ms.", ""]
+        for set_name, rows in m.items():
+            if set_name == "block_pass":
+                continue
+            lines += [f"**{set_name}**", "", "| configuration | e2e tok/s | vs plain | decode tok/s | vs plain | "
+                      "drafted | accepted |", "|---|---:|---:|---:|---:|---:|---:|"]
+            for name, r in rows.items():
+                lines.append(f"| {name} | {r['e2e_tok_s']:.0f} | {r['e2e_vs_plain']:.2f} | {r['decode_tok_s']:.0f} | "
+                             f"{r['decode_vs_plain']:.2f} | {r['drafted']} | {r['accepted']} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-spec")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--files", default="f16,Q4_K_M,35b")
+    parser.add_argument("--threads", type=int, default=0, help="0: the machine's cores")
+    parser.add_argument("--n-gpu-layers", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="demo f16 only, 2 prompts per set, 1 run, 32 tokens")
+    parser.add_argument("--stem", default="bench_spec_server")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the .json and .md go")
+    args = parser.parse_args()
+    import os
+    import platform
+
+    from bench.bench_drafts import no_history_prompts
+    from bench.bench_speed import held_out_prompts
+
+    if args.quick:
+        args.files, args.prompts, args.runs, args.tokens = "f16", 2, 1, 32
+    threads = args.threads or os.cpu_count() or 1
+    files = model_files(args.workdir, args.files.split(","))
+    first = next(iter(files.values()))
+    fresh, _ = no_history_prompts(first, args.prompts, args.tokens)
+    prompts = {"held-out": held_out_prompts(args.prompts), "no-history": fresh}
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(platform), "threads": threads,
+                           "ngl": args.n_gpu_layers, "prompts": args.prompts, "tokens": args.tokens,
+                           "runs": args.runs, "models": {}}
+    for name, path in files.items():
+        res["models"][name] = bench_model(path, prompts, args.tokens, args.runs, threads, args.n_gpu_layers,
+                                          args.workdir)
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"{args.stem}.json").write_text(json.dumps(res, indent=1))
+    (args.results / f"{args.stem}.md").write_text(markdown(res) + "\n")
+    print(markdown(res))
+    return 0
+
+
+def cpu_name(platform: Any) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
