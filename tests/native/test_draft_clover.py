@@ -8,6 +8,8 @@
 - The drafts are real: the server reports drafted tokens, and on the trained demo model accepted ones.
 - A GGUF without the block-diffusion tensors runs without the drafter, and the log says why.
 - llama-speculative-simple (the framework's reference loop) with draft-clover gives llama-server's greedy text.
+- Sampled: the emitted tokens' distribution is the one without speculation (a chi-square test whose power it
+  states and checks).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from clover_dev import REPO_ROOT
@@ -43,8 +46,6 @@ GRAMMAR = 'root ::= [a-z_ ():\\n]+'  # a grammar every prompt above can continue
 
 
 def _tokens(seed: int, n: int) -> list[int]:
-    import numpy as np
-
     return [int(t) for t in np.random.default_rng(seed).integers(10, 3000, n)]
 
 
@@ -173,3 +174,62 @@ def test_speculative_simple_with_draft_clover_gives_the_servers_text(demo_gguf: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"n_accept\s*=\s*[1-9]", done.stderr), done.stderr[-3000:]  # block drafts were accepted
     assert want in done.stdout, f"server: {want!r}\nspeculative-simple: {done.stdout!r}"
+
+
+# ------------------------------------------------------------------------------------------ sampled
+SAMPLES = 600  # requests per configuration
+ALPHA = 1e-3  # the test's false-alarm rate
+SHIFT_TV = 0.1  # the distance (total variation) it must detect with POWER at least
+POWER = 0.9
+
+
+def _chi2(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson's statistic of homogeneity of two count vectors over the same categories."""
+    total = a + b
+    keep = total > 0
+    a, b, total = a[keep], b[keep], total[keep]
+    n_a, n_b = a.sum(), b.sum()
+    e_a, e_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)
+    return float(((a - e_a) ** 2 / e_a).sum() + ((b - e_b) ** 2 / e_b).sum())
+
+
+def test_sampled_draft_clover_keeps_the_distribution(demo_gguf: Path) -> None:
+    """Sampled (temperature 1, llama-server's default sampler chain, a seed per request).
+
+    - Independent seeds: the second generated token, the first that a block draft can decide, is distributed as
+      without speculation. A two-sample chi-square test of homogeneity at ALPHA, its critical value by simulation
+      from the pooled counts; the same simulation shows that it detects a shift of SHIFT_TV in total variation
+      with power at least POWER (asserted), e.g. a verification that kept one wrong draft in ten.
+    - The same seeds: llama.cpp's rule samples the target at every verified row with the request's generator, so
+      the three tokens are those of plain decoding (all but a rare kernel-rounding flip at a sampling boundary)."""
+    prompt = DEMO_PROMPTS[0]
+    tokens: dict[str, list[list[int]]] = {}
+    for spec, seeds in (("none", range(SAMPLES)), ("draft-clover", range(SAMPLES, 2 * SAMPLES)),
+                        ("draft-clover same seeds", range(SAMPLES))):
+        with llama_server(demo_gguf, *SERVER_ARGS, "--spec-type", spec.split()[0]) as url:
+            answers = [complete(url, prompt, n_predict=3, temperature=1.0, seed=i) for i in seeds]
+        tokens[spec] = [a["tokens"] for a in answers]
+        if spec != "none":
+            assert sum(a["timings"].get("draft_n", 0) for a in answers) > 0, "draft-clover never drafted"
+
+    same = sum(x == y for x, y in zip(tokens["none"], tokens["draft-clover same seeds"]))
+    assert same >= 0.99 * SAMPLES, f"only {same} of {SAMPLES} seeded answers equal plain decoding's"
+
+    second = {spec: [t[1] for t in tokens[spec] if len(t) > 1] for spec in ("none", "draft-clover")}
+    cats = sorted(set(second["none"]) | set(second["draft-clover"]))
+    a = np.array([second["none"].count(c) for c in cats], dtype=float)
+    b = np.array([second["draft-clover"].count(c) for c in cats], dtype=float)
+    observed = _chi2(a, b)
+    rng = np.random.default_rng(0)
+    pooled = (a + b) / (a + b).sum()
+    null = np.array([_chi2(rng.multinomial(int(a.sum()), pooled).astype(float),
+                           rng.multinomial(int(b.sum()), pooled).astype(float)) for _ in range(4000)])
+    critical = float(np.quantile(null, 1 - ALPHA))
+    shifted = (1 - SHIFT_TV) * pooled
+    shifted[int(np.argmin(pooled))] += SHIFT_TV  # a tenth of the mass moved onto one token
+    alt = np.array([_chi2(rng.multinomial(int(a.sum()), pooled).astype(float),
+                          rng.multinomial(int(b.sum()), shifted).astype(float)) for _ in range(1000)])
+    power = float((alt > critical).mean())
+    assert power >= POWER, f"the test's power against a shift of {SHIFT_TV} is only {power:.2f}"
+    assert observed <= critical, (f"chi-square {observed:.1f} > critical {critical:.1f} (alpha {ALPHA}): "
+                                  f"{dict(zip(cats, zip(a, b)))}")
