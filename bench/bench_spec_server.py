@@ -199,10 +199,10 @@ def main() -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the .json and .md go")
     args = parser.parse_args()
     import os
-    import platform
 
     from bench.bench_drafts import no_history_prompts
     from bench.bench_speed import held_out_prompts
+    from clover_native import cpu
 
     if args.quick:
         args.files, args.prompts, args.runs, args.tokens = "f16", 2, 1, 32
@@ -211,7 +211,7 @@ def main() -> int:
     first = next(iter(files.values()))
     fresh, _ = no_history_prompts(first, args.prompts, args.tokens)
     prompts = {"held-out": held_out_prompts(args.prompts), "no-history": fresh}
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(platform), "threads": threads,
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(), "threads": threads,
                            "ngl": args.n_gpu_layers, "prompts": args.prompts, "tokens": args.tokens,
                            "runs": args.runs, "models": {}}
     for name, path in files.items():
@@ -222,16 +222,6 @@ def main() -> int:
     (args.results / f"{args.stem}.md").write_text(markdown(res) + "\n")
     print(markdown(res))
     return 0
-
-
-def cpu_name(platform: Any) -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":
