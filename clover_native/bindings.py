@@ -234,9 +234,9 @@ class Context(NativeHandle):
     def fused(self, tokens: Sequence[int], window: Sequence[int],
               keep: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """A fused pass (the history's LLAMA_CLOVER_PARAM_FUSED_WINDOW): ``tokens`` appended to the history causally
-        and, in the same ubatch, a block window right after them over the history and those tokens; the window's cells are
-        removed afterwards with one rollback to ``keep`` (default: the end of ``tokens``; the engine keeps less
-        after a rejected draft). Float32 logits of every causal row and every window row. Needs n_rs_seq >= the
+        and, in the same ubatch, a block window right after them over the history and those tokens; the window's
+        cells are removed afterwards with one rollback to ``keep`` (default: the end of ``tokens``; the engine keeps
+        less after a rejected draft). Float32 logits of every causal row and every window row. Needs n_rs_seq >= the
         rows removed and one ubatch for both."""
         n = len(tokens) + len(window)
         if n > self.n_ubatch:
