@@ -427,7 +427,7 @@ void llama_model_clover::attach_block_diffusion(const std::string & path) {
         }
     } catch (...) {
         hparams = saved;
-            throw;
+        throw;
     }
     for (auto & it : ctx_of) {
         clover_sidecar_ctxs.push_back(std::move(it.second));
@@ -494,7 +494,7 @@ public:
 
     bool can_reuse(const llm_graph_params & params) override {
         const bool shape_ok = top_p == nullptr || top_p->ne[2] == (int64_t) params.ubatch.n_seqs;
-        return shape_ok && params.seq_params == sp && clover_coreset_active(model, sp, params.ubatch) == active;
+        return shape_ok && clover_coreset_active(model, params.seq_params, params.ubatch) == active;
     }
 
     ggml_tensor * top_p = nullptr;  // F32 {1, 1, n_seqs}; nullptr when inactive
@@ -529,9 +529,8 @@ static int64_t clover_fused_window(const llama_model_clover & model, const llama
 // the causal rows keep theirs (the window's cells lie after them).
 class llm_graph_input_clover_fused : public llm_graph_input_i {
 public:
-    llm_graph_input_clover_fused(const llama_model_clover & model, const llama_seq_params * sp, int64_t fused_w,
-                                 ggml_tensor * kq_mask) :
-        model(model), sp(sp), fused_w(fused_w), kq_mask(kq_mask) {}
+    llm_graph_input_clover_fused(const llama_model_clover & model, int64_t fused_w, ggml_tensor * kq_mask) :
+        model(model), fused_w(fused_w), kq_mask(kq_mask) {}
 
     void set_input(const llama_ubatch * ubatch) override {
         if (fused_w == 0 || kq_mask == nullptr) {
@@ -547,12 +546,11 @@ public:
     }
 
     bool can_reuse(const llm_graph_params & params) override {
-        return params.seq_params == sp && clover_fused_window(model, sp, params.cparams, params.ubatch) == fused_w;
+        return clover_fused_window(model, params.seq_params, params.cparams, params.ubatch) == fused_w;
     }
 
 private:
     const llama_model_clover & model;
-    const llama_seq_params * sp;  // the context's
     const int64_t fused_w;
     ggml_tensor * kq_mask;  // the hybrid memory input's attention mask (host)
 };
@@ -583,7 +581,7 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
             }
         }
         GGML_ASSERT(fused_w == 0 || kq_mask != nullptr);
-        res->add_input(std::make_unique<llm_graph_input_clover_fused>(cmodel, params.seq_params, fused_w, kq_mask));
+        res->add_input(std::make_unique<llm_graph_input_clover_fused>(cmodel, fused_w, kq_mask));
     }
 }
 

@@ -411,7 +411,6 @@ static bool clover_read_drafts(clover_run & run, std::vector<llama_token> & canv
                                std::vector<double> * conf);
 
 bool clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas, std::vector<double> * conf) {
-    clover_slot * slot = run.slot;
     const int32_t width = (int32_t) canvas.size();
     std::vector<int32_t> masked;
     for (int32_t j = 0; j < width; ++j) {
