@@ -15,7 +15,8 @@ from clover_native import cpu, loader
 
 UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-rollback", "model-load-hparams-errors",
                        "graph-cache", "grammar-parse-error-to-log", "delta-net-conv-snapshots-of-the-ubatch",
-                       "grammar-nesting-limit", "json-schema-depth-limit", "vocab-duplicate-text-error"}
+                       "grammar-nesting-limit", "json-schema-depth-limit", "vocab-duplicate-text-error",
+                       "speculative-simple-flush-log"}
 
 
 @pytest.mark.native
