@@ -14,10 +14,8 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.engine import FLASH_ATTN_TOL, REF_TOL, Ledger, causal_gap
 from tests.support.native import llama_server, native_tool
+from tests.support.serve import post
 
 pytestmark = pytest.mark.native
 
@@ -51,19 +50,16 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 def complete(url: str, prompt: Any, **fields: Any) -> dict[str, Any]:
     """llama-server's /completion, greedy, without its prompt cache: the JSON answer."""
-    body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0, "return_tokens": True,
-            "cache_prompt": False, **fields}
-    req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read())
+    status, answer = post(url + "/completion", {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0,
+                                                "return_tokens": True, "cache_prompt": False, **fields})
+    assert status == 200, answer
+    return answer
 
 
 def tokenize(url: str, text: str) -> list[int]:
-    req = urllib.request.Request(url + "/tokenize", json.dumps({"content": text}).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return json.loads(resp.read())["tokens"]
+    status, answer = post(url + "/tokenize", {"content": text})
+    assert status == 200, answer
+    return answer["tokens"]
 
 
 def run_configs(gguf: Path, prompts: list[Any], **fields: Any) -> dict[str, list[dict[str, Any]]]:

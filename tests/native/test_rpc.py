@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from clover_dev import REPO_ROOT
-from clover_dev.process import free_port
-from clover_dev.process import stop_process
+from clover_dev.process import free_port, stop_process
 from tests.support.native import native_tool
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)

@@ -56,11 +56,16 @@ def native_tool(name: str) -> Path:
 
 @contextmanager
 def llama_server(gguf: Path, *args: str, log_path: Path | None = None, ready_s: float = 120) -> Iterator[str]:
-    """The native build's llama-server on ``gguf`` (clover_dev.process.llama_server), its log beside the GGUF
-    unless ``log_path`` says where; its base URL."""
-    from clover_dev.process import free_port, llama_server as start
+    """The native build's llama-server on ``gguf`` (clover_dev.process.llama_server), its log a new file beside the
+    GGUF unless ``log_path`` says where; its base URL."""
+    import tempfile
 
-    log_path = log_path or gguf.parent / f"llama-server-{free_port()}.log"
+    from clover_dev.process import llama_server as start
+
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log", dir=gguf.parent)
+        os.close(fd)
+        log_path = Path(name)
     with start(native_tool("llama-server"), gguf, *args, log_path=log_path, ready_s=ready_s) as url:
         yield url
 

@@ -18,9 +18,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from clover_dev.process import cli_command
+from clover_dev.process import cli_command, stop_process
 from tests.support.chat import child_env
-from clover_dev.process import stop_process
 
 MODEL_ID = "tiny"  # the tiny checkpoint's GGUF, served under its file name (tests/surfaces/conftest.py)
 THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
