@@ -3,9 +3,10 @@ engine's sequence layout (``Context``: causal passes on the history, block passe
 importance-matrix collector and the benches drive passes one by one through it; ``clover_cpp.model`` drives the
 engine instead.
 
-Block passes use libclover's ``clover_block_decode`` (the protocol lives once, in C): ``seq_cp(0 -> 1)``,
-``causal_attn = false``, decode the window on seq 1 with logits only for the requested rows, ``seq_rm(1)``,
-``causal_attn = true``. The committed history (seq 0: KV cells, conv and delta-rule state) is never written.
+Block passes use libclover's ``clover_block_decode``, whose protocol lives once, in libllama
+(``llama_clover_block_begin`` / ``_end``, src/llama-clover.h): ``seq_cp(0 -> 1)`` with seq 0's coreset top_p,
+``causal_attn = false``, decode the window on seq 1 with logits only for the requested rows, ``causal_attn`` back,
+``seq_rm(1)``. The committed history (seq 0: KV cells, conv and delta-rule state) is never written.
 """
 
 from __future__ import annotations
@@ -204,10 +205,10 @@ class Context(NativeHandle):
         lib.llama_get_seq_param.restype = ctypes.c_float
         return float(lib.llama_get_seq_param(self.ptr, int(seq), name.encode()))
 
-    def set_coreset_top_p(self, top_p: float | None, seq: int = SCRATCH_SEQ) -> None:
-        """The block expert coreset top_p (spec 3.3) of sequence ``seq``'s block passes (by default the scratch
-        sequence, where ``block`` runs); None: the GGUF's value. A reused graph reads it at every pass. NativeError
-        outside (0, 1]."""
+    def set_coreset_top_p(self, top_p: float | None, seq: int = HISTORY_SEQ) -> None:
+        """The block expert coreset top_p (spec 3.3) of sequence ``seq``'s block passes (by default the history's:
+        ``block`` copies it to the scratch sequence it runs on); None: the GGUF's value. A reused graph reads it at
+        every pass. NativeError outside (0, 1]."""
         if top_p is not None and not 0.0 < top_p <= 1.0:
             raise NativeError(f"coreset_top_p must be in (0, 1], got {top_p!r}")
         self.set_seq_param(seq, CORESET_TOP_P, float("nan") if top_p is None else top_p)

@@ -33,6 +33,16 @@ LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * mode
 // the block size B of the model's block passes (ARCH.block_size, spec 2.2); 0 for a model without block passes (not
 // clover_moe, or a trunk-only file)
 LLAMA_API int32_t llama_clover_block_size(const struct llama_model * model);
+// A block pass (spec section 3) over windows of n sequences, each on scratch[i], a copy of history[i] that the pass
+// reads and never writes back. begin removes each scratch sequence, copies its history there (seq_cp: copy-on-write
+// for the recurrent state, shared KV cells in a unified cache) with the history's coreset top_p, and turns causal
+// attention off; the caller then decodes the windows (at positions after each history) with any batch API; end
+// restores the causal flag begin returned and removes the scratch sequences. The drafter (common/speculative's
+// draft-clover) and the clover tools run their block passes this way.
+LLAMA_API bool  llama_clover_block_begin(struct llama_context * ctx, const llama_seq_id * history,
+                                         const llama_seq_id * scratch, int32_t n);
+LLAMA_API void  llama_clover_block_end(struct llama_context * ctx, const llama_seq_id * scratch, int32_t n,
+                                       bool causal);
 // Attach the block-diffusion keys and tensors of a sidecar GGUF (spec v2 section 5) to a trunk-only model, before
 // any context is created from it. Each tensor goes to the buffer type of its layer's ssm_conv1d. The caller checks
 // the trunk fingerprint (clover_read_info). Returns false, with a message naming the file and the tensor or key in

@@ -266,7 +266,7 @@ def test_each_window_of_a_batched_pass_routes_in_its_own_sequences_coreset(tiny:
     for window, top_p in zip(windows, top_ps):
         ctx.set_coreset_top_p(top_p)
         solo.append(ctx.block(window))
-    ctx.set_coreset_top_p(top_ps[0])
+    ctx.set_coreset_top_p(top_ps[0], seq=bindings.SCRATCH_SEQ)  # the pass below sets no value itself
     ctx.set_coreset_top_p(top_ps[1], seq=other)
     batched = _two_window_pass(ctx, windows, (bindings.SCRATCH_SEQ, other))
     for s in range(2):
@@ -276,7 +276,7 @@ def test_each_window_of_a_batched_pass_routes_in_its_own_sequences_coreset(tiny:
     # sequence without a value gets from this GGUF
     low = int(np.argmin(top_ps))
     ctx.set_coreset_top_p(None)
-    assert math.isnan(ctx.seq_param(bindings.SCRATCH_SEQ, bindings.CORESET_TOP_P))
+    assert math.isnan(ctx.seq_param(bindings.HISTORY_SEQ, bindings.CORESET_TOP_P))
     per_row = ctx.block(windows[low])
     assert np.abs(per_row - solo[low]).max() > 1e-2
     ctx.set_coreset_top_p(1.0)

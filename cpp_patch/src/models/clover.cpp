@@ -945,6 +945,28 @@ int32_t llama_clover_block_size(const struct llama_model * model) {
     return m != nullptr && m->hparams.clover_has_block_diffusion ? (int32_t) m->hparams.clover_block_size : 0;
 }
 
+bool llama_clover_block_begin(struct llama_context * ctx, const llama_seq_id * history, const llama_seq_id * scratch,
+                              int32_t n) {
+    llama_memory_t mem = llama_get_memory(ctx);
+    for (int32_t i = 0; i < n; ++i) {
+        llama_memory_seq_rm(mem, scratch[i], -1, -1);
+        llama_memory_seq_cp(mem, history[i], scratch[i], -1, -1);
+        llama_set_seq_param(ctx, scratch[i], LLAMA_CLOVER_PARAM_CORESET_TOP_P,
+                            llama_get_seq_param(ctx, history[i], LLAMA_CLOVER_PARAM_CORESET_TOP_P));
+    }
+    const bool causal = llama_get_causal_attn(ctx);
+    llama_set_causal_attn(ctx, false);
+    return causal;
+}
+
+void llama_clover_block_end(struct llama_context * ctx, const llama_seq_id * scratch, int32_t n, bool causal) {
+    llama_set_causal_attn(ctx, causal);
+    llama_memory_t mem = llama_get_memory(ctx);
+    for (int32_t i = 0; i < n; ++i) {
+        llama_memory_seq_rm(mem, scratch[i], -1, -1);
+    }
+}
+
 bool llama_clover_attach_block_diffusion(struct llama_model * model, const char * path, char * err, size_t err_size) {
     auto * m = model ? dynamic_cast<llama_model_clover *>(model) : nullptr;
     std::string msg;

@@ -130,8 +130,9 @@ bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, c
         return false;
     }
     clover_batch_fill(slot->batch, window.data(), n, slot->n_past, slot->seq_scratch, clover_block_rows(rows, n));
-    // the window's coreset top_p is its own sequence's: slots with different values share a batched pass
-    llama_set_seq_param(slot->ctx, slot->seq_scratch, LLAMA_CLOVER_PARAM_CORESET_TOP_P, slot->coreset_top_p);
+    // the window's coreset top_p is its own history's (llama_clover_block_begin copies it to the scratch sequence):
+    // slots with different values share a batched pass
+    llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_CORESET_TOP_P, slot->coreset_top_p);
     const int32_t rc = slot->shared ? clover_parallel_pass(slot, true)
                                     : clover_block_decode_seqs(slot->ctx, slot->batch, &slot->seq_history, &slot->seq_scratch, 1);
     if (rc != 0) {

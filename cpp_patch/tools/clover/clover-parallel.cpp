@@ -77,17 +77,9 @@ int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch,
     if (!llama_clover_has_block_diffusion(llama_get_model(ctx))) {
         return -3;  // a trunk-only file: no block pass (its graph needs the bd_* tensors)
     }
-    llama_memory_t mem = llama_get_memory(ctx);
-    for (int32_t i = 0; i < n_slots; ++i) {
-        llama_memory_seq_rm(mem, scratch[i], -1, -1);
-        llama_memory_seq_cp(mem, history[i], scratch[i], -1, -1);
-    }
-    llama_set_causal_attn(ctx, false);
+    const bool causal = llama_clover_block_begin(ctx, history, scratch, n_slots);
     const int32_t rc = llama_decode(ctx, batch);
-    llama_set_causal_attn(ctx, true);
-    for (int32_t i = 0; i < n_slots; ++i) {
-        llama_memory_seq_rm(mem, scratch[i], -1, -1);
-    }
+    llama_clover_block_end(ctx, scratch, n_slots, causal);
     return rc;
 }
 
@@ -220,9 +212,11 @@ void clover_run_round(clover_shared & sh, const std::vector<clover_pass_req *> &
 void clover_decode_loop(clover_shared & sh) {
     std::unique_lock<std::mutex> lock(sh.mu);
     while (true) {
-        if (sh.call != nullptr) {
-            sh.call_rc = (*sh.call)();
-            sh.call    = nullptr;
+        if (!sh.calls.empty()) {
+            clover_call_req * call = sh.calls.front();
+            sh.calls.pop_front();
+            call->rc   = (*call->fn)();
+            call->done = true;
             sh.cv.notify_all();
             continue;
         }
@@ -260,10 +254,12 @@ int32_t clover_shared_call(clover_slot * slot, const std::function<int32_t()> & 
         return fn();
     }
     clover_shared & sh = *slot->shared;
-    sh.call = &fn;
+    clover_call_req req;
+    req.fn = &fn;
+    sh.calls.push_back(&req);
     sh.cv.notify_all();
-    while (sh.call != nullptr) {
+    while (!req.done) {
         sh.cv.wait(*slot->lock);
     }
-    return sh.call_rc;
+    return req.rc;
 }
