@@ -15,9 +15,8 @@ prompts of held-out standard-library code (the model card's split):
   The candidates are taken in order from 400 held-out prompts until --prompts qualify.
 Configurations: ar, spec at B = 2, 4, 8 (unfused: a block pass and a verification per round), spec at B = 4 and 8
 with fused verify + draft passes (GenParams.spec_fused; docs/native.md, "The fused pass"), diffusion at B = 8
-(threshold 0.9), auto; auto with a fixed cost table under which every n-gram draft is verified whole
-(`EVERY_CHAIN`: about the most that n-gram drafts give, whatever the passes cost); and auto and spec B = 4 again with
-the graph cache off ($CLOVER_GRAPH_CACHE's 0). Each
+(threshold 0.9), auto (llama.cpp's ngram-mod and draft-clover drafters, docs/decoding.md "auto"); and auto and
+spec B = 4 again with the graph cache off ($CLOVER_GRAPH_CACHE's 0). Each
 configuration has an engine of its own (the graphs it keeps are its own, as for a user who runs one mode). Within
 a run every configuration runs on each prompt in turn; a run is repeated --runs times and a ratio is the median
 over the runs of that run's tok/s over ar's.
@@ -49,16 +48,8 @@ SAMPLED_TEMP = 0.8
 # (label, mode, block size, graph cache: None = the engine's default); spec runs unfused unless the label says fused
 CONFIGS = [("ar", "ar", None, None), ("spec B=2", "spec", 2, None), ("spec B=4", "spec", 4, None),
            ("spec B=8", "spec", 8, None), ("spec B=4, fused", "spec", 4, None), ("spec B=8, fused", "spec", 8, None),
-           ("diffusion B=8", "diffusion", 8, None), ("auto", "auto", None, None),
-           ("auto, every chain", "auto", None, None), ("spec B=4, cache off", "spec", 4, 0),
+           ("diffusion B=8", "diffusion", 8, None), ("auto", "auto", None, None), ("spec B=4, cache off", "spec", 4, 0),
            ("auto, cache off", "auto", None, 0)]
-# auto's table for "auto, every chain", fixed (no correction, no probes): a causal pass costs about an ar step
-# whatever its rows, and a block pass far more, so every round verifies the whole n-gram draft there is. Its TPF
-# is about the most that n-gram drafts give on a prompt set (a round that verifies less accepts no more; the
-# positions the rounds land on may differ), and its ms per pass is what those widest verifications cost.
-EVERY_CHAIN = {"ar_ms": 1.0, "causal_fixed_ms": 0.6, "causal_row_ms": 0.02, "rebuild_ms": 0.0, "block_fixed_ms": 1e3,
-               "block_row_ms": 1.0}
-
 
 def log(msg: str) -> None:
     print(f"[bench_drafts {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -239,7 +230,6 @@ def main() -> int:
         args.files, args.runs, args.prompts = "f16", 1, 3
     from clover_native import cpu
     from clover_cpp import Model
-    from clover_cpp.model import PassCosts
     from clover_dev.convert import clover_convert, quantize
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -261,7 +251,6 @@ def main() -> int:
         # one engine per configuration, as a user runs one mode: the graphs a configuration keeps are its own
         models = {name: Model(path, graph_cache=cache) for name, _, _, cache in CONFIGS}
         try:
-            models["auto, every chain"].pass_costs = PassCosts(**EVERY_CHAIN)
             res["threads"] = models["ar"].n_threads
             rebuild_ms = models["auto, cache off"].measure_pass_costs().rebuild_ms
             rebuild_cached = models["auto"].measure_pass_costs().rebuild_ms

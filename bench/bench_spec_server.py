@@ -15,11 +15,12 @@ Configurations, one llama-server each, all started before the first request and 
 - plain (no speculation), ngram-mod, ngram-map-k: llama.cpp's own;
 - draft-clover: the model's block pass as the drafter (docs/decoding.md, "draft-clover in llama.cpp");
 - ngram-mod,draft-clover: `auto` in llama.cpp (the n-gram draft first, the block draft where it pays);
-- engine ar and engine auto: libclover's own loops (what `clover-cpp generate` runs), in this process.
+- engine ar and engine auto: what `clover-cpp generate` runs, in this process, through the Python API (auto drafts
+  with the same common/speculative drafters as `ngram-mod,draft-clover`; libclover verifies).
 End to end is the wall time of a request at the client (prefill included); decode is the server's own
 `predicted_per_second` (the engine's decode_ms). A ratio is the median over runs of that run's tok/s over the
-reference's in the same run. The block pass is reported in ar steps, from the engine's measured cost table (auto's:
-docs/decoding.md), on the same device.
+reference's in the same run. The block pass is reported in ar steps, from the engine's measured pass costs
+(Model.measure_pass_costs), on the same device.
 
 Results: bench/results/bench_spec_server.{json,md} (--stem names another pair, one per CPU).
 """
@@ -141,20 +142,40 @@ def summarize(per_run: list[dict], name: str, ref: str) -> dict[str, Any]:
     return out
 
 
+# the issue's comparisons, run by run: (what, over what); "best n-gram" is the faster of the n-gram types in that run
+PAIRS = [("engine auto", "server ngram-mod"), ("engine auto", "best n-gram"),
+         ("engine auto", "server ngram-mod,draft-clover"), ("engine ar", "server plain")]
+
+
+def pairs(per_run: list[dict]) -> dict[str, Any]:
+    """Each PAIRS ratio per run, for decode and end-to-end tok/s: the median and the runs' range."""
+    def rate(r: dict, n: str, key: str) -> float:
+        if n == "best n-gram":
+            return max(rate(r, label("server", t), key) for t in ("ngram-mod", "ngram-map-k"))
+        return r[n]["tokens"] / r[n][key] * 1e3
+
+    out: dict[str, Any] = {}
+    for a, b in PAIRS:
+        for key, tag in (("decode_ms", "decode"), ("wall_ms", "e2e")):
+            ratios = [rate(r, a, key) / rate(r, b, key) for r in per_run]
+            out[f"{a} / {b}, {tag}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
+
+
 def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, runs: int, threads: int, ngl: int,
                 work: Path) -> dict[str, Any]:
     from clover_cpp import Model
 
     res: dict[str, Any] = {}
     with Model(path, n_threads=threads, n_gpu_layers=ngl) as model, servers(path, threads, ngl, work) as urls:
-        model.run(prompts["held-out"][0], mode="auto", max_tokens=4, stop_ids=[])  # auto's cost table, measured
-        costs, block = model.pass_costs, model.info.block_size
+        costs, block = model.measure_pass_costs(), model.info.block_size
         for set_name, plist in prompts.items():
             log(f"{path.name}: {set_name}")
             for url, _ in urls.values():
                 complete(url, plist[0], 4)  # each server's first graphs, before anything is timed
             per_run = [one_run(model, urls, plist, tokens) for _ in range(runs)]
             res[set_name] = {n: summarize(per_run, n, label("server", "none")) for n in per_run[0]}
+            res.setdefault("pairs", {})[set_name] = pairs(per_run)
     block_ms = costs.block_fixed_ms + block * costs.block_row_ms
     res["block_pass"] = {"block_size": block, "ms": block_ms, "ar_step_ms": costs.ar_ms,
                          "in_ar_steps": block_ms / costs.ar_ms}
@@ -171,16 +192,19 @@ def markdown(res: dict[str, Any]) -> str:
         bp = m.get("block_pass")
         lines += [f"### {model}", ""]
         if bp:
-            lines += [f"A block pass of B = {bp['block_size']} rows (the engine's measured cost table): "
+            lines += [f"A block pass of B = {bp['block_size']} rows (the engine's measured pass costs): "
                       f"{bp['ms']:.2f} ms = {bp['in_ar_steps']:.1f} ar steps of {bp['ar_step_ms']:.3f} ms.", ""]
         for set_name, rows in m.items():
-            if set_name == "block_pass":
+            if set_name in ("block_pass", "pairs"):
                 continue
             lines += [f"**{set_name}**", "", "| configuration | e2e tok/s | vs plain | decode tok/s | vs plain | "
                       "drafted | accepted |", "|---|---:|---:|---:|---:|---:|---:|"]
             for name, r in rows.items():
                 lines.append(f"| {name} | {r['e2e_tok_s']:.0f} | {r['e2e_vs_plain']:.2f} | {r['decode_tok_s']:.0f} | "
                              f"{r['decode_vs_plain']:.2f} | {r['drafted']} | {r['accepted']} |")
+            lines += ["", "| run by run | median | range |", "|---|---:|---|"]
+            for name, p in m["pairs"][set_name].items():
+                lines.append(f"| {name} | {p['median']:.2f} | {p['min']:.2f}-{p['max']:.2f} |")
             lines.append("")
     return "\n".join(lines)
 

@@ -108,9 +108,10 @@ def _histogram(values: Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class PassCosts:
-    """Auto mode's cost table, in ms (clover.h): an ar step in a run of them costs ar_ms, a causal pass of w rows in
-    a run of same-width passes causal_fixed_ms + w * causal_row_ms, a pass whose shape changed rebuild_ms more,
-    and a block pass of w rows block_fixed_ms + w * block_row_ms."""
+    """What the engine's passes cost, in ms (clover.h; ``Model.measure_pass_costs``): an ar step in a run of them
+    costs ar_ms, a causal pass of w rows in a run of same-width passes causal_fixed_ms + w * causal_row_ms, a pass
+    whose shape changed rebuild_ms more, and a block pass of w rows block_fixed_ms + w * block_row_ms. A
+    measurement for benchmarks: no decoding rule reads it."""
 
     ar_ms: float
     causal_fixed_ms: float
@@ -122,9 +123,6 @@ class PassCosts:
     @classmethod
     def from_c(cls, c: libclover.clover_pass_costs) -> "PassCosts":
         return cls(*(float(getattr(c, name)) for name, _ in libclover.clover_pass_costs._fields_))
-
-    def to_c(self) -> libclover.clover_pass_costs:
-        return libclover.clover_pass_costs(*(float(v) for v in vars(self).values()))
 
 
 @dataclass
@@ -144,7 +142,6 @@ class Stats(RunStats):
     auto_drafted: int = 0          # auto: draft tokens verified
     auto_accepted: int = 0         # auto: draft tokens accepted
     auto_accepted_block: int = 0   # auto: of those, the ones block passes drafted
-    costs: PassCosts | None = None  # auto: the cost table its decisions used
     graph_reuses: int = 0  # decode-time passes that reused a built graph; the others built theirs
     coreset_top_p: float = 1.0  # the block passes' coreset top_p the call used (resolved by libclover)
     fused_passes: int = 0  # spec: of the causal passes, the fused verify + draft ones (docs/native.md)
@@ -159,8 +156,7 @@ class Stats(RunStats):
                    float(s.t_causal_ms), _histogram(s.steps_per_block), _histogram(s.accepted_lengths),
                    libclover.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s,
                    threads, dict(zip(libclover.DRAFT_KINDS, (int(n) for n in s.auto_rounds))) if auto else {},
-                   int(s.auto_drafted), int(s.auto_accepted), int(s.auto_accepted_block),
-                   PassCosts.from_c(s.costs) if auto else None, int(s.n_graph_reuses),
+                   int(s.auto_drafted), int(s.auto_accepted), int(s.auto_accepted_block), int(s.n_graph_reuses),
                    float(s.coreset_top_p), int(s.n_fused_passes))
 
     @property
@@ -202,8 +198,7 @@ class Stats(RunStats):
             "stop_reason": self.stop_reason, "wall_s": self.wall_s, "threads": self.threads,
             "graph_builds": self.passes - self.graph_reuses,
         } | ({"auto_rounds": dict(self.auto_rounds), "auto_drafted": self.auto_drafted,
-              "auto_accepted": self.auto_accepted, "auto_accepted_block": self.auto_accepted_block,
-              "costs": vars(self.costs) if self.costs else None}
+              "auto_accepted": self.auto_accepted, "auto_accepted_block": self.auto_accepted_block}
              if self.mode == "auto" else {})
 
 
@@ -629,29 +624,9 @@ class Model(loader.NativeHandle):
         """The context llama.cpp allocated (at least n_batch)."""
         return int(loader.llama().llama_n_ctx(self.llama_context))
 
-    # ---------------------------------------------------------------------------------- auto's cost table
-    @property
-    def pass_costs(self) -> PassCosts | None:
-        """The cost table auto mode decides with: measured by the first auto call, or set; None before."""
-        c = libclover.clover_pass_costs()
-        return (PassCosts.from_c(c) if libclover.lib().clover_slot_get_costs(self._handle(), ctypes.byref(c)) == 0
-                else None)
-
-    @pass_costs.setter
-    def pass_costs(self, costs: PassCosts) -> None:
-        """Fix the table as given: no correction, no probes (reproducible auto decisions; tests inject one)."""
-        self.set_pass_costs(costs)
-
-    def set_pass_costs(self, costs: PassCosts, adaptive: bool = False) -> None:
-        """Set auto's table. ``adaptive``: a starting table that auto corrects from the passes it times, as it
-        corrects a measured one (docs/decoding.md, "auto"); otherwise the table is kept as given."""
-        c = costs.to_c()
-        setter = libclover.lib().clover_slot_set_cost_prior if adaptive else libclover.lib().clover_slot_set_costs
-        if setter(self._handle(), ctypes.byref(c)) != 0:
-            raise BadInput(self.last_error() or "invalid pass costs")
-
+    # ---------------------------------------------------------------------------------- what passes cost
     def measure_pass_costs(self) -> PassCosts:
-        """Measure the table now, on the scratch sequence (the history is not touched)."""
+        """Measure what the passes cost now, on the scratch sequence (the history is not touched)."""
         c = libclover.clover_pass_costs()
         if libclover.lib().clover_slot_measure_costs(self._handle(), ctypes.byref(c)) != 0:
             raise EngineError(self.last_error() or "measuring pass costs failed")

@@ -165,7 +165,6 @@ class clover_stats(ctypes.Structure):
         ("auto_drafted", ctypes.c_int32),
         ("auto_accepted", ctypes.c_int32),
         ("auto_accepted_block", ctypes.c_int32),
-        ("costs", clover_pass_costs),
         ("n_graph_reuses", ctypes.c_int32),
         ("mode", ctypes.c_int32),
         # the resolved settings: no "the GGUF's value" left
@@ -244,9 +243,6 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_slot_checkpoint_hint": (None, [clover_slot_p, ctypes.c_int32]),
     "clover_slot_set_history": (ctypes.c_int32, [clover_slot_p, llama_token_p, ctypes.c_int32]),
     "clover_slot_measure_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
-    "clover_slot_set_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
-    "clover_slot_set_cost_prior": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
-    "clover_slot_get_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
 }
 
 _lib: ctypes.CDLL | None = None

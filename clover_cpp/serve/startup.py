@@ -11,7 +11,6 @@ from clover_common.errors import BadInput
 
 from .. import options
 from ..chat_template import load_template
-from ..model import EngineError
 from . import connections
 from .prepare import Defaults
 from .routes import create_app
@@ -49,11 +48,6 @@ def run_serve(args: argparse.Namespace) -> int:
                         template_timeout_s=args.template_timeout)
         endpoints = Endpoints(slots=args.slots, metrics=args.metrics, props=args.props)
         svc = CloverService(model, template, model_id, max_block, defaults, limits, endpoints)
-        try:  # auto mode's cost table, now that the history is empty: measured by the first auto request
-            model.measure_pass_costs()  # instead, it needs free positions a long prompt may not leave (a 500)
-        except (ValueError, EngineError) as exc:
-            print(f"clover-cpp serve: warning: auto mode's pass costs could not be measured ({exc})", file=sys.stderr,
-                  flush=True)
         sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         security = Security(api_keys=tuple(args.api_key), allowed_hosts=loopback_hosts(args.host, port))

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support.engine import BLOCK, CHAIN, REF_TOL, Case, Ledger, causal_gap
+from tests.support.engine import REF_TOL, Case, Ledger, causal_gap
 from clover_dev.convert import clover_convert
 from tests.support.native import dump_results, record
 from tests.support.schema import validate
@@ -115,14 +115,13 @@ def _ar_margin(e: Tiny, prompt: list[int], ar: Any) -> Any:
 
 
 def _compare_modes(e: Tiny, name: str, prompt: list[int], opts: dict[str, Any], diffusion: bool) -> Any:
-    """Greedy ar, then spec (two block sizes, with and without a draft step) and auto (both cost tables), and
+    """Greedy ar, then spec (two block sizes, with and without a draft step) and auto, and
     diffusion when it runs as auto (a grammar), each checked against ar with the near-tie rule."""
     ar = e.run(prompt, "ar", logprobs=2, **opts)
     margin = _ar_margin(e, prompt, ar)
     runs = {"spec/b8": e.run(prompt, "spec", block_size=8, **opts),
             "spec/b4/draft1": e.run(prompt, "spec", block_size=4, draft_steps=1, **opts),
-            "auto/chain": e.run(prompt, "auto", costs=CHAIN, block_size=8, **opts),
-            "auto/block": e.run(prompt, "auto", costs=BLOCK, block_size=8, **opts)}
+            "auto": e.run(prompt, "auto", block_size=8, **opts)}
     if diffusion:
         runs["diffusion"] = e.run(prompt, "diffusion", block_size=8, threshold=0.5, **opts)
         assert runs["diffusion"].stats.mode == "auto" and runs["diffusion"].stats.auto_rounds, "named as it ran"
@@ -344,7 +343,7 @@ def test_logprobs_are_spec4_p_in_every_mode(tiny: Tiny) -> None:
     for k, prompt in enumerate(_prompts(3, seed=51)):
         runs = {"ar": tiny.run(prompt, "ar", logprobs=V, **opts),
                 "spec": tiny.run(prompt, "spec", block_size=8, logprobs=V, **opts),
-                "auto": tiny.run(prompt, "auto", costs=CHAIN, block_size=8, logprobs=5, **opts)}
+                "auto": tiny.run(prompt, "auto", block_size=8, logprobs=5, **opts)}
         ar = runs["ar"]
         with torch.no_grad():
             rows = tiny.ref.forward_causal(prompt + ar.tokens, tiny.ref.new_history())[len(prompt) - 1:]
@@ -451,7 +450,7 @@ def test_grammar_after_ids(tiny: Tiny) -> None:
     assert ar.tokens[:k + 1] == plain[:k + 1], "tokens before the trigger are constrained"
     for mode in MODES:
         r = ar if mode == "ar" else tiny.run(prompt, mode, grammar=grammar, grammar_after_ids=[trigger],
-                                             max_tokens=40, block_size=8, costs=CHAIN if mode == "auto" else None)
+                                             max_tokens=40, block_size=8)
         LEDGER.check_margin(f"grammar_after/{mode}", r.tokens, ar.tokens, _ar_margin(tiny, prompt, ar))
         assert r.stats.stop_reason == "eos", (mode, r.tokens)
         tail = tiny.text(r.tokens[r.tokens.index(trigger) + 1:])

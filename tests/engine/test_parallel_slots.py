@@ -90,6 +90,38 @@ def test_slots_equal_their_solo_runs_and_batch_their_passes(tiny_gguf: Path, tin
 
 
 @pytest.mark.native
+def test_slots_in_auto_share_the_drafters(tiny_gguf: Path, tiny_model: Any) -> None:
+    """Every slot in auto at once: the engine's one common_speculative drafts for each slot's sequence, a block
+    draft running on the decode thread between the rounds. Each slot's tokens equal its prompt's greedy ar (near-tie
+    rule), with n-gram rounds (prompts that repeat a phrase) and block rounds among them."""
+    from clover_cpp.model import Model
+
+    n = 4
+    prompts = [([40 + 7 * i + k for k in range(5 + i)] * 30)[:100] for i in range(n)]
+    with Model(tiny_gguf, n_ctx=1024) as solo:
+        want = []
+        for p in prompts:
+            solo.reset()
+            want.append(list(solo.run(p, mode="ar", max_tokens=40, stop_ids=[]).tokens))
+
+    def generate(model: Any, i: int) -> Any:
+        model.reset()
+        return model.run(prompts[i], mode="auto", max_tokens=40, stop_ids=[])
+
+    with Model(tiny_gguf, n_ctx=1024 * n, n_parallel=n) as model:
+        got = run_concurrently(lambda i: generate(model.slot(i), i), n)
+    ledger = Ledger()
+    rounds = {"none": 0, "ngram": 0, "block": 0}
+    for i in range(n):
+        assert not isinstance(got[i], BaseException), f"slot {i}: {got[i]!r}"
+        ledger.check(f"auto slot{i}", list(got[i].tokens), want[i], tiny_model, prompts[i])
+        for k in rounds:
+            rounds[k] += got[i].stats.auto_rounds[k]
+    assert len(ledger.near_ties) <= 1, ledger.near_ties
+    assert rounds["ngram"] > 0 and rounds["block"] > 0, rounds
+
+
+@pytest.mark.native
 def test_slot_handles_and_single_slot_only_features(tiny_gguf: Path) -> None:
     from clover_cpp.model import EngineError, Model
 

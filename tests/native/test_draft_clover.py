@@ -8,14 +8,18 @@
 - The drafts are real: the server reports drafted tokens, and on the trained demo model accepted ones.
 - A GGUF without the block-diffusion tensors runs without the drafter, and the log says why.
 - llama-speculative-simple (the framework's reference loop) with draft-clover gives llama-server's greedy text.
+- `clover-cpp generate --mode auto`, which drafts with the same drafters from libclover's loop, gives llama-server's
+  greedy tokens on the demo model and on the transformers-written checkpoint, with a grammar on and off.
 - Sampled: the emitted tokens' distribution is the one without speculation (a chi-square test whose power it
   states and checks).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +174,44 @@ def test_speculative_simple_with_draft_clover_gives_the_servers_text(demo_gguf: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"n_accept\s*=\s*[1-9]", done.stderr), done.stderr[-3000:]  # block drafts were accepted
     assert want in done.stdout, f"server: {want!r}\nspeculative-simple: {done.stdout!r}"
+
+
+def generate_auto(gguf: Path, prompt: str, *args: str) -> dict[str, Any]:
+    """`clover-cpp generate --mode auto`, greedy, as a user runs it: the --json object."""
+    done = subprocess.run([sys.executable, "-m", "clover_cpp.cli", "generate", "-m", str(gguf), "-p", prompt,
+                           "--mode", "auto", "--temp", "0", "-n", str(N_PREDICT), "-c", "1024", "--json", *args],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("model", ["demo", "handmade"])
+def test_generate_auto_gives_the_servers_tokens(model: str, demo_gguf: Path, demo_ref: Any,
+                                                handmade: tuple[Path, object], tmp_path: Path) -> None:
+    """One implementation of the drafters: libclover's auto (ngram-mod, then draft-clover, from common/speculative)
+    and llama-server give the same greedy tokens (near-tie rule), with and without a grammar."""
+    from clover_ref.checkpoint import load_model
+
+    if model == "demo":
+        gguf, ref, tol, prompts = demo_gguf, demo_ref, FLASH_ATTN_TOL, DEMO_PROMPTS[:3]
+    else:
+        gguf = clover_convert(handmade[0], tmp_path / "handmade.gguf", "f32")
+        ref, tol, prompts = load_model(handmade[0]), REF_TOL, ["def parse(line):\n", "zebra quartz 17"]
+    ledger = Ledger(rel_tol=tol)
+    rounds = 0
+    with llama_server(gguf, *SERVER_ARGS) as url:
+        for grammar in (None, GRAMMAR):
+            fields = {"grammar": grammar} if grammar else {}
+            for k, prompt in enumerate(prompts):
+                want = complete(url, prompt, **fields)["tokens"]
+                got = generate_auto(gguf, prompt, *(("--grammar", grammar) if grammar else ()))
+                context = tokenize(url, prompt)
+                assert got["prompt_ids"][-len(context):] == context, (got["prompt_ids"], context)
+                ledger.check_margin(f"{model}/grammar={grammar is not None}/{k}", got["tokens"], want,
+                                    lambda i, ctx=context, w=want: causal_gap(ref, ctx + w[:i], None, tol))
+                rounds += sum(got["stats"]["auto_rounds"].values())
+    ledger.assert_budget()
+    assert rounds > 0
 
 
 # ------------------------------------------------------------------------------------------ sampled

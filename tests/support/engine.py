@@ -1,5 +1,5 @@
 """Helpers for the native engine tests (tests/engine/test_engine.py): a tracing reference session and the
-near-tie rule (docs/decoding.md); auto's cost tables and a test model's engine (tests/engine/test_auto.py,
+near-tie rule (docs/decoding.md); a test model's engine (tests/engine/test_auto.py,
 test_distribution.py).
 
 Native and reference logits differ by float rounding, so a token comparison may diverge only where the
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from clover_cpp.model import PassCosts
 from clover_ref.decode import Session
 from clover_ref.sampling import Sampler, SamplingParams
 from tests.support.routing import recording_router_probs, routing_near_ties
@@ -38,15 +37,6 @@ REF_TOL = 1e-3  # the parity tolerance of the cpp_patch issue (tests/native/test
 FLASH_ATTN_TOL = 8 * 2**-11
 
 
-# auto's cost tables (docs/decoding.md, "auto"), injected to steer it into each kind of round:
-# chains of wide verifications cost little more than an ar step: auto drafts (n-gram chains)
-CHAIN = PassCosts(ar_ms=1.0, causal_fixed_ms=0.6, causal_row_ms=0.02, rebuild_ms=0.5, block_fixed_ms=50.0,
-                  block_row_ms=1.0)
-# ar steps are dear and block passes free: auto tries block drafts as soon as n-gram drafts fail
-BLOCK = PassCosts(ar_ms=20.0, causal_fixed_ms=5.0, causal_row_ms=0.01, rebuild_ms=0.0, block_fixed_ms=0.01,
-                  block_row_ms=0.0)
-
-
 class Case:
     """A model, its f32 GGUF, a native engine and the reference (for near-ties)."""
 
@@ -58,10 +48,8 @@ class Case:
         self.model = Model(gguf, n_ctx=1024, max_block_size=32)
         self.eos = list(ref.config.eos_token_ids)
 
-    def run(self, prompt: list[int], mode: str, costs: PassCosts | None = None, **opts: Any) -> Any:
+    def run(self, prompt: list[int], mode: str, **opts: Any) -> Any:
         """A run on a fresh history (Model.run continues the history otherwise)."""
-        if costs is not None:
-            self.model.pass_costs = costs
         self.model.reset()
         return self.model.run(prompt, mode=mode, **opts)
 

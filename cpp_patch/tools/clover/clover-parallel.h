@@ -24,6 +24,13 @@ struct clover_pass_req {
     int32_t       rc      = 0;
 };
 
+// A call one slot hands the decode thread outside the rounds (clover_shared_call)
+struct clover_call_req {
+    const std::function<int32_t()> * fn   = nullptr;
+    bool                             done = false;
+    int32_t                          rc   = 0;
+};
+
 // What the slots of one context share when n_parallel > 1: the lock that serializes their use of the context,
 // the queue where their passes meet, and the thread that runs every pass on the context. A slot holds `mu` while
 // it runs engine code; it waits on `cv` (and so releases `mu`) only for its pass. A round starts when every slot
@@ -42,8 +49,6 @@ struct clover_shared {
     std::deque<clover_pass_req *> pending;
     llama_batch                   batch    = {};  // the combined batch of a round
     llama_context               * ctx      = nullptr;
-    bool                          has_costs = false;  // auto mode's cost table, measured by the first slot that needs it
-    clover_pass_costs             costs     = {};
     int32_t                       n_ubatch = 0;
     // Fair share while a slot prefills and others generate: the decode time of rounds that ran a prefill chunk,
     // and of rounds that ran other slots' passes while a chunk waited. A chunk waits while it is ahead.
@@ -53,11 +58,10 @@ struct clover_shared {
     std::atomic<int64_t>          n_rounds{0};
     std::atomic<int64_t>          n_block_passes{0};  // the block passes among them, and the rounds that ran them
     std::atomic<int64_t>          n_block_rounds{0};
-    // the decode thread (clover_decode_loop), and a call a slot hands it outside the rounds (clover_shared_call)
-    std::thread                      decoder;
-    bool                             stopping = false;
-    const std::function<int32_t()> * call     = nullptr;
-    int32_t                          call_rc  = 0;
+    // the decode thread (clover_decode_loop), and the calls slots hand it outside the rounds (clover_shared_call)
+    std::thread                       decoder;
+    bool                              stopping = false;
+    std::deque<clover_call_req *>     calls;
 
     ~clover_shared();
 };
@@ -70,8 +74,8 @@ void clover_share_context(clover_engine & engine, int32_t n_ubatch);
 int32_t clover_parallel_pass(clover_slot * slot, bool block);
 // run `fn` (a llama_decode outside the rounds) on the decode thread when the slot's context is shared, else here
 int32_t clover_shared_call(clover_slot * slot, const std::function<int32_t()> & fn);
-// run a block window (the batch on seq_scratch) for one slot: copy the history to the scratch sequence, decode
-// without the causal mask, drop the scratch sequence
+// run the block windows of n_slots slots (the batch on their scratch sequences) between llama_clover_block_begin and
+// _end (src/llama-clover.h); -3 for a file without block passes
 int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch, const llama_seq_id * history,
                                  const llama_seq_id * scratch, int32_t n_slots);
 

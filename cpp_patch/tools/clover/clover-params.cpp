@@ -184,27 +184,6 @@ bool clover_prefill(clover_slot * slot, const llama_token * prompt, int32_t n_pr
     return true;
 }
 
-// auto mode's cost table: the slot's own, else the one its slots share, else measured now (and then shared)
-static bool clover_auto_costs(clover_slot * slot) {
-    if (!slot->has_costs && slot->shared && slot->shared->has_costs) {
-        slot->costs          = slot->shared->costs;  // slots share one context: one table serves all
-        slot->has_costs      = true;
-        slot->costs_adaptive = true;
-    }
-    if (!slot->has_costs) {
-        if (!clover_measure_costs(slot, slot->costs)) {
-            return false;
-        }
-        slot->has_costs      = true;
-        slot->costs_adaptive = true;
-        if (slot->shared) {
-            slot->shared->costs     = slot->costs;
-            slot->shared->has_costs = true;
-        }
-    }
-    return true;
-}
-
 bool clover_dispatch(clover_run & run) {
     // A constrained diffusion call runs as auto (docs/decoding.md, "Constrained decoding"): LowConfidence fills
     // targets out of order, where a grammar can only judge a token after the ones before it; auto's verification
@@ -223,12 +202,7 @@ bool clover_dispatch(clover_run & run) {
         case CLOVER_MODE_AR:        return clover_run_ar(run);
         case CLOVER_MODE_DIFFUSION: return clover_run_diffusion(run);
         case CLOVER_MODE_SPEC:      return clover_run_spec(run);
-        default:
-            if (!clover_auto_costs(run.slot)) {
-                return false;
-            }
-            run.stats->costs = run.slot->costs;
-            return clover_run_auto(run);
+        default:                    return clover_run_auto(run);
     }
 }
 
@@ -302,7 +276,7 @@ bool clover_make_load_plan(const char * path, const clover_engine_params & param
     cparams.n_ctx      = std::max(n_ctx, n_batch);  // llama.cpp caps n_batch at n_ctx; the engine enforces n_ctx itself
     cparams.n_batch    = n_batch;
     cparams.n_ubatch   = n_ubatch;
-    cparams.n_seq_max  = 2 * n_parallel;  // a history and a scratch sequence per slot
+    cparams.n_seq_max  = 2 * n_parallel;  // a history and a scratch sequence per slot (clover_new_slot)
     cparams.kv_unified = true;
     cparams.n_rs_seq   = max_block - 1;
     cparams.no_perf    = true;
@@ -407,9 +381,9 @@ static std::vector<llama_token> clover_eog_ids(const llama_vocab * vocab) {
     return out;
 }
 
-// slot i on the engine's model and context (sequences 2i and 2i + 1), with the plan's sizes; nullptr when out of
+// slot i on the engine's model and context (sequences i and n_parallel + i), with the plan's sizes; nullptr when out of
 // memory
-static std::unique_ptr<clover_slot> clover_new_slot(const clover_engine & engine, const clover_load_plan & plan,
+static std::unique_ptr<clover_slot> clover_new_slot(clover_engine & engine, const clover_load_plan & plan,
                                                     const std::vector<llama_token> & eog_ids, int32_t i) {
     std::unique_ptr<clover_slot> slot(new (std::nothrow) clover_slot());
     if (!slot) {
@@ -427,8 +401,9 @@ static std::unique_ptr<clover_slot> clover_new_slot(const clover_engine & engine
     slot->coreset_top_p     = slot->info.coreset_top_p;
     slot->block_unavailable = clover_block_unavailable(slot->info);
     slot->can_block         = slot->block_unavailable.empty();
-    slot->seq_history    = 2 * i;
-    slot->seq_scratch    = 2 * i + 1;
+    slot->seq_history    = i;
+    slot->seq_scratch    = plan.n_parallel + i;
+    slot->drafter        = &engine.drafter;
     slot->n_ctx          = plan.n_ctx;
     slot->n_batch        = plan.n_batch;
     slot->prefill_chunk  = plan.prefill_chunk;
@@ -457,6 +432,7 @@ std::unique_ptr<clover_engine> clover_engine_make(const char * path, const clove
         return nullptr;
     }
     const std::vector<llama_token> eog_ids = clover_eog_ids(llama_model_get_vocab(engine->model.get()));
+    engine->drafter.n_seq = plan.n_parallel;
     for (int32_t i = 0; i < plan.n_parallel; ++i) {
         std::unique_ptr<clover_slot> slot = clover_new_slot(*engine, plan, eog_ids, i);
         if (!slot) {

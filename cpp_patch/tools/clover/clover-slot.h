@@ -38,7 +38,8 @@ struct clover_slot {
     std::string block_unavailable;
     float       coreset_top_p = 1.0f;  // of this slot's current generation (clover_gen_params.coreset_top_p resolved)
 
-    // this slot's sequences (slot i: 2i and 2i + 1)
+    // this slot's sequences (slot i of n: i, and n + i for its block windows, as common/speculative's draft-clover
+    // lays them out)
     llama_seq_id seq_history = 0;
     llama_seq_id seq_scratch = 1;
 
@@ -80,11 +81,7 @@ struct clover_slot {
     uint64_t                       cache_clock      = 0;
     clover_cache_info              cache_stats      = {};
 
-    bool              has_costs = false;  // auto mode's cost table (clover_slot_set_costs / measured)
-    clover_pass_costs costs     = {};
-    bool              costs_adaptive = false;  // auto corrects the table from the passes it times (a measured
-                                               // table or clover_slot_set_cost_prior); a set table is kept as given
-    clover_auto_feedback feedback;             // of an adaptive table: its correction and auto's probes
+    clover_drafter * drafter = nullptr;  // auto mode's drafters, the engine's (shared by its slots)
 
     std::string last_error;
 
@@ -94,10 +91,11 @@ struct clover_slot {
     clover_slot & operator=(const clover_slot &) = delete;
 };
 
-// clover.h's struct clover_engine: the model and the context, and the slots that use them (declared last, so
-// they go first)
+// clover.h's struct clover_engine: the model and the context, auto mode's drafters, and the slots that use them
+// (declared last, so they go first)
 struct clover_engine {
     llama_model_ptr                           model;
     llama_context_ptr                         ctx;
+    clover_drafter                            drafter;  // of auto mode, on ctx
     std::vector<std::unique_ptr<clover_slot>> slots;  // slot 0 .. n_parallel - 1
 };

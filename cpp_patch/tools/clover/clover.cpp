@@ -11,7 +11,8 @@
 //                        (clover-params.h)
 //   clover-decode.cpp    batches and passes; the ar, diffusion and spec loops (clover-decode.h)
 //   clover-sampling.cpp  distributions and the sampler (spec 4), drafts under the grammar (clover-sampling.h)
-//   clover-auto.cpp      auto mode and its cost table (clover-auto.h)
+//   clover-auto.cpp      auto mode: common/speculative's drafters, libclover's verification (clover-auto.h)
+//   clover-costs.cpp     what a slot's passes cost (clover-costs.h)
 //   clover-cache.cpp     the prefix cache (and its clover_slot_* functions) (clover-cache.h)
 //   clover-parallel.cpp  slots sharing one context, their passes batched in rounds (clover-parallel.h)
 //   clover-offload.cpp   offload options, the memory plan, the fit checks, devices, RPC servers (clover-offload.h)
@@ -23,6 +24,7 @@
 
 #include "clover.h"
 #include "clover-auto.h"
+#include "clover-costs.h"
 #include "clover-cache.h"
 #include "clover-gguf.h"
 #include "clover-log.h"
@@ -460,62 +462,12 @@ int32_t clover_slot_measure_costs(struct clover_slot * slot, struct clover_pass_
     if (!slot) {
         return -1;
     }
+    if (!out) {
+        slot->last_error = "out is NULL";
+        return -1;
+    }
     clover_slot_guard guard(slot, false);
-    clover_pass_costs costs;
-    if (!clover_measure_costs(slot, costs)) {
-        return -1;
-    }
-    slot->costs          = costs;
-    slot->has_costs      = true;
-    slot->costs_adaptive = true;
-    slot->feedback       = {};
-    if (out) {
-        *out = costs;
-    }
-    return 0;
-}
-
-static int32_t clover_slot_put_costs(struct clover_slot * slot, const struct clover_pass_costs * costs, bool adaptive) {
-    if (!slot) {
-        return -1;
-    }
-    if (!costs) {
-        slot->last_error = "costs is NULL";
-        return -1;
-    }
-    const float v[] = { costs->ar_ms, costs->causal_fixed_ms, costs->causal_row_ms, costs->rebuild_ms,
-                        costs->block_fixed_ms, costs->block_row_ms };
-    for (float x : v) {
-        if (!std::isfinite(x) || x < 0.0f) {
-            slot->last_error = "pass costs must be finite and >= 0";
-            return -1;
-        }
-    }
-    if (!(costs->ar_ms > 0.0f) || !(costs->causal_fixed_ms + costs->causal_row_ms > 0.0f)) {
-        slot->last_error = "the ar step and a 1-row causal pass must cost more than 0 ms";
-        return -1;
-    }
-    slot->costs          = *costs;
-    slot->has_costs      = true;
-    slot->costs_adaptive = adaptive;
-    slot->feedback       = {};
-    return 0;
-}
-
-int32_t clover_slot_set_costs(struct clover_slot * slot, const struct clover_pass_costs * costs) {
-    return clover_slot_put_costs(slot, costs, false);
-}
-
-int32_t clover_slot_set_cost_prior(struct clover_slot * slot, const struct clover_pass_costs * costs) {
-    return clover_slot_put_costs(slot, costs, true);
-}
-
-int32_t clover_slot_get_costs(const struct clover_slot * slot, struct clover_pass_costs * out) {
-    if (!slot || !out || !slot->has_costs) {
-        return -1;
-    }
-    *out = slot->costs_adaptive ? slot->feedback.correction.apply(slot->costs) : slot->costs;
-    return 0;
+    return clover_measure_costs(slot, *out) ? 0 : -1;
 }
 
 //
@@ -566,18 +518,6 @@ void clover_engine_cache_info(const struct clover_engine * engine, struct clover
 
 int32_t clover_engine_set_history(struct clover_engine * engine, const llama_token * tokens, int32_t n_tokens) {
     return clover_slot_set_history(clover_engine_slot(engine, 0), tokens, n_tokens);
-}
-
-int32_t clover_engine_measure_costs(struct clover_engine * engine, struct clover_pass_costs * out) {
-    return clover_slot_measure_costs(clover_engine_slot(engine, 0), out);
-}
-
-int32_t clover_engine_set_costs(struct clover_engine * engine, const struct clover_pass_costs * costs) {
-    return clover_slot_set_costs(clover_engine_slot(engine, 0), costs);
-}
-
-int32_t clover_engine_get_costs(const struct clover_engine * engine, struct clover_pass_costs * out) {
-    return clover_slot_get_costs(clover_first_slot(engine), out);
 }
 
 }  // extern "C"

@@ -52,20 +52,21 @@ enum clover_mode {
     CLOVER_MODE_AR        = 0,
     CLOVER_MODE_DIFFUSION = 1,
     CLOVER_MODE_SPEC      = 2,
-    CLOVER_MODE_AUTO      = 3,  // lossless: each round verifies an n-gram draft, a block draft or nothing (docs/decoding.md)
+    CLOVER_MODE_AUTO      = 3,  // lossless: each round verifies the draft of llama.cpp's ngram-mod or draft-clover, or
+                                // nothing (docs/decoding.md, "auto")
 };
 
 // How an auto round was drafted (clover_stats.auto_rounds).
 enum clover_draft_kind {
     CLOVER_DRAFT_NONE  = 0,  // an ar step
-    CLOVER_DRAFT_NGRAM = 1,  // tokens that followed the latest match of the last n-gram in the history
-    CLOVER_DRAFT_BLOCK = 2,  // argmax of one block pass, cut at the best expected tokens per ms
+    CLOVER_DRAFT_NGRAM = 1,  // llama.cpp's ngram-mod drafter (common/speculative)
+    CLOVER_DRAFT_BLOCK = 2,  // llama.cpp's draft-clover drafter: argmax of one block pass (common/speculative)
     CLOVER_DRAFT_COUNT = 3,
 };
 
-// What a pass costs, in ms: auto mode's table. Costs are given for runs of same-shape passes, plus what a pass
-// whose graph is built pays on top. llama.cpp reuses the previous pass's graph when the shape is the same; with
-// the graph cache (n_graph_cache > 0) it also reuses a kept one, and auto then charges no rebuild for a change.
+// What a pass costs, in ms (clover_slot_measure_costs). Costs are given for runs of same-shape passes, plus what a
+// pass whose graph is built pays on top. llama.cpp reuses the previous pass's graph when the shape is the same; with
+// the graph cache (n_graph_cache > 0) it also reuses a kept one.
 struct clover_pass_costs {
     float ar_ms;            // a 1-token causal step in a run of ar steps
     float causal_fixed_ms;  // a causal pass of w rows in a run of same-width passes: fixed + w * row
@@ -213,8 +214,7 @@ struct clover_stats {
     int32_t auto_rounds[CLOVER_DRAFT_COUNT];  // auto: rounds by enum clover_draft_kind
     int32_t auto_drafted;             // auto: draft tokens verified
     int32_t auto_accepted;            // auto: draft tokens accepted
-    int32_t auto_accepted_block;      // auto: of those, the ones a block pass drafted (not the n-gram prefix it extended)
-    struct clover_pass_costs costs;   // auto: the cost table the decisions used (zeros otherwise)
+    int32_t auto_accepted_block;      // auto: of those, the ones a block pass drafted
     int32_t n_graph_reuses;           // of the block and causal passes, those that reused a built graph (the last
                                       // one or a kept one, n_graph_cache); the others built theirs. With several
                                       // slots, a pass counts the reuses of the rounds it waited in.
@@ -399,18 +399,10 @@ CLOVER_API void    clover_slot_cache_info(const struct clover_slot * slot, struc
 // and the slot reset (the restored sequence does not match the tokens).
 CLOVER_API int32_t clover_slot_set_history(struct clover_slot * slot, const llama_token * tokens, int32_t n_tokens);
 
-// Auto mode's cost table. The first auto generate measures it (about two dozen passes on the scratch sequence;
-// the history is not touched) unless one was set; measure_costs measures now. A measured table is a starting
-// point: auto corrects it from the passes it times, and probes chain rounds the table rules out now and then
-// (docs/decoding.md, "auto"), so a table measured during a disturbance does not decide a whole engine's life.
-// set_costs fixes a table as given, with no correction and no probes (reproducible decisions: tests, a table
-// measured once and saved); set_cost_prior gives a starting table that auto corrects as it corrects a measured
-// one. Each returns 0, or -1 on error (last_error).
-CLOVER_API int32_t clover_slot_measure_costs (struct clover_slot * slot, struct clover_pass_costs * out);
-CLOVER_API int32_t clover_slot_set_costs     (struct clover_slot * slot, const struct clover_pass_costs * costs);
-CLOVER_API int32_t clover_slot_set_cost_prior(struct clover_slot * slot, const struct clover_pass_costs * costs);
-// 0 and the table, or -1 when none was measured or set yet.
-CLOVER_API int32_t clover_slot_get_costs    (const struct clover_slot * slot, struct clover_pass_costs * out);
+// What the slot's passes cost, measured now: about two dozen passes on the scratch sequence (the history is not
+// touched). For benchmarks and capacity planning: no decoding rule reads it (auto mode times its own rounds).
+// Returns 0, or -1 on error (last_error).
+CLOVER_API int32_t clover_slot_measure_costs(struct clover_slot * slot, struct clover_pass_costs * out);
 
 //
 // deprecated names, kept for one release: the clover_engine_* forms act on slot 0
@@ -445,15 +437,6 @@ CLOVER_DEPRECATED(CLOVER_API void clover_engine_cache_info(const struct clover_e
 CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_set_history(struct clover_engine * engine,
                                                                const llama_token * tokens, int32_t n_tokens),
                   "use clover_slot_set_history");
-CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_measure_costs(struct clover_engine * engine,
-                                                                 struct clover_pass_costs * out),
-                  "use clover_slot_measure_costs");
-CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_set_costs(struct clover_engine * engine,
-                                                             const struct clover_pass_costs * costs),
-                  "use clover_slot_set_costs");
-CLOVER_DEPRECATED(CLOVER_API int32_t clover_engine_get_costs(const struct clover_engine * engine,
-                                                             struct clover_pass_costs * out),
-                  "use clover_slot_get_costs");
 
 #ifdef __cplusplus
 }
