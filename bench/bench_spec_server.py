@@ -6,9 +6,10 @@
         [--tokens 128] [--files f16,Q4_K_M,35b] [--n-gpu-layers 0] [--quick] [--stem NAME]
 
 Models: the trained demo model at f16 and Q4_K_M, and a random `35b-shape` 4-layer slice at Q4_K_M (real
-Qwen3.5-35B-A3B layer dims; bench/predict_35b.py's). Prompts: --prompts held-out 48-token code prompts
-(greedy), and as many that repeat nothing (bench/bench_drafts.py's no-history prompts: prompt and continuation
-hold no repeated 3-gram, so n-gram drafting has nothing to copy).
+Qwen3.5-35B-A3B layer dims; bench/predict_35b.py's). Prompts, per run (each run its own, since an n-gram
+drafter's table keeps what it saw and would draft a prompt asked again from its earlier answer): --prompts
+held-out 48-token code prompts (greedy), and as many that repeat nothing (bench/bench_drafts.py's no-history
+prompts: prompt and continuation hold no repeated 3-gram, so n-gram drafting has nothing to copy).
 
 Configurations, one llama-server each, all started before the first request and asked in turn on every prompt
 (interleaved), greedy, --tokens new tokens (ignore_eos), without the prompt cache:
@@ -123,6 +124,8 @@ def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[in
             t["wall_ms"] += (time.perf_counter() - start) * 1e3
             t["tokens"] += s.generated_tokens
             t["decode_ms"] += s.decode_ms
+            t["drafted"] += s.auto_drafted
+            t["accepted"] += s.auto_accepted
     return totals
 
 
@@ -170,10 +173,16 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
     with Model(path, n_threads=threads, n_gpu_layers=ngl) as model, servers(path, threads, ngl, work) as urls:
         costs, block = model.measure_pass_costs(), model.info.block_size
         for set_name, plist in prompts.items():
+            if not plist:
+                log(f"{path.name}: {set_name}: no prompt qualified, skipped")
+                continue
             log(f"{path.name}: {set_name}")
             for url, _ in urls.values():
                 complete(url, plist[0], 4)  # each server's first graphs, before anything is timed
-            per_run = [one_run(model, urls, plist, tokens) for _ in range(runs)]
+            # each run its own prompts: an n-gram drafter's table keeps what it saw, and a prompt asked again would be
+            # drafted from its own earlier answer
+            n = len(plist) // runs
+            per_run = [one_run(model, urls, plist[r * n:(r + 1) * n], tokens) for r in range(runs)]
             res[set_name] = {n: summarize(per_run, n, label("server", "none")) for n in per_run[0]}
             res.setdefault("pairs", {})[set_name] = pairs(per_run)
     block_ms = costs.block_fixed_ms + block * costs.block_row_ms
@@ -184,7 +193,8 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
 
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"llama-server's speculative types and the engine ({res['date']}, {res['cpu']}, {res['threads']} threads, "
-             f"-ngl {res['ngl']}). {res['prompts']} prompts per set, {res['tokens']} new tokens each (ignore_eos), "
+             f"-ngl {res['ngl']}). {res['prompts']} prompts per set and run (each run its own), "
+             f"{res['tokens']} new tokens each (ignore_eos), "
              f"greedy, configurations interleaved on each prompt; ratios are the median over {res['runs']} runs of "
              "that run's tok/s over server plain's. End to end: wall time per request at the client; decode: the "
              "server's predicted_per_second (the engine's decode time).", ""]
@@ -233,8 +243,8 @@ def main() -> int:
     threads = args.threads or os.cpu_count() or 1
     files = model_files(args.workdir, args.files.split(","))
     first = next(iter(files.values()))
-    fresh, _ = no_history_prompts(first, args.prompts, args.tokens)
-    prompts = {"held-out": held_out_prompts(args.prompts), "no-history": fresh}
+    fresh, _ = no_history_prompts(first, args.prompts * args.runs, args.tokens)
+    prompts = {"held-out": held_out_prompts(args.prompts * args.runs), "no-history": fresh}
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(), "threads": threads,
                            "ngl": args.n_gpu_layers, "prompts": args.prompts, "tokens": args.tokens,
                            "runs": args.runs, "models": {}}
