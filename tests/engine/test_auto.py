@@ -4,7 +4,8 @@ Auto drafts with llama.cpp's speculative framework (ngram-mod, then the gated dr
 libclover's distribution stage. It is lossless: every token comes from a causal verification, so greedy auto
 equals greedy ar up to a near-tie of the reference (tests/support/engine.py), whatever was drafted: n-gram drafts
 (a prompt that repeats itself), block drafts (draft-clover drafts once before it has timed both kinds, and probes
-later), or nothing. A trained model checks that drafts are accepted.
+later), or nothing. A trained model checks that drafts are accepted, and that sampled auto keeps ar's
+distribution.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests.support.engine import Case, Ledger
+from tests.support.homogeneity import homogeneity
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.native import dump_results, record
@@ -132,8 +134,29 @@ def test_auto_multi_turn_and_prefix(tiny: Case) -> None:
     assert short == long[:7]
 
 
+def test_sampled_auto_keeps_ars_distribution(demo: Case) -> None:
+    """Sampled (temperature 1, a seed per call): the second token, which the first round's draft decides, is
+    distributed as ar's. The prompt repeats a snippet, so ngram-mod drafts from the first round (asserted); a draft
+    is accepted with probability Q(d), else the target samples Q without it (spec 4.5). A two-sample chi-square test
+    of homogeneity at ALPHA whose power against a shift of SHIFT_TV in total variation is at least POWER (both
+    asserted; tests/support/homogeneity.py)."""
+    samples, alpha, shift_tv, power = 600, 1e-3, 0.1, 0.9
+    m = demo.model
+    snippet = "    def push(self, item):\n        self.items.append(item)\n\n"
+    prompt = m.tokenize("class Stack:\n" + snippet * 6)
+    second: dict[str, list[int]] = {"ar": [], "auto": []}
+    drafted = 0
+    for mode, seeds in (("ar", range(samples)), ("auto", range(samples, 2 * samples))):
+        for seed in seeds:
+            r = demo.run(prompt, mode, temperature=1.0, seed=seed, max_tokens=3, stop_ids=[])
+            second[mode].append(r.tokens[1])
+            drafted += r.stats.auto_drafted
+    assert drafted >= samples, f"auto drafted only {drafted} tokens in {samples} calls"
+    homogeneity(second["ar"], second["auto"], alpha, shift_tv).assert_same(power)
+
+
 def test_auto_sampling_runs(tiny: Case) -> None:
-    """Sampled auto emits its budget; its distribution is ar's (tests/engine/test_distribution.py)."""
+    """Sampled auto on a random model emits its budget."""
     prompt = [5, 9, 5, 9, 5, 9]
     a = tiny.run(prompt, "auto", temperature=0.8, top_k=50, seed=3, max_tokens=30, stop_ids=[])
     assert len(a.tokens) == 30 and a.stats.mode == "auto"

@@ -29,6 +29,7 @@ import pytest
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.engine import FLASH_ATTN_TOL, REF_TOL, Ledger, causal_gap
+from tests.support.homogeneity import homogeneity
 from tests.support.native import llama_server, native_tool
 from tests.support.serve import post
 
@@ -222,16 +223,6 @@ SHIFT_TV = 0.1  # the distance (total variation) it must detect with POWER at le
 POWER = 0.9
 
 
-def _chi2(a: np.ndarray, b: np.ndarray) -> float:
-    """Pearson's statistic of homogeneity of two count vectors over the same categories."""
-    total = a + b
-    keep = total > 0
-    a, b, total = a[keep], b[keep], total[keep]
-    n_a, n_b = a.sum(), b.sum()
-    e_a, e_b = total * n_a / (n_a + n_b), total * n_b / (n_a + n_b)
-    return float(((a - e_a) ** 2 / e_a).sum() + ((b - e_b) ** 2 / e_b).sum())
-
-
 def test_sampled_draft_clover_keeps_the_distribution(demo_gguf: Path) -> None:
     """Sampled (temperature 1, llama-server's default sampler chain, a seed per request).
 
@@ -255,20 +246,4 @@ def test_sampled_draft_clover_keeps_the_distribution(demo_gguf: Path) -> None:
     assert same >= 0.99 * SAME_SEEDS, f"only {same} of {SAME_SEEDS} seeded answers equal plain decoding's"
 
     second = {spec: [t[1] for t in tokens[spec] if len(t) > 1] for spec in ("none", "draft-clover")}
-    cats = sorted(set(second["none"]) | set(second["draft-clover"]))
-    a = np.array([second["none"].count(c) for c in cats], dtype=float)
-    b = np.array([second["draft-clover"].count(c) for c in cats], dtype=float)
-    observed = _chi2(a, b)
-    rng = np.random.default_rng(0)
-    pooled = (a + b) / (a + b).sum()
-    null = np.array([_chi2(rng.multinomial(int(a.sum()), pooled).astype(float),
-                           rng.multinomial(int(b.sum()), pooled).astype(float)) for _ in range(4000)])
-    critical = float(np.quantile(null, 1 - ALPHA))
-    shifted = (1 - SHIFT_TV) * pooled
-    shifted[int(np.argmin(pooled))] += SHIFT_TV  # a tenth of the mass moved onto one token
-    alt = np.array([_chi2(rng.multinomial(int(a.sum()), pooled).astype(float),
-                          rng.multinomial(int(b.sum()), shifted).astype(float)) for _ in range(1000)])
-    power = float((alt > critical).mean())
-    assert power >= POWER, f"the test's power against a shift of {SHIFT_TV} is only {power:.2f}"
-    assert observed <= critical, (f"chi-square {observed:.1f} > critical {critical:.1f} (alpha {ALPHA}): "
-                                  f"{dict(zip(cats, zip(a, b)))}")
+    homogeneity(second["none"], second["draft-clover"], ALPHA, SHIFT_TV).assert_same(POWER)
