@@ -85,11 +85,25 @@ int32_t clover_block_decode_seqs(llama_context * ctx, const llama_batch & batch,
 
 namespace {
 
+// a causal pass that may be rolled back inside itself: a verification of more than one row
+bool clover_may_roll_back(const clover_pass_req & r) {
+    return !r.block && !r.prefill && r.slot->batch.n_tokens > 1;
+}
+
 bool clover_same_kind(const clover_pass_req & a, const clover_pass_req & b) {
-    // block windows of one round have one width (a window is one ubatch; each has its own sequence's coreset
-    // top_p, set by clover_block); causal passes of any lengths go together (a prefill chunk and other slots'
-    // steps: llama.cpp splits them)
-    return a.block == b.block && (!a.block || a.slot->batch.n_tokens == b.slot->batch.n_tokens);
+    // Block windows of one round have one width (a window is one ubatch; each has its own sequence's coreset
+    // top_p). Causal passes of other lengths go together (a prefill chunk and other slots' steps: llama.cpp splits
+    // them), except a verification: the recurrent memory rolls a sequence back only within the ubatch that wrote
+    // its rows, and llama.cpp's equal split of sequences of unequal lengths spreads the longer one over several
+    // ubatches. A verification goes only with passes of its own length (tests/engine/test_parallel_slots.py: four
+    // slots in auto diverged from their solo runs about once in twelve before).
+    if (a.block != b.block) {
+        return false;
+    }
+    if (a.block || clover_may_roll_back(a) || clover_may_roll_back(b)) {
+        return a.slot->batch.n_tokens == b.slot->batch.n_tokens;
+    }
+    return true;
 }
 
 // Whether prefill chunks sit this round out: a prefilling slot gets at most clover_prefill_share of the decode
