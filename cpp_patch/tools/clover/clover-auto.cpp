@@ -16,7 +16,6 @@
 
 #include "clover-auto.h"
 #include "clover-decode.h"
-#include "clover-llama.h"
 #include "clover-log.h"
 #include "clover-parallel.h"
 #include "clover-run.h"
@@ -94,9 +93,8 @@ bool clover_run_auto(clover_run & run) {
     if (!spec) {
         return false;
     }
-    const llama_seq_id seq = slot->seq_history;
-    // the block drafts route inside this call's coreset (draft-clover copies it to the scratch sequence)
-    llama_set_seq_param(slot->ctx, seq, LLAMA_CLOVER_PARAM_CORESET_TOP_P, slot->coreset_top_p);
+    const llama_seq_id seq = slot->seq_history;  // its coreset top_p is the call's (clover_run_init), which
+                                                 // draft-clover's block passes copy to the scratch sequence
     common_speculative_begin(spec, seq, slot->history);
 
     llama_tokens draft;

@@ -129,10 +129,9 @@ bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, c
         slot->last_error = slot->block_unavailable;
         return false;
     }
+    // the window's coreset top_p is its history's (set per call, clover_run_init; llama_clover_block_begin copies it
+    // to the scratch sequence): slots with different values share a batched pass
     clover_batch_fill(slot->batch, window.data(), n, slot->n_past, slot->seq_scratch, clover_block_rows(rows, n));
-    // the window's coreset top_p is its own history's (llama_clover_block_begin copies it to the scratch sequence):
-    // slots with different values share a batched pass
-    llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_CORESET_TOP_P, slot->coreset_top_p);
     const int32_t rc = slot->shared ? clover_parallel_pass(slot, true)
                                     : clover_block_decode_seqs(slot->ctx, slot->batch, &slot->seq_history, &slot->seq_scratch, 1);
     if (rc != 0) {
@@ -408,10 +407,13 @@ bool clover_run_diffusion(clover_run & run) {
     return true;
 }
 
-static bool clover_read_drafts(clover_run & run, std::vector<llama_token> & canvas, int32_t row0,
-                               std::vector<double> * conf);
+static bool clover_read_drafts(clover_run & run, std::vector<llama_token> & canvas, int32_t row0);
 
-bool clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas, std::vector<double> * conf) {
+// The drafts of one block pass (spec): a pass over the canvas's window with a row per masked target, then each
+// masked target in order takes the best token the grammar allows after the targets before it
+// (clover_draft_grammar), from its logits through the distribution stage, the targets known at the start of the
+// pass counting for the penalties (clover_window_counts). No pass when no target is masked.
+static bool clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas) {
     const int32_t width = (int32_t) canvas.size();
     std::vector<int32_t> masked;
     for (int32_t j = 0; j < width; ++j) {
@@ -427,14 +429,13 @@ bool clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas, st
     if (!clover_timed_block(run, window, masked)) {
         return false;
     }
-    return clover_read_drafts(run, canvas, 0, conf);
+    return clover_read_drafts(run, canvas, 0);
 }
 
 // The drafts of a block window whose rows are batch rows row0 .. row0 + width - 1 (a block pass's, or a fused pass's
 // window): every empty target of canvas takes the best token of its row's P, after the known targets before it
-// (penalties) and within the grammar after the drafts before it; conf gets their confidences.
-static bool clover_read_drafts(clover_run & run, std::vector<llama_token> & canvas, int32_t row0,
-                               std::vector<double> * conf) {
+// (penalties) and within the grammar after the drafts before it.
+static bool clover_read_drafts(clover_run & run, std::vector<llama_token> & canvas, int32_t row0) {
     clover_slot * slot = run.slot;
     const int32_t width = (int32_t) canvas.size();
     std::vector<llama_token> known(canvas);  // the targets known at the start of this pass (spec 4, penalties)
@@ -452,9 +453,6 @@ static bool clover_read_drafts(clover_run & run, std::vector<llama_token> & canv
         counts.advance(j);
         clover_dist_apply(run, logits, false);
         canvas[j] = grammar.draft(run, logits);
-        if (conf) {
-            (*conf)[j] = clover_prob(run.smp, logits, slot->n_vocab, canvas[j], logits[canvas[j]]);
-        }
     }
     return true;
 }
@@ -471,7 +469,7 @@ static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_toke
             return false;
         }
     }
-    return clover_draft_masked(run, canvas, nullptr);
+    return clover_draft_masked(run, canvas);
 }
 
 // Verification and acceptance (spec 4.2, steps 2-4): one causal pass over [pending, drafts[0 .. width-2]] with all
@@ -579,8 +577,8 @@ static bool clover_verify_fused(clover_run & run, const std::vector<llama_token>
     for (size_t i = 0; i < rows.size(); ++i) {
         rows[i] = (int32_t) i;
     }
+    // the window routes inside the history's coreset top_p (set per call, clover_run_init)
     llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_FUSED_WINDOW, (float) width);
-    llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_CORESET_TOP_P, slot->coreset_top_p);
     const bool ok = clover_timed_causal(run, inputs.data(), (int32_t) inputs.size(), rows, "fused pass");
     llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_FUSED_WINDOW, NAN);
     if (!ok) {
@@ -597,7 +595,7 @@ static bool clover_verify_fused(clover_run & run, const std::vector<llama_token>
     }
     next.assign(width, CLOVER_EMPTY);
     run.dist.window_logprobs.clear();
-    return clover_read_drafts(run, next, n_causal, nullptr);
+    return clover_read_drafts(run, next, n_causal);
 }
 
 bool clover_run_spec(clover_run & run) {

@@ -34,12 +34,6 @@ float * clover_get_row(clover_slot * slot, int32_t i);
 // the decoding loops of one generate call (clover-decode.cpp)
 bool    clover_timed_block(clover_run & run, const std::vector<llama_token> & window, const std::vector<int32_t> & rows);
 void    clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window);
-// The drafts of one block pass (spec and auto): a pass over the canvas's window with a row per masked target, then
-// each masked target in order takes the best token the grammar allows after the targets before it
-// (clover_draft_grammar), from its logits through the distribution stage, the targets known at the start of the
-// pass counting for the penalties (clover_window_counts). With conf (canvas.size() entries), conf[j] of each drafted
-// target is P(draft) of its adjusted logits; a known target's is left as it is. No pass when no target is masked.
-bool    clover_draft_masked(clover_run & run, std::vector<llama_token> & canvas, std::vector<double> * conf);
 bool    clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round);
 bool    clover_run_ar(clover_run & run);
 bool    clover_run_diffusion(clover_run & run);

@@ -129,6 +129,9 @@ bool clover_run_init(clover_slot * slot, const clover_gen_params * params, clove
         return false;
     }
     slot->coreset_top_p = coreset_top_p;
+    // on the history: every block pass of the call copies it to its window's scratch sequence, and a fused pass
+    // reads it there (llama_clover_block_begin, LLAMA_CLOVER_PARAM_FUSED_WINDOW)
+    llama_set_seq_param(slot->ctx, slot->seq_history, LLAMA_CLOVER_PARAM_CORESET_TOP_P, coreset_top_p);
     run.slot   = slot;
     run.params = params;
     run.budget = params->max_tokens;
