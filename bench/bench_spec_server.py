@@ -129,10 +129,14 @@ def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[in
     return totals
 
 
-def summarize(per_run: list[dict], name: str, ref: str) -> dict[str, Any]:
-    def rate(r: dict, n: str, key: str) -> float:
-        return r[n]["tokens"] / r[n][key] * 1e3
+def rate(r: dict, n: str, key: str) -> float:
+    """Configuration n's tok/s in run r by key (decode_ms or wall_ms); "best n-gram": the faster n-gram type's."""
+    if n == "best n-gram":
+        return max(rate(r, label("server", t), key) for t in ("ngram-mod", "ngram-map-k"))
+    return r[n]["tokens"] / r[n][key] * 1e3
 
+
+def summarize(per_run: list[dict], name: str, ref: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, tag in (("decode_ms", "decode"), ("wall_ms", "e2e")):
         rates = [rate(r, name, key) for r in per_run]
@@ -152,11 +156,6 @@ PAIRS = [("engine auto", "server ngram-mod"), ("engine auto", "best n-gram"),
 
 def pairs(per_run: list[dict]) -> dict[str, Any]:
     """Each PAIRS ratio per run, for decode and end-to-end tok/s: the median and the runs' range."""
-    def rate(r: dict, n: str, key: str) -> float:
-        if n == "best n-gram":
-            return max(rate(r, label("server", t), key) for t in ("ngram-mod", "ngram-map-k"))
-        return r[n]["tokens"] / r[n][key] * 1e3
-
     out: dict[str, Any] = {}
     for a, b in PAIRS:
         for key, tag in (("decode_ms", "decode"), ("wall_ms", "e2e")):
