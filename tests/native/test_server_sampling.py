@@ -1,0 +1,118 @@
+"""llama-server's sampler chain on a Clover GGUF (spec 4.5), through its HTTP API and against the engine:
+
+- the GGUF's penalties are llama-server's defaults and count the response only, all of it, as the engine's do
+  (spec 4), so a request that sets none gets the engine's greedy tokens; a request can turn that off;
+- the mask token is never sampled, whatever a request's logit_bias says.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
+from tests.support.engine import FLASH_ATTN_TOL, Ledger
+from tests.support.native import llama_server
+from tests.support.serve import get, post
+
+pytestmark = pytest.mark.native
+
+DEMO = REPO_ROOT / "models" / "clover-demo"
+PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.6, "frequency_penalty": 0.25}
+# code the answer would quote: llama.cpp's default counts these prompt tokens, Clover's penalties do not
+PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+           "        self.items.append(item)\n\n"]
+N_PREDICT = 96  # past llama.cpp's default window of 64 tokens
+SERVER_ARGS = ("-c", "1024", "-np", "1", "-t", "2", "--no-warmup")
+
+
+@pytest.fixture(scope="module")
+def penalised_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model with a generation_config.json that sets all three penalties, as an f32 GGUF."""
+    where = tmp_path_factory.mktemp("penalised")
+    model = Path(shutil.copytree(DEMO, where / "model"))
+    (model / "generation_config.json").write_text(json.dumps(PENALTIES))
+    return clover_convert(model, where / "demo-penalised.gguf", "f32")
+
+
+def complete(url: str, prompt: list[int], **fields: Any) -> list[int]:
+    status, answer = post(url + "/completion", {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0,
+                                                "return_tokens": True, "cache_prompt": False, **fields})
+    assert status == 200, answer
+    # llama-server returns the end-of-generation token it stopped at; the engine does not (spec 4.2, "Emit")
+    return answer["tokens"][:-1] if answer["stop_type"] == "eos" else answer["tokens"]
+
+
+def penalised_gap(ref: Any, context: list[int], response: list[int], tol: float) -> tuple[float, float]:
+    """(top-2 gap, tolerance) of the reference's next token after context + response, under spec 4's penalties
+    with the response's tokens counted (llama.cpp's rule, as the engine and the penalties sampler apply it)."""
+    with torch.no_grad():
+        row = ref.forward_causal(context + response, ref.new_history())[-1].double().numpy()
+    logits = row.copy()
+    counts = np.bincount(np.array(response, dtype=np.int64), minlength=len(row))[: len(row)]
+    seen = counts > 0
+    r = PENALTIES["repetition_penalty"]
+    logits[seen] = np.where(logits[seen] > 0, logits[seen] / r, logits[seen] * r)
+    logits[seen] -= counts[seen] * PENALTIES["frequency_penalty"] + PENALTIES["presence_penalty"]
+    logits[ref.config.mask_token_id] = -np.inf
+    top2 = np.sort(logits)[-2:]
+    return float(top2[1] - top2[0]), tol * max(1.0, float(np.abs(row).max()))
+
+
+def test_the_gguf_penalties_count_the_response_in_llama_server_as_in_the_engine(penalised_demo: Path) -> None:
+    """A request that sets no penalty gets the GGUF's, over the response only and with no window: the engine's
+    greedy `ar` tokens (near-tie rule). The same values over the prompt and a 64-token window (llama.cpp's
+    default, `penalty_response_only: false`) give other tokens, so the comparison can fail."""
+    from clover_cpp import Model
+    from clover_ref.checkpoint import load_model
+
+    ref = load_model(DEMO)
+    ledger = Ledger(rel_tol=FLASH_ATTN_TOL)
+    with Model(penalised_demo, n_ctx=1024) as m:
+        info = m.info
+        assert (info.repeat_penalty, info.presence_penalty, info.frequency_penalty) == pytest.approx(
+            (1.3, 0.6, 0.25))
+        prompts = [m.tokenize(p) for p in PROMPTS]
+        engine = []
+        for prompt in prompts:
+            m.reset()
+            engine.append(m.run(prompt, mode="ar", max_tokens=N_PREDICT).tokens)
+    changed = 0
+    with llama_server(penalised_demo, *SERVER_ARGS) as url:
+        defaults = get(url + "/props")["default_generation_settings"]["params"]
+        assert defaults["penalty_response_only"] is True and defaults["repeat_last_n"] == -1, defaults
+        assert (defaults["repeat_penalty"], defaults["presence_penalty"], defaults["frequency_penalty"]) == \
+            pytest.approx((1.3, 0.6, 0.25)), defaults
+        for k, (prompt, want) in enumerate(zip(prompts, engine)):
+            got = complete(url, prompt)
+            ledger.check_margin(f"penalised/{k}", got, want,
+                                lambda i, w=want, c=prompt: penalised_gap(ref, c, w[:i], FLASH_ATTN_TOL))
+            llama_default = complete(url, prompt, penalty_response_only=False, repeat_last_n=64)
+            changed += llama_default != got
+    ledger.assert_budget()
+    assert changed > 0, "counting the prompt changed no answer: the test cannot tell the two rules apart"
+
+
+def test_llama_server_never_samples_the_mask_token(demo_gguf: Path) -> None:
+    """common_sampler bans the vocabulary's mask token (tokenizer.ggml.mask_token_id): a request that biases it
+    above every other token still never gets it, greedy or sampled, while the same bias on an ordinary token
+    makes that token the answer."""
+    from clover_cpp import Model
+
+    with Model(demo_gguf, n_ctx=256) as m:
+        mask = m.info.mask_token_id
+        prompt = m.tokenize(PROMPTS[0])
+    other = 100 if mask != 100 else 101
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        for temperature in (0.0, 1.0):
+            got = complete(url, prompt, n_predict=8, temperature=temperature, seed=7, logit_bias=[[mask, 1e4]])
+            assert mask not in got, (temperature, got)
+        assert complete(url, prompt, n_predict=8, logit_bias=[[other, 1e4]]) == [other] * 8
