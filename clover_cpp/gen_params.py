@@ -197,12 +197,12 @@ class GenParams:
         None, flags=("--presence-penalty",), bound=Bound(off="0 = off"), c_field="presence_penalty", c_unset=math.nan,
         gguf=_from_info("presence_penalty"),
         help="subtracted from the logit of a token already in the answer (0 = off; default: the GGUF's "
-             "ARCH.sampling.presence_penalty, else 0)")
+             "general.sampling.penalty_present, else 0)")
     frequency_penalty: float | None = param(
         None, flags=("--frequency-penalty",), bound=Bound(off="0 = off"), c_field="frequency_penalty",
         c_unset=math.nan, gguf=_from_info("frequency_penalty"),
         help="times its count, subtracted from the logit of a token already in the answer (0 = off; default: the "
-             "GGUF's ARCH.sampling.frequency_penalty, else 0)")
+             "GGUF's general.sampling.penalty_freq, else 0)")
     grammar: str | None = None
     grammar_after_ids: tuple[int, ...] = ()
     logprobs: int | None = param(None, bound=Bound(0, off="None = off", integer=True))

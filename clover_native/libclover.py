@@ -57,7 +57,7 @@ class clover_model_info(ctypes.Structure):
         ("coreset_top_p", ctypes.c_float),
         ("history_rows", ctypes.c_int32),
         ("has_block_diffusion", ctypes.c_int32),
-        # the default penalties (spec 4): general.sampling.penalty_repeat, ARCH.sampling.presence/frequency_penalty
+        # the default penalties (spec 4): general.sampling.penalty_repeat, _penalty_present, _penalty_freq
         ("repeat_penalty", ctypes.c_float),
         ("presence_penalty", ctypes.c_float),
         ("frequency_penalty", ctypes.c_float),

@@ -418,9 +418,10 @@ def test_arch_name_option_and_sampling_keys(tiny_checkpoint: Path, tmp_path: Pat
 
 def test_penalty_keys_from_generation_config(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
     """spec 2.2 ("penalties") and 4: generation_config.json's presence_penalty and frequency_penalty become
-    ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty (f32; repetition_penalty is
-    general.sampling.penalty_repeat), in the single file and in a --bd-sidecar trunk, where the engine reads them;
-    absent or null: no key; anything but a finite number is refused, naming the field."""
+    llama.cpp's general.sampling.penalty_present and general.sampling.penalty_freq (f32; repetition_penalty is
+    general.sampling.penalty_repeat), in the single file and in a --bd-sidecar trunk, where the engine and
+    common_sampler read them; the single file has general.sampling.penalty_response_only true (spec 4.5), the
+    trunk does not (spec 6); absent or null: no key; anything but a finite number is refused, naming the field."""
     from tests.support.convert import copy_checkpoint
 
     model = copy_checkpoint(tiny_checkpoint, tmp_path / "model")
@@ -430,14 +431,18 @@ def test_penalty_keys_from_generation_config(tiny_checkpoint: Path, tmp_path: Pa
     convert(capsys, model, tmp_path / "trunk.gguf", "f32", "--bd-sidecar")
     trunk, sidecar = fields(tmp_path / "trunk.gguf", "clover_moe"), fields(tmp_path / "trunk.bd.gguf", "clover_moe")
     for got in (single, trunk):
-        assert got["ARCH.sampling.presence_penalty"] == ([V.FLOAT32], pytest.approx(1.5))
-        assert got["ARCH.sampling.frequency_penalty"] == ([V.FLOAT32], pytest.approx(-0.25))
+        assert got["general.sampling.penalty_present"] == ([V.FLOAT32], pytest.approx(1.5))
+        assert got["general.sampling.penalty_freq"] == ([V.FLOAT32], pytest.approx(-0.25))
         assert got["general.sampling.penalty_repeat"][1] == pytest.approx(1.1)
-    assert not any("sampling" in key for key in sidecar)
+        assert not any(key.startswith("ARCH.sampling.") for key in got)
+    assert single["general.sampling.penalty_response_only"] == ([V.BOOL], True)
+    assert "general.sampling.penalty_response_only" not in trunk
+    assert [key for key in sidecar if "sampling" in key] == ["general.sampling.penalty_response_only"]
 
     generation.write_text(json.dumps({"presence_penalty": None, "temperature": 0.7}))
     got = fields(convert(capsys, model, tmp_path / "none.gguf", "f32"), "clover_moe")
-    assert not any(key.startswith("ARCH.sampling.") for key in got)
+    assert "general.sampling.penalty_present" not in got and "general.sampling.penalty_freq" not in got
+    assert got["general.sampling.penalty_response_only"] == ([V.BOOL], True)
 
     for bad in ("high", True, math.nan, math.inf, [1], 1e39, 10**400):
         generation.write_text(json.dumps({"frequency_penalty": bad}))

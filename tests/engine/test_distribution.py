@@ -470,15 +470,19 @@ def _with_keys(src: Path, dst: Path, keys: dict[str, tuple[int, Any]]) -> Path:
     return dst
 
 
-def test_gguf_default_penalties(tiny: Tiny, tmp_path: Path) -> None:
-    """general.sampling.penalty_repeat, ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty are the
-    defaults of a call that leaves the penalties None: the same output as passing them; a call's own value wins."""
+@pytest.mark.parametrize("prefix,present,freq", [
+    ("general.sampling.", "penalty_present", "penalty_freq"),
+    ("clover_moe.sampling.", "presence_penalty", "frequency_penalty"),  # files converted before the general keys
+])
+def test_gguf_default_penalties(tiny: Tiny, tmp_path: Path, prefix: str, present: str, freq: str) -> None:
+    """general.sampling.penalty_repeat, _penalty_present and _penalty_freq (or an older file's
+    ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty) are the defaults of a call that leaves the
+    penalties None: the same output as passing them; a call's own value wins."""
     from tests.support.fuzz_gguf import F32
 
     from clover_cpp import Model
 
-    keys = {"general.sampling.penalty_repeat": (F32, 0.7), "clover_moe.sampling.presence_penalty": (F32, -2.0),
-            "clover_moe.sampling.frequency_penalty": (F32, 0.3)}
+    keys = {"general.sampling.penalty_repeat": (F32, 0.7), prefix + present: (F32, -2.0), prefix + freq: (F32, 0.3)}
     path = _with_keys(tiny.gguf, tmp_path / "pen.gguf", keys)
     V = tiny.n_vocab
     with Model(path, n_ctx=256, max_block_size=8) as m:
@@ -518,6 +522,7 @@ def test_converted_penalties_are_the_engine_defaults(tiny_checkpoint: Path, tmp_
     ("general.sampling.penalty_repeat", 0.0),
     ("general.sampling.penalty_repeat", -1.0),
     ("clover_moe.sampling.presence_penalty", math.inf),
+    ("general.sampling.penalty_present", math.nan),
     ("clover_moe.sampling.frequency_penalty", math.nan),
     ("clover_moe.sampling.frequency_penalty", "0.5"),
 ])

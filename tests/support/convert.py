@@ -29,7 +29,8 @@ from clover_common.layout import canonical_name
 
 CLOVER_KEYS = {"ARCH.block_size", "ARCH.diffusion.threshold", "ARCH.diffusion.coreset_top_p",
                "ARCH.diffusion.history_rows", "ARCH.bd.history_readout_scale", "ARCH.diffusion.calibrated_block_sizes",
-               "ARCH.diffusion.calibrated_thresholds", "diffusion.shift_logits"}
+               "ARCH.diffusion.calibrated_thresholds", "diffusion.shift_logits",
+               "general.sampling.penalty_response_only"}  # spec 4.5: a Clover file's penalties count the response
 
 
 # ----------------------------------------------------------------------------------------------- running

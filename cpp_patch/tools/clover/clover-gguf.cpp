@@ -465,26 +465,28 @@ static bool clover_read_sidecar(const gguf_context * trunk, const char * path, c
     return true;
 }
 
-// The default penalties (spec 4): general.sampling.penalty_repeat (what llama.cpp's converter writes from
-// generation_config.json), ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty; an absent key is off.
+// The default penalties (spec 4): llama.cpp's general.sampling.penalty_repeat, _penalty_present and _penalty_freq
+// (what common_sampler reads too); a file converted before those keys has ARCH.sampling.presence_penalty and
+// ARCH.sampling.frequency_penalty. An absent key is off.
 static bool clover_read_penalties(const gguf_context * gctx, const char * path, const std::string & arch,
                                   clover_model_info & info, std::string & err) {
-    struct key_value { std::string key; float * out; bool positive; };
+    struct key_value { std::string key; std::string older; float * out; bool positive; };
     info.repeat_penalty    = 1.0f;
     info.presence_penalty  = 0.0f;
     info.frequency_penalty = 0.0f;
     const key_value keys[] = {
-        { "general.sampling.penalty_repeat",     &info.repeat_penalty,    true  },
-        { arch + ".sampling.presence_penalty",  &info.presence_penalty,  false },
-        { arch + ".sampling.frequency_penalty", &info.frequency_penalty, false },
+        { "general.sampling.penalty_repeat",  "",                                  &info.repeat_penalty,    true  },
+        { "general.sampling.penalty_present", arch + ".sampling.presence_penalty",  &info.presence_penalty,  false },
+        { "general.sampling.penalty_freq",    arch + ".sampling.frequency_penalty", &info.frequency_penalty, false },
     };
     for (const auto & kv : keys) {
-        if (gguf_find_key(gctx, kv.key.c_str()) < 0) {
+        const std::string & key = gguf_find_key(gctx, kv.key.c_str()) >= 0 ? kv.key : kv.older;
+        if (key.empty() || gguf_find_key(gctx, key.c_str()) < 0) {
             continue;
         }
-        if (!clover_gguf_float(gctx, kv.key.c_str(), *kv.out) || !std::isfinite(*kv.out) ||
+        if (!clover_gguf_float(gctx, key.c_str(), *kv.out) || !std::isfinite(*kv.out) ||
             (kv.positive && !(*kv.out > 0.0f))) {
-            err = clover_format("'%s': %s must be a finite float%s", path, kv.key.c_str(), kv.positive ? " > 0" : "");
+            err = clover_format("'%s': %s must be a finite float%s", path, key.c_str(), kv.positive ? " > 0" : "");
             return false;
         }
     }

@@ -103,7 +103,8 @@ struct clover_model_info {
     int32_t history_rows;             // ARCH.diffusion.history_rows (default 32)
     int32_t has_block_diffusion;      // 1: the bd_* tensors are present; 0: a trunk-only file (ar and auto only)
     // the default penalties (spec 4): general.sampling.penalty_repeat (default 1: off),
-    // ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty (default 0)
+    // general.sampling.penalty_present and general.sampling.penalty_freq (an older file's
+    // ARCH.sampling.presence_penalty and ARCH.sampling.frequency_penalty; default 0)
     float   repeat_penalty;
     float   presence_penalty;
     float   frequency_penalty;
