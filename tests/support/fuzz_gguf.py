@@ -348,7 +348,8 @@ def mutants(base: bytes, seed: int = 0, n_random: int = 40) -> list[Mutant]:
                 "expert_feed_forward_length", "rope.dimension_sections"]
     for key in required:
         add(f"missing-{key}", (key, "expert_count" if "expert" in key else key), without(A + key))
-    for key in ("general.architecture", "tokenizer.ggml.tokens", "tokenizer.ggml.model", "tokenizer.ggml.merges"):
+    for key in ("general.architecture", "tokenizer.ggml.tokens", "tokenizer.ggml.model", "tokenizer.ggml.merges",
+                "tokenizer.ggml.pre"):
         add(f"missing-{key}", (key, "tokenizer", "architecture", "merges"), without(key))
     # spec 5: the block-diffusion keys are optional (llama.cpp's converter writes none): defaults, and the mask
     # token found by name in the vocabulary

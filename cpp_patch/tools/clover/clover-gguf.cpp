@@ -493,6 +493,19 @@ static bool clover_read_penalties(const gguf_context * gctx, const char * path, 
     return true;
 }
 
+// A BPE vocabulary (tokenizer.ggml.model "gpt2") names its pre-tokenizer: without tokenizer.ggml.pre llama.cpp splits
+// text with its default one (a warning) and every prompt becomes other tokens than the model was trained on.
+static bool clover_check_pre_tokenizer(const gguf_context * gctx, const char * path, std::string & err) {
+    const int64_t model_id = gguf_find_key(gctx, "tokenizer.ggml.model");
+    if (model_id < 0 || gguf_get_kv_type(gctx, model_id) != GGUF_TYPE_STRING ||
+        std::string(gguf_get_val_str(gctx, model_id)) != "gpt2" || gguf_find_key(gctx, "tokenizer.ggml.pre") >= 0) {
+        return true;
+    }
+    err = clover_format("'%s': missing tokenizer.ggml.pre, which a BPE (\"gpt2\") vocabulary needs: llama.cpp would "
+                        "split text with its default pre-tokenizer, not the model's", path);
+    return false;
+}
+
 bool clover_read_info(const char * path, const char * bd_path, clover_model_info & info, std::string & err) {
     info = {};
     if (!path) {
@@ -510,7 +523,8 @@ bool clover_read_info(const char * path, const char * bd_path, clover_model_info
     info.coreset_top_p = 1.0f;
     info.history_rows  = 32;
     info.mask_token_id = -1;
-    if (!clover_read_bd_keys(gctx.get(), path, arch, info, err) || !clover_read_penalties(gctx.get(), path, arch, info, err)) {
+    if (!clover_check_pre_tokenizer(gctx.get(), path, err) || !clover_read_bd_keys(gctx.get(), path, arch, info, err) ||
+        !clover_read_penalties(gctx.get(), path, arch, info, err)) {
         return false;
     }
     {
