@@ -16,7 +16,8 @@ from clover_native import cpu, loader
 UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-rollback", "model-load-hparams-errors",
                        "graph-cache", "grammar-parse-error-to-log", "delta-net-conv-snapshots-of-the-ubatch",
                        "grammar-nesting-limit", "json-schema-depth-limit", "vocab-duplicate-text-error",
-                       "speculative-simple-flush-log"}
+                       "speculative-simple-flush-log", "sampling-penalties-response-only",
+                       "common-sampler-mask-token"}
 
 
 @pytest.mark.native
