@@ -26,25 +26,9 @@
 
 namespace {
 
-// the engine's drafters, made at the first auto call of any of its slots (NULL with last_error set if they fail)
+// the engine's drafters (NULL with last_error set if they could not be made)
 common_speculative * clover_auto_drafter(clover_slot * slot) {
-    clover_drafter & d = *slot->drafter;
-    if (!d.spec && d.error.empty()) {
-        common_params_speculative params;
-        params.types = { COMMON_SPECULATIVE_TYPE_NGRAM_MOD };
-        if (slot->can_block) {
-            params.types.push_back(COMMON_SPECULATIVE_TYPE_DRAFT_CLOVER);
-        }
-        params.draft.ctx_tgt = slot->ctx;
-        try {
-            d.spec.reset(common_speculative_init(params, (uint32_t) d.n_seq));
-        } catch (const std::exception & e) {
-            d.error = e.what();
-        }
-        if (!d.spec && d.error.empty()) {
-            d.error = "llama.cpp's speculative framework made no drafter";
-        }
-    }
+    const clover_drafter & d = *slot->drafter;
     if (!d.spec) {
         slot->last_error = clover_format("auto mode: %s", d.error.c_str());
     }
@@ -86,6 +70,24 @@ clover_draft_kind clover_auto_draft(clover_run & run, common_speculative * spec,
 }
 
 } // namespace
+
+void clover_drafter_init(clover_drafter & d, llama_context * ctx, int32_t n_seq, bool can_block) {
+    common_params_speculative params;
+    params.types = { COMMON_SPECULATIVE_TYPE_NGRAM_MOD };
+    if (can_block) {
+        params.types.push_back(COMMON_SPECULATIVE_TYPE_DRAFT_CLOVER);
+    }
+    params.draft.ctx_tgt = ctx;
+    d.n_seq = n_seq;
+    try {
+        d.spec.reset(common_speculative_init(params, (uint32_t) n_seq));
+    } catch (const std::exception & e) {
+        d.error = e.what();
+    }
+    if (!d.spec && d.error.empty()) {
+        d.error = "llama.cpp's speculative framework made no drafter";
+    }
+}
 
 bool clover_run_auto(clover_run & run) {
     clover_slot * slot = run.slot;

@@ -11,11 +11,14 @@ struct clover_run;
 
 // The drafters of an engine's auto mode, shared by its slots: one common_speculative whose sequence i is slot i's
 // history, with llama-server's `--spec-type ngram-mod,draft-clover` (ngram-mod alone for a file without block
-// passes). Made by the first auto call; `error` keeps why that failed.
+// passes). Made with the engine, as llama-server makes its own at start, so that no call's decode time pays for them
+// (ngram-mod's table is 16 MiB); `error` keeps why that failed, for the first auto call to report.
 struct clover_drafter {
     int32_t                n_seq = 0;
     common_speculative_ptr spec;
     std::string            error;
 };
+
+void clover_drafter_init(clover_drafter & d, llama_context * ctx, int32_t n_seq, bool can_block);
 
 bool clover_run_auto(clover_run & run);

@@ -435,7 +435,6 @@ std::unique_ptr<clover_engine> clover_engine_make(const char * path, const clove
         return nullptr;
     }
     const std::vector<llama_token> eog_ids = clover_eog_ids(llama_model_get_vocab(engine->model.get()));
-    engine->drafter.n_seq = plan.n_parallel;
     for (int32_t i = 0; i < plan.n_parallel; ++i) {
         std::unique_ptr<clover_slot> slot = clover_new_slot(*engine, plan, eog_ids, i);
         if (!slot) {
@@ -444,6 +443,7 @@ std::unique_ptr<clover_engine> clover_engine_make(const char * path, const clove
         }
         engine->slots.push_back(std::move(slot));
     }
+    clover_drafter_init(engine->drafter, engine->ctx.get(), plan.n_parallel, engine->slots[0]->can_block);
     if (plan.n_parallel > 1) {
         clover_share_context(*engine, (int32_t) plan.cparams.n_ubatch);
     }
