@@ -116,3 +116,18 @@ def test_llama_server_never_samples_the_mask_token(demo_gguf: Path) -> None:
             got = complete(url, prompt, n_predict=8, temperature=temperature, seed=7, logit_bias=[[mask, 1e4]])
             assert mask not in got, (temperature, got)
         assert complete(url, prompt, n_predict=8, logit_bias=[[other, 1e4]]) == [other] * 8
+
+
+@pytest.mark.parametrize("fields,name", [
+    ({"repeat_last_n": -2}, "repeat_last_n"),  # -1 is "all of them", below that nothing
+    ({"penalty_response_only": "yes"}, "penalty_response_only"),
+])
+def test_bad_penalty_fields_get_a_400_naming_the_field(demo_gguf: Path, fields: dict[str, Any], name: str) -> None:
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        status, answer = post(url + "/completion", {"prompt": "def f(x):\n", "n_predict": 4, **fields})
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+        assert f"'{name}'" in answer["error"]["message"], answer
+        # the values the patch added are accepted
+        status, answer = post(url + "/completion", {"prompt": "def f(x):\n", "n_predict": 4, "repeat_last_n": -1,
+                                                    "penalty_response_only": True})
+        assert status == 200, answer
