@@ -78,7 +78,6 @@ void clover_drafter_init(clover_drafter & d, llama_context * ctx, int32_t n_seq,
         params.types.push_back(COMMON_SPECULATIVE_TYPE_DRAFT_CLOVER);
     }
     params.draft.ctx_tgt = ctx;
-    d.n_seq = n_seq;
     try {
         d.spec.reset(common_speculative_init(params, (uint32_t) n_seq));
     } catch (const std::exception & e) {

@@ -14,7 +14,6 @@ struct clover_run;
 // passes). Made with the engine, as llama-server makes its own at start, so that no call's decode time pays for them
 // (ngram-mod's table is 16 MiB); `error` keeps why that failed, for the first auto call to report.
 struct clover_drafter {
-    int32_t                n_seq = 0;
     common_speculative_ptr spec;
     std::string            error;
 };
