@@ -183,9 +183,6 @@ def _describe_model(writer: GGUFWriter, model_dir: Path, metadata_path: Path | N
 # ARCH.sampling.presence_penalty / frequency_penalty, which the engine still reads.
 PENALTY_KEYS = {"presence_penalty": "general.sampling.penalty_present",
                 "frequency_penalty": "general.sampling.penalty_freq"}
-# the penalties count the response only (spec 4, 4.5): the patched llama.cpp's penalties sampler does when this key
-# says so. With the block-diffusion keys, never in a --bd-sidecar trunk, which is llama.cpp's converter's file (spec 6).
-RESPONSE_ONLY_KEY = "general.sampling.penalty_response_only"
 
 
 def read_penalties(model_dir: Path) -> dict[str, float]:
@@ -264,8 +261,6 @@ def convert(options: ConvertOptions) -> ConvertResult:
                        block_diffusion=not sidecar)
         for key, value in penalties.items():  # in the trunk too: the engine reads its defaults there
             writer.add_float32(key, value)
-        if not sidecar:  # a Clover decoding rule, with the block-diffusion keys: the trunk stays llama.cpp's (spec 6)
-            writer.add_bool(RESPONSE_ONLY_KEY, True)
         writer.add_quantization_version(GGML_QUANT_VERSION)
         if tokenizer is not None:
             add_tokenizer_keys(writer, tokenizer)
@@ -334,7 +329,6 @@ def _sidecar_writer(config: CloverConfig, arch: str, tokens: list[str], name: st
         writer.add_name(name)
     writer.add_string(f"{arch}.{FINGERPRINT_KEY}", config_fingerprint(config, tokens))
     add_clover_keys(writer, config)
-    writer.add_bool(RESPONSE_ONLY_KEY, True)  # what the single file has beyond the trunk (docs/gguf-format.md)
     writer.add_mask_token_id(config.mask_token_id)
     return writer
 

@@ -189,10 +189,16 @@ def _add_bd_key(writer: GGUFWriter, name: str, value: Any) -> None:
         writer.add_key_value(key, cast(value), _SUB_TYPES[spec.gguf_type])
 
 
+# the penalties count the response only (spec 4, 4.5): the patched llama.cpp's penalties sampler does when this key
+# says so. A Clover decoding rule, so it goes with the block-diffusion keys: a --bd-sidecar trunk stays llama.cpp's
+# converter's file (spec 6)
+RESPONSE_ONLY_KEY = "general.sampling.penalty_response_only"
+
+
 def add_clover_keys(writer: GGUFWriter, config: CloverConfig) -> None:
     """The block-diffusion keys of spec section 5 (the mask token id is written with the tokenizer), typed and
-    checked by ``BD_KEYS``. The calibrated block sizes and thresholds are this toolkit's extension (absent from
-    other converters' files)."""
+    checked by ``BD_KEYS``, and ``RESPONSE_ONLY_KEY``. The calibrated block sizes and thresholds are this toolkit's
+    extension (absent from other converters' files)."""
     assert config.calibrated_block_sizes is not None and config.calibrated_thresholds is not None
     _add_bd_key(writer, "BLOCK_SIZE", config.block_size)
     _add_bd_key(writer, "THRESHOLD", config.confidence_threshold)
@@ -202,3 +208,4 @@ def add_clover_keys(writer: GGUFWriter, config: CloverConfig) -> None:
     _add_bd_key(writer, "CALIBRATED_BLOCK_SIZES", config.calibrated_block_sizes)
     _add_bd_key(writer, "CALIBRATED_THRESHOLDS", config.calibrated_thresholds)
     _add_bd_key(writer, "SHIFT_LOGITS", True)
+    writer.add_bool(RESPONSE_ONLY_KEY, True)
