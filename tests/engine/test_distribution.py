@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support.engine import REF_TOL, Case, Ledger, causal_gap
+from tests.support.engine import REF_TOL, Case, Ledger, causal_gap, penalised_logprobs
 from clover_dev.convert import clover_convert
 from tests.support.native import dump_results, record
 from tests.support.schema import validate
@@ -170,21 +170,6 @@ def test_grammar_keeps_spec_auto_and_diffusion_equal_to_ar(tiny: Tiny, extra: st
 
 
 # ------------------------------------------------------------------------------------------ the penalties' arithmetic
-def _penalised(raw: np.ndarray, counts: np.ndarray, repeat: float, frequency: float, presence: float,
-               excluded: list[int]) -> np.ndarray:
-    """llama.cpp's rule (llama_sampler_penalties) in float32 on the counted tokens, then log-softmax in float64 over
-    the tokens not excluded: spec 4's log P."""
-    logits = raw.astype(np.float32).copy()
-    seen = counts > 0
-    x = logits[seen]
-    x = np.where(x > 0, x / np.float32(repeat), x * np.float32(repeat))
-    logits[seen] = x - (counts[seen].astype(np.float32) * np.float32(frequency) + np.float32(presence))
-    d = logits.astype(np.float64)
-    d[excluded] = -np.inf
-    top = d.max()
-    return (d - (top + np.log(np.exp(d - top).sum()))).astype(np.float32)
-
-
 def _assert_same_dist(got: Any, want: np.ndarray, n_vocab: int, where: str) -> None:
     """The engine's full logprobs against the oracle's, to float32 rounding: each penalised logit is a few float32
     operations (the compiler may fuse n * frequency + presence into one FMA) and the log-softmax is rounded to float32
@@ -223,7 +208,7 @@ def test_penalty_arithmetic_in_ar(tiny: Tiny, config: str) -> None:
                 for i, lp in enumerate(r.logprobs):
                     raw = ctx.causal([prev])[0]
                     counts = np.bincount(np.asarray(r.tokens[:i], dtype=np.int64), minlength=V)
-                    _assert_same_dist(lp, _penalised(raw, counts, *pen, [e.mask]), V, f"{config}/{k}/token {i}")
+                    _assert_same_dist(lp, penalised_logprobs(raw, counts, *pen, [e.mask]), V, f"{config}/{k}/token {i}")
                     prev = r.tokens[i]
             finally:
                 ctx.close()
@@ -276,7 +261,7 @@ def test_penalty_arithmetic_in_a_diffusion_window(tiny: Tiny) -> None:
                     raw = ctx.block([seed] + canvas[:B - 1], rows=masked)[masked.index(j)]  # the engine's rows
                     known = [t for t in canvas[:j] if t != e.mask]
                     counts = np.bincount(np.asarray(committed + known, dtype=np.int64), minlength=V)
-                    _assert_same_dist(r.logprobs[block * B + j], _penalised(raw, counts, *pen, [e.mask]), V,
+                    _assert_same_dist(r.logprobs[block * B + j], penalised_logprobs(raw, counts, *pen, [e.mask]), V,
                                       f"block {block} target {j}")
                     canvas = after
                 ctx.causal([seed] + canvas[:B - 1])  # the commit

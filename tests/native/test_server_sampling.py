@@ -18,7 +18,7 @@ import torch
 
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
-from tests.support.engine import FLASH_ATTN_TOL, Ledger
+from tests.support.engine import FLASH_ATTN_TOL, Ledger, penalised_logprobs
 from tests.support.native import llama_server
 from tests.support.serve import get, post
 
@@ -55,15 +55,11 @@ def penalised_gap(ref: Any, context: list[int], response: list[int], tol: float)
     """(top-2 gap, tolerance) of the reference's next token after context + response, under spec 4's penalties
     with the response's tokens counted (llama.cpp's rule, as the engine and the penalties sampler apply it)."""
     with torch.no_grad():
-        row = ref.forward_causal(context + response, ref.new_history())[-1].double().numpy()
-    logits = row.copy()
+        row = ref.forward_causal(context + response, ref.new_history())[-1].numpy()
     counts = np.bincount(np.array(response, dtype=np.int64), minlength=len(row))[: len(row)]
-    seen = counts > 0
-    r = PENALTIES["repetition_penalty"]
-    logits[seen] = np.where(logits[seen] > 0, logits[seen] / r, logits[seen] * r)
-    logits[seen] -= counts[seen] * PENALTIES["frequency_penalty"] + PENALTIES["presence_penalty"]
-    logits[ref.config.mask_token_id] = -np.inf
-    top2 = np.sort(logits)[-2:]
+    logp = penalised_logprobs(row, counts, PENALTIES["repetition_penalty"], PENALTIES["frequency_penalty"],
+                              PENALTIES["presence_penalty"], [ref.config.mask_token_id])
+    top2 = np.sort(logp)[-2:]
     return float(top2[1] - top2[0]), tol * max(1.0, float(np.abs(row).max()))
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from clover_ref.decode import Session
@@ -157,6 +158,21 @@ def reference_run(model: Any, turns: list[tuple[list[int], dict[str, Any]]]) -> 
 
 def _excluded(model: Any, banned: list[int] | None) -> Sampler:
     return Sampler(model.config.vocab_size, [model.config.mask_token_id] + list(banned or []), SamplingParams())
+
+
+def penalised_logprobs(raw: np.ndarray, counts: np.ndarray, repeat: float, frequency: float, presence: float,
+                       excluded: list[int]) -> np.ndarray:
+    """Spec 4's log P of one target: llama.cpp's penalties rule (llama_sampler_penalties) in float32 on the tokens
+    ``counts`` holds (the response's, before the target), then log-softmax in float64 over the tokens not excluded."""
+    logits = raw.astype(np.float32).copy()
+    seen = counts > 0
+    x = logits[seen]
+    x = np.where(x > 0, x / np.float32(repeat), x * np.float32(repeat))
+    logits[seen] = x - (counts[seen].astype(np.float32) * np.float32(frequency) + np.float32(presence))
+    d = logits.astype(np.float64)
+    d[excluded] = -np.inf
+    top = d.max()
+    return (d - (top + np.log(np.exp(d - top).sum()))).astype(np.float32)
 
 
 def causal_gap(model: Any, context: list[int], banned: list[int] | None,
