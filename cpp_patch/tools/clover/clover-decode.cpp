@@ -12,6 +12,8 @@
 #include "clover-sampling.h"
 #include "clover-slot.h"
 
+#include "block-diffusion.h"  // common/: LowConfidence's rule (spec 4.1) and a block pass's rows, one implementation
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -94,29 +96,6 @@ static bool clover_rollback(clover_slot * slot, int32_t keep) {
     return true;
 }
 
-// The rows a block pass computes: those asked for, plus unread ones up to the next power of two (at most the
-// window). llama.cpp reuses a graph only for the same number of outputs, and a diffusion block asks for fewer
-// rows nearly every step; rounding keeps the shapes of a B-wide window to log2(B) + 1, which the graph cache
-// holds. An extra row costs its share of the last layer and the output head, and changes no asked row.
-static std::vector<int32_t> clover_block_rows(const std::vector<int32_t> & rows, int32_t n) {
-    int32_t want = 1;
-    while (want < (int32_t) rows.size()) {
-        want *= 2;
-    }
-    want = std::min(want, n);
-    std::vector<int32_t> out = rows;
-    std::vector<char> asked(n, 0);
-    for (int32_t r : rows) {
-        asked[r] = 1;
-    }
-    for (int32_t r = 0; r < n && (int32_t) out.size() < want; ++r) {
-        if (!asked[r]) {
-            out.push_back(r);
-        }
-    }
-    return out;
-}
-
 // block pass over the window at positions n_past .. on a scratch copy of the history; logits for rows (and
 // possibly a few more, see clover_block_rows). The history (seq_history) is never written.
 bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
@@ -131,7 +110,7 @@ bool clover_block(clover_slot * slot, const std::vector<llama_token> & window, c
     }
     // the window's coreset top_p is its history's (set per call, clover_run_init; llama_clover_block_begin copies it
     // to the scratch sequence): slots with different values share a batched pass
-    clover_batch_fill(slot->batch, window.data(), n, slot->n_past, slot->seq_scratch, clover_block_rows(rows, n));
+    clover_batch_fill(slot->batch, window.data(), n, slot->n_past, slot->seq_scratch, common_block_rows(rows, n));
     const int32_t rc = slot->shared ? clover_parallel_pass(slot, true)
                                     : clover_block_decode_seqs(slot->ctx, slot->batch, &slot->seq_history, &slot->seq_scratch, 1);
     if (rc != 0) {
@@ -238,8 +217,8 @@ void clover_window(const clover_run & run, const std::vector<llama_token> & canv
     }
 }
 
-// one LowConfidence step: a block pass; fill every masked target above the threshold, or the single most
-// confident one (ties to the lowest position). Returns false on error or cancellation.
+// one LowConfidence step: a block pass; fill the masked targets common_lowconf_select picks (every one above the
+// threshold, or the single most confident one). Returns false on error or cancellation.
 static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
     clover_slot * slot = run.slot;
     std::vector<int32_t> masked;
@@ -253,8 +232,8 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
     if (!clover_timed_block(run, window, masked)) {
         return false;
     }
-    std::vector<clover_choice>  choices;
-    std::vector<clover_logprob> logprobs;
+    std::vector<common_lowconf_choice> choices;
+    std::vector<clover_logprob>        logprobs;
     choices.reserve(masked.size());
     {
         clover_window_counts counts(run, canvas);
@@ -265,36 +244,20 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
             }
             counts.advance(j);
             clover_dist_apply(run, logits, false);
-            choices.push_back(clover_choose(slot, run.smp, logits));
+            const clover_choice c = clover_choose(slot, run.smp, logits);
+            choices.push_back({ c.token, c.conf });
             if (run.dist.n_logprobs >= 0) {
                 logprobs.push_back(clover_dist_logprob(run, logits, choices.back().token));
             }
         }
     }
-    const float threshold = run.threshold;
-    auto fill = [&](size_t i) {
+    for (const size_t i : common_lowconf_select(choices, run.threshold)) {
         canvas[masked[i]] = choices[i].token;
         if (!logprobs.empty()) {
             auto & wl = run.dist.window_logprobs;
             wl.resize(std::max(wl.size(), canvas.size()));
             wl[masked[i]] = std::move(logprobs[i]);
         }
-    };
-    bool any = false;
-    for (size_t i = 0; i < masked.size(); ++i) {
-        if (choices[i].conf > threshold) {
-            fill(i);
-            any = true;
-        }
-    }
-    if (!any && !masked.empty()) {
-        size_t best = 0;
-        for (size_t i = 1; i < masked.size(); ++i) {
-            if (choices[i].conf > choices[best].conf) {
-                best = i;
-            }
-        }
-        fill(best);
     }
     if (run.on_step) {
         std::vector<llama_token> view(canvas.size());
@@ -312,23 +275,6 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
         }
     }
     return true;
-}
-
-// min(K, R) of spec 4.1, and the 1-based offset of the end-of-generation target that set K (0 if none)
-static int32_t clover_produced_limit(const clover_run & run, const std::vector<llama_token> & canvas, int32_t & eog_at) {
-    eog_at = 0;
-    const int32_t remaining = run.remaining();
-    for (int32_t j = 1; j <= (int32_t) canvas.size(); ++j) {
-        const llama_token t = canvas[j - 1];
-        if (t == CLOVER_EMPTY) {
-            break;
-        }
-        if (run.is_stop(t)) {
-            eog_at = j;
-            return std::min(j, remaining);
-        }
-    }
-    return std::min((int32_t) canvas.size(), remaining);
 }
 
 bool clover_run_ar(clover_run & run) {
@@ -361,13 +307,10 @@ bool clover_run_diffusion(clover_run & run) {
         int32_t steps  = 0;
         int32_t limit  = 0;
         int32_t eog_at = 0;
+        const auto is_stop = [&run](llama_token t) { return run.is_stop(t); };
         while (true) {
-            limit = clover_produced_limit(run, canvas, eog_at);
-            bool filled = true;
-            for (int32_t j = 0; j < limit; ++j) {
-                filled = filled && canvas[j] != CLOVER_EMPTY;
-            }
-            if (filled) {
+            limit = common_lowconf_n_produced(canvas, run.remaining(), is_stop, eog_at);
+            if (common_lowconf_done(canvas, limit)) {
                 break;
             }
             if (!clover_step(run, canvas)) {

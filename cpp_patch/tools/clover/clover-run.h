@@ -104,4 +104,4 @@ struct clover_run {
     bool is_stop(llama_token t) const { return t >= 0 && t < (llama_token) smp.stop.size() && smp.stop[t]; }
 };
 
-inline constexpr llama_token CLOVER_EMPTY = -1;  // an unfilled canvas target
+inline constexpr llama_token CLOVER_EMPTY = LLAMA_TOKEN_NULL;  // an unfilled canvas target (common/block-diffusion.h)
