@@ -1,0 +1,269 @@
+"""Block diffusion as a llama-server generation mode (docs/serve.md, "Block diffusion in llama-server"), through its
+HTTP API and against the engine (`clover-cpp generate --mode diffusion` and the Python API):
+
+- a request's `mode: diffusion` gives the engine's tokens, and the same number of block and causal passes, for the
+  same settings and prompt: on the trained demo model and on a checkpoint transformers wrote, at B = 4, 8 and 32,
+  thresholds 0.5 and 0.9, with max_tokens cutting inside a block. Both run LowConfidence's one implementation
+  (common/block-diffusion.h) on the same arithmetic, so they agree exactly; the engine's diffusion is held to the
+  PyTorch reference by tests/engine/test_engine.py;
+- two slots, one in diffusion and one in ar, each give what they give alone;
+- canvas events, asked for, rebuild the streamed text block by block (native and OpenAI streams);
+- a request with a grammar decodes as auto (lossless: ar's tokens, no block pass);
+- bad values get a 400 with the API's error body; a model without block passes refuses diffusion.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from clover_dev import REPO_ROOT
+from clover_dev.convert import clover_convert
+from tests.support.native import llama_server
+from tests.support.serve import post, post_raw
+
+pytestmark = pytest.mark.native
+
+SERVER_ARGS = ("-c", "1024", "-np", "1", "-t", "2", "--no-warmup")
+TWO_SLOTS = ("-c", "2048", "-np", "2", "-t", "2", "--no-warmup")
+DEMO_PROMPTS = ["def parse(line):\n", "import os\n\n\ndef walk(root):\n",
+                "class Stack:\n    def __init__(self):\n        self.items = []\n"]
+# (B, threshold, max_tokens): cuts inside a block (21, 37) and on a block's end (40, 64)
+SETTINGS = [(4, 0.9, 40), (4, 0.5, 21), (8, 0.9, 37), (8, 0.5, 64), (32, 0.9, 50), (32, 0.5, 37)]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 3000, n)]
+
+
+def diffuse(url: str, prompt: list[int], block_size: int, threshold: float, n: int, **fields: Any) -> dict[str, Any]:
+    status, answer = post(url + "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0.0,
+                                                "mode": "diffusion", "block_size": block_size,
+                                                "threshold": threshold, "return_tokens": True,
+                                                "cache_prompt": False, **fields})
+    assert status == 200, answer
+    return answer
+
+
+def emitted(answer: dict[str, Any]) -> list[int]:
+    # llama-server returns the end-of-generation token it stopped at; the engine does not (spec 4.2, "Emit")
+    return answer["tokens"][:-1] if answer["stop_type"] == "eos" else answer["tokens"]
+
+
+def sse(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The data events of a streamed request."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def engine_runs(gguf: Path, prompts: list[list[int]]) -> dict[tuple[int, int, float, int], Any]:
+    """The engine's diffusion (the Python API over libclover) for every prompt and setting."""
+    from clover_cpp import Model
+
+    out = {}
+    with Model(gguf, n_ctx=1024, max_block_size=32) as m:
+        for k, prompt in enumerate(prompts):
+            for block_size, threshold, n in SETTINGS:
+                m.reset()
+                out[(k, block_size, threshold, n)] = m.run(prompt, mode="diffusion", block_size=block_size,
+                                                           threshold=threshold, max_tokens=n)
+    return out
+
+
+def check_equal_to_engine(gguf: Path, prompts: list[list[int]]) -> int:
+    """Every setting's server answer equals the engine's tokens and passes; the number of blocks a cut ended.
+    Both are sized for blocks of 32 (a model's own block size may be smaller: --max-block-size, max_block_size)."""
+    want = engine_runs(gguf, prompts)
+    cut = 0
+    with llama_server(gguf, *SERVER_ARGS, "--max-block-size", "32") as url:
+        for (k, block_size, threshold, n), run in want.items():
+            got = diffuse(url, prompts[k], block_size, threshold, n)
+            case = f"prompt {k}, B={block_size}, threshold={threshold}, max_tokens={n}"
+            assert emitted(got) == run.tokens, f"{case}\nserver {emitted(got)}\nengine {run.tokens}"
+            timings = got["timings"]
+            assert (timings["block_passes"], timings["causal_passes"]) == \
+                (run.stats.block_passes, run.stats.causal_passes), (case, timings, run.stats)
+            assert timings["tokens_per_pass"] == pytest.approx(
+                timings["predicted_n"] / (timings["block_passes"] + timings["causal_passes"]))
+            cut += got["stop_type"] == "limit" and n % block_size != 0
+    return cut
+
+
+def test_diffusion_in_llama_server_equals_the_engine_on_the_demo_model(demo_gguf: Path) -> None:
+    from clover_cpp import Model
+
+    with Model(demo_gguf, n_ctx=256) as m:
+        prompts = [m.tokenize(p) for p in DEMO_PROMPTS]
+    assert check_equal_to_engine(demo_gguf, prompts) > 0, "no max_tokens cut fell inside a block"
+
+
+def test_diffusion_in_llama_server_equals_the_engine_on_a_checkpoint_written_by_transformers(
+        handmade: tuple[Path, object], tmp_path: Path) -> None:
+    gguf = clover_convert(handmade[0], tmp_path / "handmade.gguf", "f32")
+    check_equal_to_engine(gguf, [_tokens(3, 7), _tokens(4, 30)])
+
+
+def test_diffusion_in_llama_server_equals_clover_cpp_generate(demo_gguf: Path) -> None:
+    """The command a user runs: `clover-cpp generate --mode diffusion --json`, and the server started with the same
+    settings as its defaults (--mode, --block-size, --threshold), asked with no decoding field."""
+    prompt, block_size, threshold, n = DEMO_PROMPTS[1], 8, 0.5, 37
+    done = subprocess.run([sys.executable, "-m", "clover_cpp.cli", "generate", "-m", str(demo_gguf), "-p", prompt,
+                           "--mode", "diffusion", "--block-size", str(block_size), "--threshold", str(threshold),
+                           "--temp", "0", "-n", str(n), "-c", "1024", "--json"],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = json.loads(done.stdout)
+    with llama_server(demo_gguf, *SERVER_ARGS, "--mode", "diffusion", "--block-size", str(block_size),
+                      "--threshold", str(threshold)) as url:
+        status, got = post(url + "/completion", {"prompt": want["prompt_ids"], "n_predict": n, "temperature": 0.0,
+                                                 "return_tokens": True, "cache_prompt": False})
+    assert status == 200, got
+    assert emitted(got) == want["tokens"]
+    assert got["timings"]["block_passes"] == want["stats"]["block_passes"] > 0
+
+
+def test_a_diffusion_slot_and_an_ar_slot_each_give_what_they_give_alone(demo_gguf: Path) -> None:
+    from clover_cpp import Model
+
+    with Model(demo_gguf, n_ctx=256) as m:
+        prompts = [m.tokenize(p) for p in DEMO_PROMPTS[:2]]
+    requests = [
+        {"prompt": prompts[0], "mode": "diffusion", "block_size": 8, "threshold": 0.5},
+        {"prompt": prompts[1], "mode": "ar"},
+    ]
+    base = {"n_predict": 48, "temperature": 0.0, "return_tokens": True, "cache_prompt": False, "ignore_eos": True}
+    with llama_server(demo_gguf, *TWO_SLOTS) as url:
+        alone = []
+        for body in requests:
+            status, answer = post(url + "/completion", {**base, **body})
+            assert status == 200, answer
+            alone.append(answer)
+        together: list[Any] = [None, None]
+
+        def ask(i: int) -> None:
+            together[i] = post(url + "/completion", {**base, **requests[i]})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    for i, (status, answer) in enumerate(together):
+        assert status == 200, answer
+        assert answer["tokens"] == alone[i]["tokens"], requests[i]["mode"]
+    assert alone[0]["timings"]["block_passes"] > 0 and alone[1]["timings"]["block_passes"] == 0
+    assert {together[0][1]["id_slot"], together[1][1]["id_slot"]} == {0, 1}, "the requests did not share the server"
+
+
+def test_sampled_diffusion_follows_the_seed(demo_gguf: Path) -> None:
+    """Sampled targets are drawn through the request's sampler chain (common_sampler_sample_target): the same seed
+    gives the same blocks, another seed other ones."""
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        prompt = DEMO_PROMPTS[0]
+        answers = [diffuse(url, prompt, 8, 0.5, 48, temperature=1.0, seed=seed)["tokens"] for seed in (7, 7, 8)]
+    assert answers[0] == answers[1]
+    assert answers[0] != answers[2]
+
+
+def rebuild(events: list[dict[str, Any]]) -> str:
+    """The text of every block from its last canvas event: its first n_produced cells (less the end of
+    generation)."""
+    last: dict[int, dict[str, Any]] = {}
+    steps: dict[int, list[int]] = {}
+    for e in events:
+        canvas = e["canvas"]
+        last[canvas["block"]] = canvas
+        steps.setdefault(canvas["block"], []).append(canvas["step"])
+    text = ""
+    for block in sorted(last):
+        canvas = last[block]
+        assert steps[block] == list(range(1, len(steps[block]) + 1)), steps[block]
+        assert canvas["done"], canvas
+        n = canvas["n_produced"] - (1 if canvas["eog"] else 0)
+        assert all(c is not None for c in canvas["cells"][:n]), canvas
+        text += "".join(canvas["cells"][:n])
+    return text
+
+
+def test_canvas_events_rebuild_the_streamed_text(demo_gguf: Path) -> None:
+    body = {"n_predict": 30, "max_tokens": 30, "temperature": 0.0, "mode": "diffusion", "block_size": 8,
+            "threshold": 0.5, "stream": True, "return_canvas": True, "cache_prompt": False}
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        events = sse(url + "/completion", {**body, "prompt": DEMO_PROMPTS[0]})
+        canvas = [e for e in events if "canvas" in e]
+        text = "".join(e["content"] for e in events if "canvas" not in e)
+        assert len({e["canvas"]["block"] for e in canvas}) >= 4 and len(canvas) > 4, canvas
+        assert any(None in e["canvas"]["cells"] for e in canvas), "no step left a cell masked"
+        assert rebuild(canvas) == text
+
+        chat = sse(url + "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "Hi"}]})
+        canvas = [e for e in chat if "canvas" in e]
+        assert canvas and all(e["object"] == "chat.completion.chunk" for e in chat)
+        # the chat template's parser may move a part of the text to reasoning_content; both come from the blocks
+        rebuilt = rebuild(canvas)
+        for part in ("content", "reasoning_content"):
+            streamed = "".join(e["choices"][0]["delta"].get(part) or "" for e in chat if e["choices"])
+            assert streamed.strip() in rebuilt, (part, streamed, rebuilt)
+
+        plain = sse(url + "/completion", {**body, "prompt": DEMO_PROMPTS[0], "return_canvas": False})
+        assert not any("canvas" in e for e in plain)
+
+
+def test_a_grammar_request_in_diffusion_decodes_as_auto(demo_gguf: Path) -> None:
+    """LowConfidence fills targets out of order, a grammar judges a token after the ones before it
+    (docs/decoding.md, "Constrained decoding"): the request decodes losslessly, ar's tokens, with no block pass."""
+    grammar = 'root ::= [a-z_ ():\\n]+'
+    base = {"prompt": DEMO_PROMPTS[0], "n_predict": 24, "temperature": 0.0, "grammar": grammar,
+            "return_tokens": True, "cache_prompt": False}
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        answers = [post(url + "/completion", {**base, "mode": mode}) for mode in ("ar", "diffusion")]
+    for status, answer in answers:
+        assert status == 200, answer
+    assert answers[0][1]["tokens"] == answers[1][1]["tokens"]
+    assert answers[1][1]["timings"]["block_passes"] == 0
+
+
+@pytest.mark.parametrize("fields,name", [
+    ({"block_size": 0}, "block_size"),
+    ({"block_size": 33}, "block_size"),  # above the widest block: the model's, 32
+    ({"threshold": 1.5}, "threshold"),
+    ({"threshold": -0.1}, "threshold"),
+    ({"threshold": "nan"}, "threshold"),
+    ({"mode": "fast"}, "mode"),
+    ({"coreset_top_p": 0}, "coreset_top_p"),
+])
+def test_bad_decoding_fields_get_a_400_naming_the_field(demo_gguf: Path, fields: dict[str, Any], name: str) -> None:
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        for path, body in (("/completion", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                           ("/v1/messages", {"model": "m", "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": "x"}]})):
+            status, answer = post(url + path, {"n_predict": 4, **body, "mode": "diffusion", **fields})
+            assert status == 400, (path, answer)
+            assert f"'{name}'" in answer["error"]["message"], (path, answer)
+        # a NaN literal is not JSON: a 400 with the error body too
+        status, answer = post_raw(url + "/completion", b'{"prompt": "x", "mode": "diffusion", "threshold": NaN}')
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+
+
+def test_a_model_without_block_passes_refuses_diffusion(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    gguf = clover_convert(tiny_checkpoint, tmp_path / "trunk.gguf", "f32", "--bd-sidecar")
+    with llama_server(gguf, *SERVER_ARGS) as url:
+        status, answer = post(url + "/completion", {"prompt": "x", "n_predict": 4, "mode": "diffusion"})
+        assert status == 400 and "'mode'" in answer["error"]["message"], answer
+        status, answer = post(url + "/completion", {"prompt": "x", "n_predict": 4, "mode": "ar"})
+        assert status == 200, answer
