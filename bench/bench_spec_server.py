@@ -93,8 +93,9 @@ def servers(gguf: Path, threads: int, ngl: int, work: Path) -> Iterator[dict[str
         yield out
 
 
-def complete(url: str, prompt: list[int], tokens: int) -> dict[str, Any]:
-    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
+def complete(url: str, prompt: list[int], tokens: int, **fields: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False,
+            **fields}
     req = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
     start = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as resp:
@@ -218,18 +219,30 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_args(parser: argparse.ArgumentParser, stem: str, prompts: int) -> None:
+    """The options this bench shares with bench_server_diffusion: files, prompts, runs, threads, where results go."""
     parser.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-spec")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=prompts)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--files", default="f16,Q4_K_M,35b")
     parser.add_argument("--threads", type=int, default=0, help="0: the machine's cores")
+    parser.add_argument("--stem", default=stem)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the .json and .md go")
+
+
+def write_results(args: argparse.Namespace, res: dict[str, Any], text: str) -> None:
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"{args.stem}.json").write_text(json.dumps(res, indent=1))
+    (args.results / f"{args.stem}.md").write_text(text + "\n")
+    print(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(parser, "bench_spec_server", 10)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="demo f16 only, 2 prompts per set, 1 run, 32 tokens")
-    parser.add_argument("--stem", default="bench_spec_server")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where the .json and .md go")
     args = parser.parse_args()
     import os
 
@@ -250,10 +263,7 @@ def main() -> int:
     for name, path in files.items():
         res["models"][name] = bench_model(path, prompts, args.tokens, args.runs, threads, args.n_gpu_layers,
                                           args.workdir)
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / f"{args.stem}.json").write_text(json.dumps(res, indent=1))
-    (args.results / f"{args.stem}.md").write_text(markdown(res) + "\n")
-    print(markdown(res))
+    write_results(args, res, markdown(res))
     return 0
 
 

@@ -117,6 +117,33 @@ def test_diffusion_in_llama_server_equals_the_engine_on_a_checkpoint_written_by_
     check_equal_to_engine(gguf, [_tokens(3, 7), _tokens(4, 30)])
 
 
+def test_diffusion_in_llama_server_follows_the_reference_step_by_step(handmade: tuple[Path, object],
+                                                                      tmp_path: Path) -> None:
+    """The PyTorch reference directly: every step's canvas, read from the server's canvas events, is the reference's,
+    or the two part first at a near-tie of the reference (tests/support/engine.py), and so are the tokens."""
+    from clover_ref.checkpoint import load_model
+    from tests.support.engine import REF_TOL, Ledger, reference_run
+
+    checkpoint, _ = handmade
+    gguf = clover_convert(checkpoint, tmp_path / "handmade.gguf", "f32")
+    ref = load_model(checkpoint)
+    mask = ref.config.mask_token_id
+    ledger = Ledger(rel_tol=REF_TOL)
+    with llama_server(gguf, *SERVER_ARGS, "--max-block-size", "32") as url:
+        cases = [(_tokens(5, 9), 4, 0.5, 21), (_tokens(6, 17), 8, 0.9, 30), (_tokens(7, 12), 32, 0.5, 37)]
+        for k, (prompt, block_size, threshold, n) in enumerate(cases):
+            (want,), session = reference_run(ref, [(prompt, {"mode": "diffusion", "block_size": block_size,
+                                                             "threshold": threshold, "max_new_tokens": n})])
+            events = sse(url + "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0.0,
+                                               "mode": "diffusion", "block_size": block_size, "threshold": threshold,
+                                               "stream": True, "return_canvas": True, "cache_prompt": False})
+            canvases = [[mask if t is None else t for t in e["canvas"]["tokens"]] for e in events if "canvas" in e]
+            tokens = [t for e in events if "canvas" not in e for t in e.get("tokens", [])]
+            tokens = [t for t in tokens if t not in ref.config.eos_token_ids]
+            ledger.check(f"handmade/{k}", tokens, want.tokens, ref, prompt, None, canvases, session.trace)
+    ledger.assert_budget()
+
+
 def test_diffusion_in_llama_server_equals_clover_cpp_generate(demo_gguf: Path) -> None:
     """The command a user runs: `clover-cpp generate --mode diffusion --json`, and the server started with the same
     settings as its defaults (--mode, --block-size, --threshold), asked with no decoding field."""
@@ -177,6 +204,20 @@ def test_sampled_diffusion_follows_the_seed(demo_gguf: Path) -> None:
         answers = [diffuse(url, prompt, 8, 0.5, 48, temperature=1.0, seed=seed)["tokens"] for seed in (7, 7, 8)]
     assert answers[0] == answers[1]
     assert answers[0] != answers[2]
+
+
+def test_diffusion_runs_to_the_context_end_as_ar_does(demo_gguf: Path) -> None:
+    """The last block is as wide as the context leaves (spec 4.1), and llama-server's own rule ends the answer where it
+    ends an ar one: the same number of tokens, the same stop."""
+    with llama_server(demo_gguf, "-c", "160", "-np", "1", "-t", "2", "--no-warmup") as url:
+        prompt = list(range(300, 400))  # 100 tokens: three blocks of 16, then 12 positions
+        answers = [post(url + "/completion", {"prompt": prompt, "n_predict": -1, "temperature": 0.0, "ignore_eos": True,
+                                              "return_tokens": True, "cache_prompt": False, "mode": mode,
+                                              "block_size": 16, "threshold": 0.5})[1] for mode in ("ar", "diffusion")]
+    ar, diffusion = answers
+    assert diffusion["timings"]["block_passes"] > 0
+    assert len(diffusion["tokens"]) == len(ar["tokens"]) > 48, (len(diffusion["tokens"]), len(ar["tokens"]))
+    assert (diffusion["stop_type"], diffusion["truncated"]) == (ar["stop_type"], ar["truncated"])
 
 
 def rebuild(events: list[dict[str, Any]]) -> str:
@@ -245,13 +286,16 @@ def test_a_grammar_request_in_diffusion_decodes_as_auto(demo_gguf: Path) -> None
     ({"threshold": "nan"}, "threshold"),
     ({"mode": "fast"}, "mode"),
     ({"coreset_top_p": 0}, "coreset_top_p"),
+    ({"mirostat": 2}, "mirostat"),  # its state follows each draw, a block draws many at a time
+    ({"n": 2}, "n"),
 ])
 def test_bad_decoding_fields_get_a_400_naming_the_field(demo_gguf: Path, fields: dict[str, Any], name: str) -> None:
+    bodies = [("/completion", {"prompt": "x"}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]
+    if name not in ("mirostat", "n"):  # the Anthropic API has neither field
+        bodies.append(("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}))
     with llama_server(demo_gguf, *SERVER_ARGS) as url:
-        for path, body in (("/completion", {"prompt": "x"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-                           ("/v1/messages", {"model": "m", "max_tokens": 4,
-                                             "messages": [{"role": "user", "content": "x"}]})):
+        for path, body in bodies:
             status, answer = post(url + path, {"n_predict": 4, **body, "mode": "diffusion", **fields})
             assert status == 400, (path, answer)
             assert f"'{name}'" in answer["error"]["message"], (path, answer)
