@@ -17,7 +17,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "graph-cache", "grammar-parse-error-to-log", "delta-net-conv-snapshots-of-the-ubatch",
                        "grammar-nesting-limit", "json-schema-depth-limit", "vocab-duplicate-text-error",
                        "speculative-simple-flush-log", "sampling-penalties-response-only",
-                       "common-sampler-mask-token", "ggml-host-buffers-huge-pages", "server-json-errors-are-400"}
+                       "common-sampler-mask-token", "ggml-host-buffers-huge-pages", "server-json-errors-are-400",
+                       "server-loopback-host-check", "arg-input-files-regular-and-capped"}
 
 
 @pytest.mark.native
