@@ -18,7 +18,6 @@ import json
 import subprocess
 import sys
 import threading
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import pytest
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.native import llama_server
-from tests.support.serve import post, post_raw
+from tests.support.serve import emitted_tokens, http, post, post_raw, sse_chunks
 
 pytestmark = pytest.mark.native
 
@@ -53,21 +52,11 @@ def diffuse(url: str, prompt: list[int], block_size: int, threshold: float, n: i
     return answer
 
 
-def emitted(answer: dict[str, Any]) -> list[int]:
-    # llama-server returns the end-of-generation token it stopped at; the engine does not (spec 4.2, "Emit")
-    return answer["tokens"][:-1] if answer["stop_type"] == "eos" else answer["tokens"]
-
-
 def sse(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The data events of a streamed request."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    events = []
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[len("data: "):]))
-    return events
+    status, _, raw = http(url, body, timeout=300)
+    assert status == 200, raw[-2000:]
+    return sse_chunks(raw)
 
 
 def engine_runs(gguf: Path, prompts: list[list[int]]) -> dict[tuple[int, int, float, int], Any]:
@@ -93,7 +82,7 @@ def check_equal_to_engine(gguf: Path, prompts: list[list[int]]) -> int:
         for (k, block_size, threshold, n), run in want.items():
             got = diffuse(url, prompts[k], block_size, threshold, n)
             case = f"prompt {k}, B={block_size}, threshold={threshold}, max_tokens={n}"
-            assert emitted(got) == run.tokens, f"{case}\nserver {emitted(got)}\nengine {run.tokens}"
+            assert emitted_tokens(got) == run.tokens, f"{case}\nserver {emitted_tokens(got)}\nengine {run.tokens}"
             timings = got["timings"]
             assert (timings["block_passes"], timings["causal_passes"]) == \
                 (run.stats.block_passes, run.stats.causal_passes), (case, timings, run.stats)
@@ -159,7 +148,7 @@ def test_diffusion_in_llama_server_equals_clover_cpp_generate(demo_gguf: Path) -
         status, got = post(url + "/completion", {"prompt": want["prompt_ids"], "n_predict": n, "temperature": 0.0,
                                                  "return_tokens": True, "cache_prompt": False})
     assert status == 200, got
-    assert emitted(got) == want["tokens"]
+    assert emitted_tokens(got) == want["tokens"]
     assert got["timings"]["block_passes"] == want["stats"]["block_passes"] > 0
 
 

@@ -20,7 +20,7 @@ from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.engine import FLASH_ATTN_TOL, Ledger, penalised_logprobs
 from tests.support.native import llama_server
-from tests.support.serve import get, post
+from tests.support.serve import emitted_tokens, get, post
 
 pytestmark = pytest.mark.native
 
@@ -47,8 +47,7 @@ def complete(url: str, prompt: list[int], **fields: Any) -> list[int]:
     status, answer = post(url + "/completion", {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0,
                                                 "return_tokens": True, "cache_prompt": False, **fields})
     assert status == 200, answer
-    # llama-server returns the end-of-generation token it stopped at; the engine does not (spec 4.2, "Emit")
-    return answer["tokens"][:-1] if answer["stop_type"] == "eos" else answer["tokens"]
+    return emitted_tokens(answer)
 
 
 def penalised_gap(ref: Any, context: list[int], response: list[int], tol: float) -> tuple[float, float]:

@@ -97,6 +97,17 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return post_raw(url, json.dumps(body).encode())
 
 
+def sse_chunks(raw: bytes) -> list[Any]:
+    """The JSON objects of a server-sent event stream's data lines (an end marker such as [DONE] is not one)."""
+    return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+
+
+def emitted_tokens(answer: dict[str, Any]) -> list[int]:
+    """llama-server's returned tokens less the end-of-generation token it stopped at, which the engine does not emit
+    (spec 4.2, "Emit")."""
+    return answer["tokens"][:-1] if answer["stop_type"] == "eos" else answer["tokens"]
+
+
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

@@ -29,7 +29,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.native import skip_or_fail
-from tests.support.serve import http, serve
+from tests.support.serve import http, serve, sse_chunks
 
 pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)
 
@@ -181,11 +181,6 @@ def _stat(answer: Any, name: str) -> str:
     return answer.find_element(By.CSS_SELECTOR, f'.stat[data-stat="{name}"]').text
 
 
-def _sse_chunks(raw: bytes) -> list[Any]:
-    return [json.loads(line[6:]) for line in raw.decode().splitlines()
-            if line.startswith("data: {")]
-
-
 # ------------------------------------------------------------------------------------------ tests
 def test_page_answers_with_reasoning_and_stats(server: str, browser: Any, tmp_path: Path) -> None:
     status, headers, page = http(server + "/")
@@ -273,9 +268,9 @@ def test_canvas_chunks_are_opt_in(server: str) -> None:
     """The stream carries ``clover_canvas`` chunks (no choices; a piece or null per cell) only when asked."""
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "mode": "diffusion",
             "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False}}
-    plain = _sse_chunks(http(server + "/v1/chat/completions", body)[2])
+    plain = sse_chunks(http(server + "/v1/chat/completions", body)[2])
     assert plain and not any("clover_canvas" in c for c in plain)
-    chunks = _sse_chunks(http(server + "/v1/chat/completions", body | {"clover_canvas": True})[2])
+    chunks = sse_chunks(http(server + "/v1/chat/completions", body | {"clover_canvas": True})[2])
     frames = [c for c in chunks if "clover_canvas" in c]
     assert frames and all(c["choices"] == [] and len(c["clover_canvas"]) == 32 for c in frames)
     assert any(None in f["clover_canvas"] for f in frames)

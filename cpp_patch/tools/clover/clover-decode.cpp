@@ -209,12 +209,7 @@ static bool clover_timed_causal(clover_run & run, const llama_token * tokens, in
 }
 
 void clover_window(const clover_run & run, const std::vector<llama_token> & canvas, std::vector<llama_token> & window) {
-    const int32_t w = (int32_t) canvas.size();
-    window.resize(w);
-    window[0] = run.slot->pending;
-    for (int32_t j = 0; j + 1 < w; ++j) {
-        window[j + 1] = canvas[j] == CLOVER_EMPTY ? run.slot->info.mask_token_id : canvas[j];
-    }
+    window = common_block_window(run.slot->pending, canvas, run.slot->info.mask_token_id);
 }
 
 // one LowConfidence step: a block pass; fill the masked targets common_lowconf_select picks (every one above the
@@ -232,8 +227,8 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
     if (!clover_timed_block(run, window, masked)) {
         return false;
     }
-    std::vector<common_lowconf_choice> choices;
-    std::vector<clover_logprob>        logprobs;
+    std::vector<clover_choice>  choices;
+    std::vector<clover_logprob> logprobs;
     choices.reserve(masked.size());
     {
         clover_window_counts counts(run, canvas);
@@ -244,8 +239,7 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
             }
             counts.advance(j);
             clover_dist_apply(run, logits, false);
-            const clover_choice c = clover_choose(slot, run.smp, logits);
-            choices.push_back({ c.token, c.conf });
+            choices.push_back(clover_choose(slot, run.smp, logits));
             if (run.dist.n_logprobs >= 0) {
                 logprobs.push_back(clover_dist_logprob(run, logits, choices.back().token));
             }

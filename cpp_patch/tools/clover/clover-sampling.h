@@ -3,6 +3,7 @@
 
 #pragma once
 
+#include "block-diffusion.h"  // common/: common_lowconf_choice
 #include "clover-run.h"
 #include "llama.h"
 
@@ -10,11 +11,8 @@
 #include <string>
 #include <vector>
 
-// a target's token and its confidence P(token) at temperature 1
-struct clover_choice {
-    llama_token token;
-    float       conf;
-};
+// a target's token and its confidence P(token) at temperature 1 (what LowConfidence's rule picks from)
+using clover_choice = common_lowconf_choice;
 
 // distributions and the sampler (spec 4; clover-sampling.cpp)
 llama_token   clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab);
