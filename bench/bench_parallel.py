@@ -88,7 +88,7 @@ class Server:
         from clover_dev.process import cli_command
 
         with open(log_path, "w") as out:
-            self.proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),
+            self.proc = subprocess.Popen(cli_command("serve-legacy", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),
                                                      "-np", str(n_parallel), "--log-level", "warning"),
                                          stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300

@@ -56,7 +56,7 @@ def start_server(gguf: Path, n_ctx: int, log_path: Path) -> tuple[subprocess.Pop
     from clover_dev.process import cli_command
 
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),
+        proc = subprocess.Popen(cli_command("serve-legacy", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),
                                             "--log-level", "warning"), stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -14,7 +14,8 @@
     clover-cpp imatrix -m F16.gguf -f CALIB.txt [-o imatrix.gguf] [--chunk-size 512] [--chunks N]
                        [--block-size B] [--no-masked] [--seed S] [-t N] [-ngl N]       (clover_cpp/imatrix.py)
     clover-cpp chat -m MODEL.gguf [--mode M] [--think on|off] [--visual] ...   (clover_cpp/chat.py)
-    clover-cpp serve -m MODEL.gguf [--host H] [--port P] ...                   (clover_cpp/serve/)
+    clover-cpp serve -m MODEL.gguf [llama-server's options]   the patched llama-server (clover_cpp/launch.py)
+    clover-cpp serve-legacy -m MODEL.gguf ...   the earlier FastAPI server (clover_cpp/serve/), being retired
 
 Bad input prints exactly one line (``clover-cpp: error: ...``) and exits with status 2.
 """
@@ -83,7 +84,8 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/serve.md)")
+    serve = sub.add_parser("serve-legacy", help="the earlier FastAPI server, being retired: use serve "
+                           "(docs/serve.md)")
     options.add_engine_args(serve)
     # llama-server's sampling options: defaults for what a request leaves out
     options.add_generation_args(serve, max_tokens=None, seed=None, max_tokens_help="max_tokens of a chat request "
@@ -268,6 +270,11 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")  # llama.cpp's error log would add lines; we print one
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # llama-server's options are its own: no argparse here (clover_cpp/launch.py)
+        from . import launch
+
+        return cli_runner.run(PROG, lambda: launch.main(argv[1:]))
     return cli_runner.run(PROG, lambda: _run(build_parser().parse_args(argv)))
 
 
@@ -276,7 +283,7 @@ def _run(args: argparse.Namespace) -> int:
         return run_imatrix(args)
     if args.command == "chat":
         return run_chat_command(args)
-    if args.command == "serve":
+    if args.command == "serve-legacy":
         return run_serve_command(args)
     return run_generate(args)
 

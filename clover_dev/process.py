@@ -38,18 +38,28 @@ def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
 @contextmanager
 def llama_server(exe: Path, gguf: Path, *args: str, log_path: Path, ready_s: float = 120) -> Iterator[str]:
     """llama-server ``exe`` on ``gguf`` (bound to localhost, on a free port, with ``args``), once its /health
-    answers 200; its base URL. RuntimeError, with the log's tail, when it exits or is not ready within ready_s,
-    or has died by the end of the block."""
+    answers 200; its base URL (serving)."""
     port = free_port()
+    argv = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *args]
+    with serving(argv, port, log_path=log_path, ready_s=ready_s) as (url, _):
+        yield url
+
+
+@contextmanager
+def serving(argv: list[str], port: int, *, log_path: Path, ready_s: float = 120, env: dict[str, str] | None = None,
+            alive_at_end: bool = True) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A server process (``argv``, listening on 127.0.0.1:``port``, its output in ``log_path``) once its /health
+    answers 200: (its base URL, the process); SIGTERM at the end. RuntimeError, with the log's tail, when it exits
+    or is not ready within ready_s, or (``alive_at_end``) has died by the end of the block."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *args],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{Path(argv[0]).name} exited with {proc.returncode}:\n"
+                                   f"{log_path.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                     if resp.status == 200:
@@ -57,11 +67,10 @@ def llama_server(exe: Path, gguf: Path, *args: str, log_path: Path, ready_s: flo
             except OSError:  # not listening yet, or 503 while the model loads
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server not ready in {ready_s} s:\n{log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{Path(argv[0]).name} not ready in {ready_s} s:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
-        yield url
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server died:\n{log_path.read_text()[-3000:]}")
+        yield url, proc
+        if alive_at_end and proc.poll() is not None:
+            raise RuntimeError(f"{Path(argv[0]).name} died:\n{log_path.read_text()[-3000:]}")
     finally:
         stop_process(proc)
-

@@ -52,7 +52,7 @@ CONVERT = ("{DIR}", "{OUT}", "--outtype", "f32", "--threads", "1")
 REF = ("generate", "{DIR}", "-p", "x", "-n", "1")
 GENERATE = ("generate", "-m", "{GGUF}", "-p", "x", "-n", "1", "-c", "64", "-t", "1")
 CHAT = ("chat", "-m", "{GGUF}", "-c", "64", "-t", "1")
-SERVE = ("serve", "-m", "{GGUF}", "-c", "64", "-t", "1", "--port", "0")
+SERVE = ("serve-legacy", "-m", "{GGUF}", "-c", "64", "-t", "1", "--port", "0")
 IMATRIX_CMD = ("imatrix", "-m", "{GGUF}", "-f", "{GGUF}", "-o", "{OUT}")
 
 SLOTS: tuple[Slot, ...] = (

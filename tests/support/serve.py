@@ -1,5 +1,6 @@
-"""Helpers for the tests of `clover-cpp serve` (tests/surfaces/test_serve_*.py): a live server on a GGUF, plain HTTP
-calls to it, and the checks of an OpenAI error body."""
+"""Helpers for the server tests: a live `clover-cpp serve` (the patched llama-server: ``clover_serve``) or the earlier
+FastAPI server (``serve``, tests/surfaces/test_serve_*.py) on a GGUF, plain HTTP calls, and the checks of an OpenAI
+error body."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from clover_dev.process import cli_command, stop_process
+from clover_dev.process import cli_command, free_port, serving, stop_process
 from tests.support.chat import child_env
 
 MODEL_ID = "tiny"  # the tiny checkpoint's GGUF, served under its file name (tests/surfaces/conftest.py)
@@ -26,15 +27,28 @@ THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @contextmanager
+def clover_serve(gguf: Path, *args: str, env: dict[str, str] | None = None, ready_s: float = 120,
+                 alive_at_end: bool = True) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """A live `clover-cpp serve` (llama-server) on ``gguf``, on 127.0.0.1 and a free port, its log a new file
+    beside the GGUF: (url, process, log path); SIGTERM at the end."""
+    port = free_port()
+    log_path = gguf.parent / f"clover-serve-{time.monotonic_ns()}.log"
+    argv = cli_command("serve", "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *args)
+    with serving(argv, port, log_path=log_path, ready_s=ready_s, env=child_env() | (env or {}),
+                 alive_at_end=alive_at_end) as (url, proc):
+        yield url, proc, log_path
+
+
+@contextmanager
 def serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True, files: tuple[int, int] | None = None
           ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    """A live `clover-cpp serve` on any free port: (url, process, log path); SIGTERM at the end. ``files``: the
+    """A live `clover-cpp serve-legacy` on any free port: (url, process, log path); SIGTERM at the end. ``files``: the
     server starts with this (soft, hard) limit on open files (RLIMIT_NOFILE) instead of the test's."""
     log_path = folder / f"server-{time.monotonic_ns()}.log"
     limit = None if files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, files))
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cli_command("serve", "-m", str(gguf), "--port", "0", "--log-level", "warning", *args),
-                                stdout=log, stderr=subprocess.STDOUT, env=child_env(), preexec_fn=limit)
+        proc = subprocess.Popen(cli_command("serve-legacy", "-m", str(gguf), "--port", "0", "--log-level", "warning",
+                                            *args), stdout=log, stderr=subprocess.STDOUT, env=child_env(), preexec_fn=limit)
     try:
         url = None
         deadline = time.monotonic() + 120

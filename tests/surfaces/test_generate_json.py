@@ -132,14 +132,14 @@ def test_clover_cpp_takes_llama_cpp_names(tiny_gguf: Path) -> None:
     want = {"temperature": 0.5, "seed": 7, "max_tokens": 9, "top_k": 40, "top_p": 0.9, "ctx_size": 512,
             "threads": 1, "n_gpu_layers": 0}
     parser = build_parser()
-    for command in ("generate", "chat", "serve"):
+    for command in ("generate", "chat", "serve-legacy"):
         extra = ["-p", "x"] if command == "generate" else []
         args = parser.parse_args([command, "-m", "M.gguf", *extra, *llama_names])
         assert {k: getattr(args, k) for k in want} == want, command
         long = parser.parse_args([command, "-m", "M.gguf", *extra, "--temperature", "0.5", "--seed", "7",
                                   "--max-tokens", "9"])
         assert (long.temperature, long.seed, long.max_tokens) == (0.5, 7, 9), command
-    for command in ("generate", "chat", "serve"):  # no option is defined twice
+    for command in ("generate", "chat", "serve-legacy"):  # no option is defined twice
         sub = parser._subparsers._group_actions[0].choices[command]
         strings = [s for a in sub._actions for s in a.option_strings]
         assert len(strings) == len(set(strings)), command
@@ -151,7 +151,8 @@ def test_clover_cpp_takes_llama_cpp_names(tiny_gguf: Path) -> None:
     assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 5
 
 
-@pytest.mark.parametrize("args", [["serve", "--seed", "-1"], ["serve", "--top-p", "0"], ["serve", "-n", "0"],
+@pytest.mark.parametrize("args", [["serve-legacy", "--seed", "-1"], ["serve-legacy", "--top-p", "0"],
+                                  ["serve-legacy", "-n", "0"],
                                   ["chat", "-s", "-2"], ["generate", "-p", "x", "-s", "4294967296"]])
 @pytest.mark.native
 def test_clover_cpp_checks_the_new_options(tiny_gguf: Path, args: list[str]) -> None:

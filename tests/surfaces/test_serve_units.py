@@ -133,18 +133,19 @@ def test_template_failures_are_template_errors(monkeypatch: pytest.MonkeyPatch, 
 def test_bad_command_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF garbage")
-    for args in (["serve", "-m", "/nonexistent.gguf"], ["serve", "-m", str(bad)],
-                 ["serve", "-m", str(bad), "--port", "70000"], ["chat", "-m", str(bad), "--threshold", "2"],
+    serve = "serve-legacy"
+    for args in ([serve, "-m", "/nonexistent.gguf"], [serve, "-m", str(bad)],
+                 [serve, "-m", str(bad), "--port", "70000"], ["chat", "-m", str(bad), "--threshold", "2"],
                  ["generate", "-m", str(bad), "-p", "x", "--threshold", "-1"],
                  ["generate", "-m", str(bad), "-p", "x", "--threshold", "nan"],
-                 ["serve", "-m", str(bad), "--api-key-file", str(tmp_path / "none.txt")],
-                 ["serve", "-m", str(bad), "--max-queue", "-1"],
+                 [serve, "-m", str(bad), "--api-key-file", str(tmp_path / "none.txt")],
+                 [serve, "-m", str(bad), "--max-queue", "-1"],
                  # numbers the engine's 32-bit fields cannot hold, and limits that are no finite number
                  ["generate", "-m", str(bad), "-p", "x", "-n", str(10**12)],
                  ["generate", "-m", str(bad), "-p", "x", "--temp", "1e39"],
-                 ["serve", "-m", str(bad), "-c", "99999999999"], ["serve", "-m", str(bad), "-t", str(2**40)],
-                 ["serve", "-m", str(bad), "--top-k", str(2**31)], ["serve", "-m", str(bad), "--cache-ram", "nan"],
-                 ["serve", "-m", str(bad), "--timeout", "nan"], ["serve", "-m", str(bad), "--timeout", "-1"]):
+                 [serve, "-m", str(bad), "-c", "99999999999"], [serve, "-m", str(bad), "-t", str(2**40)],
+                 [serve, "-m", str(bad), "--top-k", str(2**31)], [serve, "-m", str(bad), "--cache-ram", "nan"],
+                 [serve, "-m", str(bad), "--timeout", "nan"], [serve, "-m", str(bad), "--timeout", "-1"]):
         done = subprocess.run(cli_command(*args), capture_output=True, text=True, env=child_env(), timeout=120)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("clover-cpp: error:"), \
