@@ -47,8 +47,8 @@ def serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True, files
     log_path = folder / f"server-{time.monotonic_ns()}.log"
     limit = None if files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, files))
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cli_command("serve-legacy", "-m", str(gguf), "--port", "0", "--log-level", "warning",
-                                            *args), stdout=log, stderr=subprocess.STDOUT, env=child_env(), preexec_fn=limit)
+        argv = cli_command("serve-legacy", "-m", str(gguf), "--port", "0", "--log-level", "warning", *args)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(), preexec_fn=limit)
     try:
         url = None
         deadline = time.monotonic() + 120
