@@ -18,7 +18,9 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "grammar-nesting-limit", "json-schema-depth-limit", "vocab-duplicate-text-error",
                        "speculative-simple-flush-log", "sampling-penalties-response-only",
                        "common-sampler-mask-token", "ggml-host-buffers-huge-pages", "server-json-errors-are-400",
-                       "server-loopback-host-check", "arg-input-files-regular-and-capped"}
+                       "server-loopback-host-check", "arg-input-files-regular-and-capped",
+                       "chat-tool-choice-required-is-a-call", "server-named-tool-choice",
+                       "server-responses-function-call-arguments-done"}
 
 
 @pytest.mark.native
