@@ -6,9 +6,18 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint demo clean native bench browser
+.PHONY: setup test test-fast lint demo clean native bench browser agents
 
-setup: $(STAMP) native browser
+setup: $(STAMP) native browser agents
+
+# The agent CLIs the agent tests drive against `clover-cpp serve` (tests/native/test_agents.py), pinned, from npm
+# into build/agents (node_modules/.bin/claude, codex); installed once, when missing or at another version.
+AGENTS := @anthropic-ai/claude-code@2.1.328 @openai/codex@0.169.0
+agents:
+	@test "$$(cat build/agents/.pinned 2>/dev/null)" = "$(AGENTS)" || { \
+		command -v npm >/dev/null || { echo "make agents: npm is missing (Debian: apt-get install npm)" >&2; exit 1; }; \
+		mkdir -p build/agents && npm install --prefix build/agents --no-save --no-audit --no-fund --silent $(AGENTS) && \
+		echo "$(AGENTS)" > build/agents/.pinned; }
 
 # The web chat's browser tests (tests/surfaces/test_webui.py) drive Debian's chromium and chromedriver through
 # selenium (pyproject [test]); installed once when missing, with sudo unless we are root.
