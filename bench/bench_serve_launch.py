@@ -6,11 +6,14 @@
 
 Four servers on the same GGUF, all started before the first request and asked in turn on every prompt
 (interleaved, in an order rotated from prompt to prompt), greedy, --tokens new tokens (ignore_eos), without the
-prompt cache, one slot, the same -c and threads, started anew for each of --rounds rounds: `llama-server` plain (no --spec-type); llama-server with the line `clover-cpp serve --mode ar` runs
-(Clover's drafters loaded, requests decode ar); `clover-cpp serve --mode ar`; and `clover-cpp serve` with its
-defaults (auto: ngram-mod, then draft-clover). The second and third differ only by the launcher. Held-out code prompts
-(bench_speed's). End to end is the wall time of a request at the client; decode is the server's own
-predicted_per_second. A ratio is the median over runs of that run's tok/s over plain's in the same run.
+prompt cache, one slot, the same -c and threads, started anew for each of --rounds rounds:
+- `llama-server` plain (no --spec-type);
+- llama-server with the line `clover-cpp serve --mode ar` runs (Clover's drafters loaded, requests decode ar);
+- `clover-cpp serve --mode ar`;
+- `clover-cpp serve` with its defaults (auto: ngram-mod, then draft-clover).
+The second and third differ only by the launcher. Held-out code prompts (bench_speed's). End to end is the wall
+time of a request at the client; decode is the server's own predicted_per_second. A ratio is the median over runs
+of that run's tok/s over plain's in the same run.
 
 Results: bench/results/bench_serve_launch.{json,md}.
 """
@@ -92,9 +95,9 @@ def bench_model(gguf: Path, prompts: list[list[int]], tokens: int, runs: int, ro
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = [f"`clover-cpp serve` and the llama-server it runs ({res['date']}, {res['cpu']}, {res['threads']} threads). "
-             f"{res['rounds']} rounds, each starting the servers anew, of {res['runs']} runs of {res['prompts']} held-out "
-             f"prompts, {res['tokens']} new tokens each (ignore_eos), greedy, servers interleaved on each prompt in a "
+    lines = [f"`clover-cpp serve` and the llama-server it runs ({res['date']}, {res['cpu']}, {res['threads']} "
+             f"threads). {res['rounds']} rounds, each starting the servers anew, of {res['runs']} runs of "
+             f"{res['prompts']} held-out prompts, {res['tokens']} new tokens each (ignore_eos), greedy, servers interleaved on each prompt in a "
              "rotating order; ratios: the median (and range) over all runs of that run's tok/s over llama-server "
              "plain's. End to end: wall time per request at the client; decode: the server's "
              "predicted_per_second.", ""]
