@@ -97,7 +97,8 @@ def bench_model(gguf: Path, prompts: list[list[int]], tokens: int, runs: int, ro
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"`clover-cpp serve` and the llama-server it runs ({res['date']}, {res['cpu']}, {res['threads']} "
              f"threads). {res['rounds']} rounds, each starting the servers anew, of {res['runs']} runs of "
-             f"{res['prompts']} held-out prompts, {res['tokens']} new tokens each (ignore_eos), greedy, servers interleaved on each prompt in a "
+             f"{res['prompts']} held-out prompts, {res['tokens']} new tokens each (ignore_eos), greedy, servers "
+             "interleaved on each prompt in a "
              "rotating order; ratios: the median (and range) over all runs of that run's tok/s over llama-server "
              "plain's. End to end: wall time per request at the client; decode: the server's "
              "predicted_per_second.", ""]
