@@ -20,7 +20,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "common-sampler-mask-token", "ggml-host-buffers-huge-pages", "server-json-errors-are-400",
                        "server-loopback-host-check", "arg-input-files-regular-and-capped",
                        "chat-tool-choice-required-is-a-call", "server-named-tool-choice",
-                       "server-responses-function-call-arguments-done"}
+                       "server-responses-function-call-arguments-done", "server-request-nesting-cap",
+                       "server-malformed-requests-are-400"}
 
 
 @pytest.mark.native

@@ -1,0 +1,140 @@
+"""Bad requests to `clover-cpp serve` (llama-server) get a 4xx with llama-server's error body, never a 5xx or a crash
+(docs/serve.md, "Bad requests"): a seeded fuzz of every field of a valid body of each API (tests/support/
+fuzz_bodies.py), bodies that are no JSON object, bodies nested from below the cap to a million levels, and HTTP
+requests changed byte by byte. Before patches 0029 and 0030 (docs/serve.md) this fuzz killed the server four times (a body some
+100,000 levels deep overflowed a handler thread's stack) and got 166 answers of 500 for malformed messages, tools
+and token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import fuzz_bodies
+from tests.support.fuzz_bodies import WHOLE, Raw, mutated_requests, raw_answer
+from tests.support.serve import address, clover_serve, get, http
+
+pytestmark = pytest.mark.native
+
+SEED = 45
+MODEL = "demo"
+MAX_DEPTH = 512  # the patch's SERVER_JSON_MAX_DEPTH
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]},
+            {"role": "assistant", "content": None, "reasoning_content": "add them",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2}"}}]},
+            {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "add"},
+            {"role": "user", "content": "thanks"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+SAMPLING = {"model": MODEL, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stream": False,
+            "stop": ["\n\n"], "presence_penalty": 0.1, "frequency_penalty": 0.1, "logit_bias": {"5": 1.0},
+            "mode": "ar", "block_size": 8, "threshold": 0.9, "coreset_top_p": 1.0}
+BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {**SAMPLING, "messages": MESSAGES, "max_tokens": 1, "tools": TOOLS,
+                             "tool_choice": "auto", "parallel_tool_calls": True, "logprobs": True, "top_logprobs": 2,
+                             "response_format": {"type": "text"},
+                             "chat_template_kwargs": {"enable_thinking": False}},
+    "/v1/completions": {**SAMPLING, "prompt": "def add(a, b):", "max_tokens": 1, "logprobs": 2},
+    "/v1/messages": {"model": MODEL, "max_tokens": 1, "system": "Be brief.", "temperature": 0.5,
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]}],
+                     "tools": [{"name": "add", "description": "adds", "input_schema": TOOLS[0]["function"][
+                         "parameters"]}], "tool_choice": {"type": "auto"}, "stop_sequences": ["\n\n"]},
+    "/v1/responses": {"model": MODEL, "input": [{"role": "user", "content": "What is 2 + 3?"}],
+                      "max_output_tokens": 1, "instructions": "Be brief.", "temperature": 0.5,
+                      "tools": [{"type": "function", **TOOLS[0]["function"]}], "tool_choice": "auto"},
+    "/tokenize": {"content": "hello <|im_start|>", "add_special": True, "parse_special": True, "with_pieces": True},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
+
+
+@pytest.fixture(scope="module")
+def server(demo_gguf: Path) -> Iterator[str]:
+    """-n 2: a request whose length field the fuzz nulls answers in 2 tokens at most."""
+    with clover_serve(demo_gguf, "-c", "2048", "-np", "2", "-t", "2", "--no-warmup", "-n", "2", "--alias", MODEL,
+                      "--props", "--metrics") as (url, _, _):
+        yield url
+
+
+def check_answer(status: int, answer: bytes) -> str | None:
+    """Why an answer breaks the contract, or None: a 2xx, or a 4xx whose body is llama-server's error object."""
+    if status >= 500 or status < 200:
+        return f"{status}: {answer[:300]!r}"
+    if status < 400:
+        return None
+    try:
+        error = json.loads(answer)["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"{status} without an error body: {answer[:300]!r}"
+    if error.get("code") != status or not isinstance(error.get("message"), str) or not error.get("type"):
+        return f"{status} error body: {error}"
+    return None
+
+
+def test_fuzzed_bodies_get_a_2xx_or_a_4xx_with_an_error_body(server: str) -> None:
+    """Sent four at a time (the server's HTTP threads parse and render while its two slots decode)."""
+    rng = random.Random(SEED)
+    requests = []
+    for endpoint, body in BODIES.items():
+        requests += [(endpoint, what, data) for what, data in fuzz_bodies.cases(body, rng)]
+        requests += [(endpoint, f"whole body {data[:40]!r}", data) for data in WHOLE]
+
+    def send(request: tuple[str, str, bytes]) -> str | None:
+        endpoint, what, data = request
+        status, _, answer = http(server + endpoint, data, timeout=120)
+        why = check_answer(status, answer)
+        return f"{endpoint} {what}: {why}" if why else None
+
+    with ThreadPoolExecutor(4) as pool:
+        failures = [why for why in pool.map(send, requests) if why]
+    assert not failures, f"{len(failures)} of {len(requests)} answers broke the contract:\n" + "\n".join(failures[:20])
+    assert get(server + "/health")["status"] == "ok"
+    status, _, answer = http(server + "/v1/chat/completions", BODIES["/v1/chat/completions"], timeout=60)
+    assert status == 200, answer[:300]
+
+
+def _nested(depth: int) -> Raw:
+    return Raw("[" * depth + "]" * depth)
+
+
+@pytest.mark.parametrize("endpoint, field", [("/v1/chat/completions", "tools"), ("/v1/messages", "system"),
+                                             ("/tokenize", "content")])
+def test_nesting_from_below_the_cap_to_a_million_deep(server: str, endpoint: str, field: str) -> None:
+    """Up to the cap a body is read (whatever the answer); past it, a 400 that says so, before it is parsed."""
+    for depth in (10, MAX_DEPTH - 2, MAX_DEPTH, MAX_DEPTH + 1, 100_000, 1_000_000):
+        data = fuzz_bodies.encode({**BODIES[endpoint], field: _nested(depth)})
+        status, _, answer = http(server + endpoint, data, timeout=120)
+        assert check_answer(status, answer) is None, (depth, status, answer[:300])
+        nests = f"nests arrays and objects deeper than {MAX_DEPTH} levels"
+        assert (status == 400 and nests in json.loads(answer)["error"]["message"]) == (depth + 1 > MAX_DEPTH), \
+            (depth, status, answer[:300])
+    assert get(server + "/health")["status"] == "ok"
+
+
+def test_malformed_http_never_gets_a_5xx(server: str) -> None:
+    where = address(server)
+    failures = []
+    for request in mutated_requests(where, random.Random(SEED), MODEL):
+        answer = raw_answer(where, request)
+        if not answer:
+            continue  # cut before the head ended: the end of input closes it
+        status = int(answer.split(b" ", 2)[1])
+        if status >= 500:
+            failures.append(f"{request[:80]!r}: {answer[:200]!r}")
+    assert not failures, "\n".join(failures[:10])
+    assert get(server + "/health")["status"] == "ok"
+
+
+@pytest.mark.parametrize("kwargs", [[0] * 1000, {f"k{i}": i for i in range(257)}, "on"])
+def test_template_kwargs_are_an_object_of_a_few_keys(server: str, kwargs: Any) -> None:
+    body = {**BODIES["/v1/chat/completions"], "chat_template_kwargs": kwargs}
+    status, _, answer = http(server + "/v1/chat/completions", body, timeout=60)
+    assert status == 400 and "'chat_template_kwargs' must be an object of at most 256 keys" in \
+        json.loads(answer)["error"]["message"], answer[:300]
