@@ -1,0 +1,136 @@
+"""What the earlier server's tests checked, against `clover-cpp serve` (llama-server) on the demo model, through the
+official `openai` client (docs/serve.md):
+
+- a streamed chat answer is the answer not streamed, in every mode; the lossless modes (`auto`, `spec`) give `ar`'s;
+- `json_schema` answers are valid JSON of the schema in every lossless mode, sampled or greedy;
+- logprobs agree across `ar`, `auto` and `spec` (the same tokens; values within f32 rounding of a verification
+  batch, or a near tie, tests/support/);
+- `/tokenize` and `/detokenize` round-trip, `/props` and `/slots` describe the server, `/metrics` counts a
+  request's tokens;
+- an API key guards the API but not `/health`, with the OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.serve import auth, clover_serve, get, http, post
+
+pytestmark = pytest.mark.native
+
+MODEL = "demo"
+LOSSLESS = ("ar", "auto", "spec")
+THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+ASK = [{"role": "user", "content": "Write a function that parses a line of a CSV file."}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "count": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "count"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(demo_gguf: Path) -> Iterator[str]:
+    with clover_serve(demo_gguf, "-c", "2048", "-np", "2", "-t", "2", "--no-warmup", "--alias", MODEL,
+                      "--metrics") as (url, _, _):
+        yield url
+
+
+def _client(url: str, key: str = "none") -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _chat(url: str, mode: str, stream: bool, **fields: Any) -> str:
+    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 48, "temperature": 0.0,
+              "extra_body": {"mode": mode, **THINK_OFF}, **fields}
+    client = _client(url)
+    if not stream:
+        return client.chat.completions.create(**kwargs).choices[0].message.content
+    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                   if c.choices)
+
+
+@pytest.mark.parametrize("mode", [*LOSSLESS, "diffusion"])
+def test_stream_equals_non_stream_and_lossless_modes_equal_ar(server: str, mode: str) -> None:
+    answer = _chat(server, mode, False)
+    assert answer and _chat(server, mode, True) == answer
+    if mode in LOSSLESS:
+        assert answer == _chat(server, "ar", False)
+
+
+def _valid(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    assert set(value) == {"name", "count"} and isinstance(value["name"], str) and isinstance(value["count"], int) \
+        and not isinstance(value["count"], bool), value
+    return value
+
+
+@pytest.mark.parametrize("mode", LOSSLESS)
+def test_json_schema_is_valid_in_every_lossless_mode(server: str, mode: str) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    greedy = _chat(server, mode, False, response_format=fmt, max_tokens=96)
+    assert _valid(greedy) == _valid(_chat(server, "ar", False, response_format=fmt, max_tokens=96))
+    for seed in (1, 2, 3):
+        _valid(_chat(server, mode, False, response_format=fmt, max_tokens=96, temperature=0.8, seed=seed))
+
+
+def test_logprobs_agree_across_lossless_modes(server: str) -> None:
+    runs = {}
+    for mode in LOSSLESS:
+        resp = _client(server).chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=64, temperature=0.0, logprobs=True, top_logprobs=3,
+            extra_body={"mode": mode, **THINK_OFF})
+        runs[mode] = resp.choices[0].logprobs.content
+        accepted = resp.model_extra["timings"].get("draft_n_accepted", 0)
+        assert (accepted > 0) == (mode != "ar"), (mode, resp.model_extra["timings"])  # drafted tokens are checked
+    for mode in ("auto", "spec"):
+        assert [t.token for t in runs[mode]] == [t.token for t in runs["ar"]], mode
+        for ours, ar in zip(runs[mode], runs["ar"]):
+            # f32 logits of one position differ by rounding between a 1-token pass and a verification batch
+            assert ours.logprob == pytest.approx(ar.logprob, abs=1e-3), (mode, ours, ar)
+            assert [t.token for t in ours.top_logprobs][:1] == [t.token for t in ar.top_logprobs][:1]
+
+
+def test_tokenize_props_slots_metrics(server: str) -> None:
+    text = "def add(a, b):\n    return a + b  # \U0001d518 sum"
+    status, tokens = post(server + "/tokenize", {"content": text, "with_pieces": True})
+    assert status == 200 and all("piece" in t for t in tokens["tokens"])
+    status, back = post(server + "/detokenize", {"tokens": [t["id"] for t in tokens["tokens"]]})
+    assert status == 200 and back["content"] == text
+    props = get(server + "/props")
+    assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 1024
+    assert "<|im_start|>" in props["chat_template"]
+    slots = get(server + "/slots")
+    assert [s["id"] for s in slots] == [0, 1] and all(s["n_ctx"] == 1024 for s in slots)
+
+    def predicted() -> float:
+        with urllib.request.urlopen(server + "/metrics", timeout=30) as r:
+            found = re.search(r"^llamacpp:tokens_predicted_total (\S+)$", r.read().decode(), re.M)
+        assert found
+        return float(found.group(1))
+
+    before = predicted()
+    resp = _client(server).chat.completions.create(model=MODEL, messages=ASK, max_tokens=7, temperature=0.0,
+                                                   extra_body={"mode": "ar", **THINK_OFF})
+    assert predicted() - before == resp.usage.completion_tokens == 7
+
+
+def test_an_api_key_guards_the_api_but_not_health(demo_gguf: Path) -> None:
+    import openai
+
+    with clover_serve(demo_gguf, "-c", "512", "-np", "1", "--no-warmup", "--api-key", "sesame") as (url, _, _):
+        assert get(url + "/health")["status"] == "ok"
+        status, _, body = http(url + "/v1/models")
+        assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error", body
+        status, _, _ = http(url + "/v1/models", headers=auth("sesame"))
+        assert status == 200
+        with pytest.raises(openai.AuthenticationError):
+            _client(url, "wrong").models.list()
+        assert _client(url, "sesame").models.list().data
