@@ -1,9 +1,9 @@
 """Bad requests to `clover-cpp serve` (llama-server) get a 4xx with llama-server's error body, never a 5xx or a crash
 (docs/serve.md, "Bad requests"): a seeded fuzz of every field of a valid body of each API (tests/support/
 fuzz_bodies.py), bodies that are no JSON object, bodies nested from below the cap to a million levels, and HTTP
-requests changed byte by byte. Before patches 0029 and 0030 (docs/serve.md) this fuzz killed the server four times (a body some
-100,000 levels deep overflowed a handler thread's stack) and got 166 answers of 500 for malformed messages, tools
-and token ids.
+requests changed byte by byte. Before patches 0029 and 0030 this fuzz killed the server four times (a body
+some 100,000 levels deep overflowed a handler thread's stack) and got 166 answers of 500 for malformed messages,
+tools and token ids.
 """
 
 from __future__ import annotations
