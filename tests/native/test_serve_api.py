@@ -6,7 +6,7 @@ official `openai` client (docs/serve.md):
 - logprobs agree across `ar`, `auto` and `spec` (the same tokens; values within f32 rounding of a verification
   batch, or a near tie, tests/support/);
 - `/tokenize` and `/detokenize` round-trip, `/props` and `/slots` describe the server, `/metrics` counts a
-  request's tokens;
+  request's tokens and passes (Clover's counters: causal and block passes, and TPF);
 - an API key guards the API but not `/health`, with the OpenAI error body.
 """
 
@@ -110,16 +110,21 @@ def test_tokenize_props_slots_metrics(server: str) -> None:
     slots = get(server + "/slots")
     assert [s["id"] for s in slots] == [0, 1] and all(s["n_ctx"] == 1024 for s in slots)
 
-    def predicted() -> float:
+    def metrics() -> dict[str, float]:
         with urllib.request.urlopen(server + "/metrics", timeout=30) as r:
-            found = re.search(r"^llamacpp:tokens_predicted_total (\S+)$", r.read().decode(), re.M)
-        assert found
-        return float(found.group(1))
+            return {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
 
-    before = predicted()
-    resp = _client(server).chat.completions.create(model=MODEL, messages=ASK, max_tokens=7, temperature=0.0,
-                                                   extra_body={"mode": "ar", **THINK_OFF})
-    assert predicted() - before == resp.usage.completion_tokens == 7
+    for mode in ("ar", "diffusion"):
+        before = metrics()
+        resp = _client(server).chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0.0,
+                                                       extra_body={"mode": mode, **THINK_OFF})
+        after, timings = metrics(), resp.model_extra["timings"]
+        assert after["tokens_predicted_total"] - before["tokens_predicted_total"] == resp.usage.completion_tokens
+        assert after["gen_block_passes_total"] - before["gen_block_passes_total"] == timings["block_passes"]
+        assert after["gen_causal_passes_total"] - before["gen_causal_passes_total"] == timings["causal_passes"]
+        assert (timings["block_passes"] > 0) == (mode == "diffusion"), timings
+    passes = after["gen_block_passes_total"] + after["gen_causal_passes_total"]
+    assert after["gen_tokens_per_pass"] == pytest.approx(after["tokens_predicted_total"] / passes, rel=1e-5)
 
 
 def test_an_api_key_guards_the_api_but_not_health(demo_gguf: Path) -> None:
