@@ -95,7 +95,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     serve.add_argument("--no-webui", action="store_true",
-                       help="no web chat at / (llama-server's flag; docs/serve.md, \"Web chat\")")
+                       help="accepted and ignored: the web chat moved to clover-cpp serve (docs/serve.md)")
     serve.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
                        help="slots: requests decoded at once, their passes batched (default 1); -c is divided among "
                             "them, as in llama-server (docs/serve.md, \"Slots\")")

@@ -7,6 +7,8 @@ line or its variables already say (docs/serve.md, "clover-cpp serve"):
 
 - for a Clover GGUF, ``--spec-type ngram-mod,draft-clover`` (``ngram-mod`` for a file without block passes), so that
   ``--mode auto``, llama-server's default, is the speculative policy of docs/decoding.md;
+- ``--path`` to the web chat with the live block canvas (``WEBUI``: this package's static files; llama-server's own
+  UI is not built), unless the line turns the UI off (``--no-webui``);
 - nothing else: the sampling defaults come from the GGUF (llama.cpp's ``general.sampling.*`` keys), and ``-c 0``,
   llama-server's default, is the model's trained context, which llama.cpp's ``-fit`` lowers when memory is short.
 
@@ -102,6 +104,9 @@ FLAGS: tuple[Flag, ...] = (
 _BY_NAME = {name: flag for flag in FLAGS for name in flag.names}
 MODEL_FLAGS = ("-m", "--model")
 SPEC_TYPE_FLAGS = ("--spec-type",)
+PATH_FLAGS = ("--path",)
+NO_UI_FLAGS = ("--no-ui", "--no-webui")
+WEBUI = Path(__file__).resolve().parent / "webui"
 
 
 @dataclass
@@ -121,17 +126,18 @@ def _split(arg: str) -> tuple[str, str | None]:
     return arg, None
 
 
-def translate(argv: Sequence[str]) -> tuple[list[str], str | None, bool]:
-    """(llama-server's arguments, the -m file if the line names one, whether it names --spec-type). The earlier
-    server's flags become llama-server's (FLAGS); every other argument passes through unchanged, in order."""
+def translate(argv: Sequence[str]) -> tuple[list[str], str | None, set[str]]:
+    """(llama-server's arguments, the -m file if the line names one, the flags it gives among those Clover's
+    defaults yield to: --spec-type, --path, --no-webui). The earlier server's flags become llama-server's (FLAGS);
+    every other argument passes through unchanged, in order."""
     out: list[str] = []
     model: str | None = None
-    has_spec_type = False
+    given: set[str] = set()
     i = 0
     while i < len(argv):
         name, inline = _split(argv[i])
         flag = _BY_NAME.get(name)
-        takes_value = flag.takes_value if flag else name in MODEL_FLAGS + SPEC_TYPE_FLAGS
+        takes_value = flag.takes_value if flag else name in MODEL_FLAGS + SPEC_TYPE_FLAGS + PATH_FLAGS
         value = inline
         if takes_value and value is None:
             if i + 1 >= len(argv):
@@ -144,9 +150,10 @@ def translate(argv: Sequence[str]) -> tuple[list[str], str | None, bool]:
             continue
         if name in MODEL_FLAGS:
             model = value
-        has_spec_type |= name in SPEC_TYPE_FLAGS
+        if name in SPEC_TYPE_FLAGS + PATH_FLAGS + NO_UI_FLAGS:
+            given.add(name.removeprefix("--").removeprefix("no-"))
         out += [name, value] if takes_value and inline is None else [argv[i - 1]]
-    return out, model, has_spec_type
+    return out, model, given
 
 
 def launch_line(argv: Sequence[str], env: Mapping[str, str], read_info: Callable[[str], object | None]
@@ -154,15 +161,18 @@ def launch_line(argv: Sequence[str], env: Mapping[str, str], read_info: Callable
     """The whole launch line: translate(), then Clover's defaults for what neither the line nor ``env``'s
     LLAMA_ARG_* variables set. ``read_info``: the file's clover settings (libclover's model info), None when it is
     not a Clover GGUF."""
-    args, model, has_spec_type = translate(argv)
+    args, model, given = translate(argv)
     model = model or env.get("LLAMA_ARG_MODEL")
     added: list[str] = []
     if model is not None:
         check_input_file(model, GGUF, "-m/--model")
         info = read_info(model)
-        if info is not None and not has_spec_type and "LLAMA_ARG_SPEC_TYPE" not in env:
+        if info is not None and "spec-type" not in given and "LLAMA_ARG_SPEC_TYPE" not in env:
             kinds = "ngram-mod,draft-clover" if getattr(info, "has_block_diffusion") else "ngram-mod"
             added += ["--spec-type", kinds]
+    ui_off = "webui" in given or "ui" in given or env.get("LLAMA_ARG_UI", "").lower() in ("0", "false", "off")
+    if not ui_off and "path" not in given and "LLAMA_ARG_STATIC_PATH" not in env:
+        added += ["--path", str(WEBUI)]
     return LaunchLine(args + added, model, added)
 
 

@@ -1,12 +1,11 @@
 """The HTTP routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (streamed or whole), llama-server's ``POST /tokenize``, ``/detokenize`` and
-``/apply-template``, its ``/props``, ``/slots`` and ``/metrics`` (monitor.py), the web chat at ``/`` (web.py),
+``/apply-template``, its ``/props``, ``/slots`` and ``/metrics`` (monitor.py),
 and every error as an OpenAI error body."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -22,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..output_parser import Event, TextEvent, collect
 from ..text_stream import TextPipeline
 from .prepare import Prepared, answers
-from . import monitor, utility, web
+from . import monitor, utility
 from .logprobs import chat_logprobs, completion_logprobs
 from .schema import (APIError, ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                      TokenizeRequest, error_body, finish_reason, merged_usage, new_id, now, tool_call_dict, usage)
@@ -170,15 +169,10 @@ def _reason(error: dict[str, Any]) -> str:
     return str(error.get("msg", "invalid"))
 
 
-def create_app(svc: CloverService, security: Security | None = None, webui: bool = False) -> Any:
-    """The FastAPI app behind the Guard middleware (Host check, API keys, body size); ``webui``: the web chat at
-    ``/``, whose files load without an API key."""
-    app = _routes(svc)
-    security = security or Security()
-    if webui:
-        web.add_routes(app)
-        security = dataclasses.replace(security, open_paths=security.open_paths | web.OPEN_PATHS)
-    return Guard(app, security, svc.limits.max_body_bytes)
+def create_app(svc: CloverService, security: Security | None = None) -> Any:
+    """The FastAPI app behind the Guard middleware (Host check, API keys, body size). The web chat moved to
+    `clover-cpp serve` (llama-server, clover_cpp/webui/)."""
+    return Guard(_routes(svc), security or Security(), svc.limits.max_body_bytes)
 
 
 def _routes(svc: CloverService) -> FastAPI:

@@ -54,16 +54,13 @@ def run_serve(args: argparse.Namespace) -> int:
         shown = f"[{host}]" if ":" in host else host
         print(f"clover-cpp serve: {model_id} (n_ctx {model.n_ctx}, B {model.info.block_size}, mode {args.mode}) "
               f"listening on http://{shown}:{port}", file=sys.stderr, flush=True)
-        if not args.no_webui and template is not None:
-            print(f"clover-cpp serve: web chat at http://{shown}:{port}/ (--no-webui turns it off)", file=sys.stderr,
-                  flush=True)
         if template is None:
             print("clover-cpp serve: warning: the model has no chat template; /v1/chat/completions answers 400",
                   file=sys.stderr, flush=True)
         if not args.api_key and security.allowed_hosts is None:
             print(f"clover-cpp serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
                   "port can use the model (docs/serve.md, \"Security\")", file=sys.stderr, flush=True)
-        connections.serve(create_app(svc, security, webui=not args.no_webui), sock, args.timeout,
+        connections.serve(create_app(svc, security), sock, args.timeout,
                           log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
                           timeout_graceful_shutdown=3)
     finally:

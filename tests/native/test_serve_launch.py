@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from clover_cpp.launch import LOG_LEVELS, launch_line, translate
+from clover_cpp.launch import LOG_LEVELS, WEBUI, launch_line, translate
 from clover_dev.process import cli_command
 from tests.support.chat import child_env
 from tests.support.native import llama_server
@@ -29,7 +29,8 @@ from tests.support.serve import clover_serve, get
 pytestmark = pytest.mark.native
 
 SMALL = ("-c", "1024", "-np", "1", "-t", "2", "--no-warmup")
-CLOVER_DEFAULTS = ("--spec-type", "ngram-mod,draft-clover")  # what the start-up line says it adds for the demo
+SPEC = ("--spec-type", "ngram-mod,draft-clover")
+CLOVER_DEFAULTS = (*SPEC, "--path", str(WEBUI))  # what the start-up line says it adds for the demo
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 
@@ -41,24 +42,30 @@ def test_the_earlier_flags_become_llama_servers(tmp_path: Path) -> None:
                                        "--chat-template=chatml", "--max-tokens", "9", "--max-block-size", "0",
                                        "--max-block-size=16", "--cache-ram", "12.5", "--log-level", "warning",
                                        "--prefill-chunk", "64", "--prefill-chunk", "0", "-ngl", "auto", "-n", "-1"])
-    assert (model, has_spec) == ("x.gguf", False)
+    assert (model, has_spec) == ("x.gguf", set())
     assert args == ["-m", "x.gguf", "--reasoning", "off", "--chat-template-file", str(template),
                     "--chat-template", "chatml", "--n-predict", "9", "--max-block-size", "16", "--cache-ram", "13",
                     "--log-verbosity", LOG_LEVELS["warning"], "--batch-size", "64", "-ngl", "auto", "-n", "-1"]
-    assert translate(["--model=y.gguf", "--spec-type=ngram-mod"])[1:] == ("y.gguf", True)
+    assert translate(["--model=y.gguf", "--spec-type=ngram-mod", "--path", "p", "--no-webui"])[1:] == \
+        ("y.gguf", {"spec-type", "path", "webui"})
 
 
 def test_clover_defaults_yield_to_the_line_and_the_environment(demo_gguf: Path) -> None:
     from clover_cpp.launch import _clover_info
 
-    assert launch_line(["-m", str(demo_gguf)], {}, _clover_info).added == list(CLOVER_DEFAULTS)
+    path = ["--path", str(WEBUI)]
+    m = ["-m", str(demo_gguf)]
+    assert launch_line(m, {}, _clover_info).added == list(CLOVER_DEFAULTS)
     assert launch_line([], {"LLAMA_ARG_MODEL": str(demo_gguf)}, _clover_info).added == list(CLOVER_DEFAULTS)
-    assert launch_line(["-m", str(demo_gguf), "--spec-type", "ngram-simple"], {}, _clover_info).added == []
-    assert launch_line(["-m", str(demo_gguf)], {"LLAMA_ARG_SPEC_TYPE": "none"}, _clover_info).added == []
+    assert launch_line([*m, "--spec-type", "ngram-simple"], {}, _clover_info).added == path
+    assert launch_line(m, {"LLAMA_ARG_SPEC_TYPE": "none"}, _clover_info).added == path
+    assert launch_line([*m, "--no-webui"], {}, _clover_info).added == list(SPEC)
+    assert launch_line([*m, "--path", "/srv/ui"], {}, _clover_info).added == list(SPEC)
+    assert launch_line(m, {"LLAMA_ARG_STATIC_PATH": "/srv/ui"}, _clover_info).added == list(SPEC)
     trunk = _clover_info(str(demo_gguf))
     trunk.has_block_diffusion = 0  # what libclover reports for a trunk-only file
-    assert launch_line(["-m", str(demo_gguf)], {}, lambda _: trunk).added == ["--spec-type", "ngram-mod"]
-    assert launch_line(["-m", str(demo_gguf)], {}, lambda _: None).added == []  # not a Clover GGUF
+    assert launch_line(m, {}, lambda _: trunk).added == ["--spec-type", "ngram-mod", *path]
+    assert launch_line(m, {}, lambda _: None).added == path  # not a Clover GGUF: llama-server's own defaults
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -138,7 +145,7 @@ def test_llama_arg_variables_pass_through_and_outrank_the_defaults(demo_gguf: Pa
         text = log.read_text()
         drafters = re.findall(r"adding speculative implementation '([^']+)'", text)
         assert drafters == ["ngram-mod"], text[-3000:]
-        assert "Clover's defaults added: nothing (the line sets it)" in text
+        assert f"Clover's defaults added: --path {WEBUI};" in text
         assert "context 768 tokens (LLAMA_ARG_CTX_SIZE)" in text
 
 

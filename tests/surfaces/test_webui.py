@@ -1,6 +1,6 @@
-"""`clover-cpp serve`'s web chat at ``/`` (clover_cpp/serve/webui/, docs/serve.md "Web chat") in a real headless
-browser: Debian's chromium driven by selenium, against a live server on the shipped trained model
-(models/clover-demo, converted to f16), never a mocked engine.
+"""`clover-cpp serve`'s web chat at ``/`` (clover_cpp/webui/, which the launcher gives llama-server as --path;
+docs/serve.md "Web chat") in a real headless browser: Debian's chromium driven by selenium, against a live
+llama-server on the shipped trained model (models/clover-demo, converted to f16), never a mocked engine.
 
 The page loads and answers a chat (text, the reasoning block, the stats); the block canvas fills during a
 diffusion answer (the stream is held at one canvas frame to look at the page mid-answer); Stop keeps the partial
@@ -12,7 +12,6 @@ docs' screenshots there (``CLOVER_WEBUI_SCREENSHOTS=docs/img pytest tests/surfac
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.native import skip_or_fail
-from tests.support.serve import http, serve, sse_chunks
+from tests.support.serve import clover_serve, http, sse_chunks
 
 pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)
 
@@ -38,6 +37,16 @@ MODEL_ID = "clover-demo"
 KEY = "webui-test-key"
 PROMPT = "Write a function that reads a file and counts its lines."
 TIMEOUT_S = 30
+
+# Records the body of every chat request the page sends (window.__bodies), to check what the conversation holds.
+RECORD_JS = """
+window.__bodies = [];
+const send = window.fetch;
+window.fetch = (...args) => {
+  if (String(args[0]).includes('chat/completions')) window.__bodies.push(JSON.parse(args[1].body));
+  return send(...args);
+};
+"""
 
 # Wraps the page's fetch so that a chat stream stops at one canvas frame (after a block was committed, a later step
 # of its window than the first, a quarter of the cells or more filled and some still masked) until
@@ -64,7 +73,7 @@ window.fetch = async (...args) => {
       if (!data.startsWith('{')) continue;
       const chunk = JSON.parse(data);
       if ((chunk.choices || []).some((c) => c.delta && c.delta.content)) { sawContent = true; before = 0; }
-      const cells = chunk.clover_canvas;
+      const cells = chunk.canvas && chunk.canvas.cells;
       if (!armed || !cells) continue;
       const filled = cells.filter((c) => c !== null).length, earlier = before;
       before = filled;
@@ -86,9 +95,12 @@ def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return clover_convert(DEMO, tmp_path_factory.mktemp("webui") / f"{MODEL_ID}.gguf", "f16")
 
 
+SERVER_ARGS = ("-c", "4096", "-np", "1", "-t", "2", "--no-warmup", "--alias", MODEL_ID)
+
+
 @pytest.fixture(scope="module")
 def server(demo_gguf: Path) -> Iterator[str]:
-    with serve(demo_gguf, demo_gguf.parent) as (url, _, _):
+    with clover_serve(demo_gguf, *SERVER_ARGS) as (url, _, _):
         yield url
 
 
@@ -126,10 +138,12 @@ def _wait(driver: Any, condition: Any, timeout: float = TIMEOUT_S) -> Any:
 
 
 def _open(driver: Any, url: str, ready: bool = True) -> None:
-    """The page with default settings (localStorage cleared), connected to the server when ``ready``."""
+    """The page with default settings (localStorage cleared), its chat requests recorded (RECORD_JS), connected to
+    the server when ``ready``."""
     driver.get(url + "/")
     driver.execute_script("localStorage.clear()")
     driver.refresh()
+    driver.execute_script(RECORD_JS)
     if ready:
         _wait(driver, lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
 
@@ -184,10 +198,9 @@ def _stat(answer: Any, name: str) -> str:
 # ------------------------------------------------------------------------------------------ tests
 def test_page_answers_with_reasoning_and_stats(server: str, browser: Any, tmp_path: Path) -> None:
     status, headers, page = http(server + "/")
-    assert status == 200 and headers["content-type"].startswith("text/html") and b"webui/app.js" in page
-    assert "script-src 'self'" in headers["content-security-policy"]
+    assert status == 200 and headers["content-type"].startswith("text/html") and b'src="app.js"' in page
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
-        status, headers, _ = http(f"{server}/webui/{name}")
+        status, headers, _ = http(f"{server}/{name}")
         assert status == 200 and headers["content-type"].startswith(kind)
 
     _open(browser, server)
@@ -209,9 +222,9 @@ def test_page_answers_with_reasoning_and_stats(server: str, browser: Any, tmp_pa
     passes = int(_stat(second, "passes").split()[0])
     tokens = int(_stat(second, "tokens").split()[0])
     assert 0 < passes <= tokens <= 48
-    recent = json.loads(http(server + "/health")[2])["recent"]
-    assert recent[-1]["prompt_tokens"] > recent[-2]["prompt_tokens"] + recent[-2]["generated_tokens"] // 2, \
-        "the second turn's prompt holds the first turn (the page keeps the conversation)"
+    sent = browser.execute_script("return window.__bodies")[-1]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"] and sent[0]["content"] == PROMPT, \
+        "the second turn's request holds the first turn (the page keeps the conversation)"
     _screenshot(browser, tmp_path, "webui-chat.png")
 
 
@@ -239,10 +252,6 @@ def test_canvas_fills_during_a_diffusion_answer(server: str, browser: Any, tmp_p
 def test_stop_keeps_the_partial_answer_and_new_chat_starts_afresh(server: str, browser: Any) -> None:
     """Stop ends the answer where it is and keeps it (the stream is held mid-answer, so Stop comes before the end);
     New chat empties the page and the conversation: its next request holds only the new prompt."""
-    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1,
-            "chat_template_kwargs": {"enable_thinking": False}}
-    alone = json.loads(http(server + "/v1/chat/completions", body)[2])["usage"]["prompt_tokens"]
-
     index = _held_diffusion_answer(browser, server)
     stop, send = browser.find_element(By.ID, "stop"), browser.find_element(By.ID, "send")
     assert stop.is_displayed() and not send.is_displayed()
@@ -260,27 +269,27 @@ def test_stop_keeps_the_partial_answer_and_new_chat_starts_afresh(server: str, b
     assert not browser.find_elements(By.CSS_SELECTOR, ".msg")
     _settings(browser, mode="ar", max_tokens=4)
     _finished(browser, _send(browser, PROMPT))
-    recent = json.loads(http(server + "/health")[2])["recent"]
-    assert recent[-1]["prompt_tokens"] == alone, "New chat: the request holds the new prompt only"
+    sent = browser.execute_script("return window.__bodies")[-1]["messages"]
+    assert sent == [{"role": "user", "content": PROMPT}], "New chat: the request holds the new prompt only"
 
 
 def test_canvas_chunks_are_opt_in(server: str) -> None:
-    """The stream carries ``clover_canvas`` chunks (no choices; a piece or null per cell) only when asked."""
+    """The stream carries ``canvas`` chunks (a piece or null per cell) only when asked (``return_canvas``)."""
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "mode": "diffusion",
             "max_tokens": 32, "chat_template_kwargs": {"enable_thinking": False}}
     plain = sse_chunks(http(server + "/v1/chat/completions", body)[2])
-    assert plain and not any("clover_canvas" in c for c in plain)
-    chunks = sse_chunks(http(server + "/v1/chat/completions", body | {"clover_canvas": True})[2])
-    frames = [c for c in chunks if "clover_canvas" in c]
-    assert frames and all(c["choices"] == [] and len(c["clover_canvas"]) == 32 for c in frames)
-    assert any(None in f["clover_canvas"] for f in frames)
-    assert all(isinstance(p, str) for f in frames for p in f["clover_canvas"] if p is not None)
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert plain and not any("canvas" in c for c in plain)
+    chunks = sse_chunks(http(server + "/v1/chat/completions", body | {"return_canvas": True})[2])
+    frames = [c["canvas"]["cells"] for c in chunks if "canvas" in c]
+    assert frames and all(len(cells) == 32 for cells in frames)
+    assert any(None in cells for cells in frames)
+    assert all(isinstance(p, str) for cells in frames for p in cells if p is not None)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
 
 def test_api_key_is_asked_for_and_sent(demo_gguf: Path, browser: Any) -> None:
-    with serve(demo_gguf, demo_gguf.parent, "--api-key", KEY) as (url, _, _):
-        for path in ("/", "/webui/app.js", "/webui/style.css"):
+    with clover_serve(demo_gguf, *SERVER_ARGS, "--api-key", KEY) as (url, _, _):
+        for path in ("/", "/app.js", "/style.css"):
             assert http(url + path)[0] == 200, f"{path} must load without the key, as llama-server's UI"
         assert http(url + "/v1/models")[0] == 401
         _open(browser, url, ready=False)
@@ -298,8 +307,7 @@ def test_api_key_is_asked_for_and_sent(demo_gguf: Path, browser: Any) -> None:
 
 
 def test_no_webui_gives_404(demo_gguf: Path) -> None:
-    with serve(demo_gguf, demo_gguf.parent, "--no-webui") as (url, _, _):
-        for path in ("/", "/webui/app.js"):
-            status, _, body = http(url + path)
-            assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+    with clover_serve(demo_gguf, *SERVER_ARGS, "--no-webui") as (url, _, _):
+        for path in ("/", "/app.js"):
+            assert http(url + path)[0] == 404
         assert http(url + "/health")[0] == 200

@@ -1,8 +1,9 @@
-// clover-cpp serve's web chat (docs/serve.md, "Web chat"). Plain JavaScript, no build step, no dependencies.
-// It uses the server's own API: GET v1/models, then streamed POST v1/chat/completions (server-sent events) with
-// the OpenAI request shape plus clover's fields (mode, block_size, threshold) and, when the live canvas is on,
-// the "clover_canvas" extension, whose chunks carry each LowConfidence step's block cells. The conversation is
-// kept here, in the page; the API key (servers started with --api-key) in sessionStorage.
+// clover-cpp serve's web chat (docs/serve.md, "Web chat"), served by llama-server from --path. Plain JavaScript,
+// no build step, no dependencies. It uses llama-server's API: GET v1/models and props, then streamed POST
+// v1/chat/completions (server-sent events) with the OpenAI request shape plus the block-diffusion fields (mode,
+// block_size, threshold) and, when the live canvas is on, return_canvas, whose chunks carry each LowConfidence
+// step's block ("canvas": block, step, cells). The final chunk's timings give the stats. The conversation is kept
+// here, in the page; the API key (servers started with --api-key) in sessionStorage.
 'use strict';
 
 const KEY_STORAGE = 'clover-api-key';
@@ -10,7 +11,7 @@ const SETTINGS_STORAGE = 'clover-webui-settings';
 const SETTING_IDS = ['mode', 'block-size', 'threshold', 'temperature', 'max-tokens', 'thinking', 'show-canvas'];
 
 const $ = (id) => document.getElementById(id);
-const state = { model: null, messages: [], busy: false, controller: null };
+const state = { model: null, messages: [], busy: false, controller: null, defaults: {} };
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -81,7 +82,7 @@ function requestBody() {
     const value = numberSetting(id, parse);
     if (value !== undefined) body[name] = value;
   }
-  if ($('show-canvas').checked && mode !== 'ar') body.clover_canvas = true;
+  if ($('show-canvas').checked && mode !== 'ar') body.return_canvas = true;
   return body;
 }
 
@@ -105,10 +106,13 @@ async function connect() {
   const card = (await resp.json()).data[0];
   state.model = card.id;
   $('model').textContent = card.id;
-  const clover = card.clover || {};
-  if (clover.block_size) $('block-size').placeholder = 'model: ' + clover.block_size;
-  if (clover.max_block_size) $('block-size').max = clover.max_block_size;
-  if (clover.threshold !== undefined) $('threshold').placeholder = 'model: ' + Number(clover.threshold.toPrecision(3));
+  try {  // the server's defaults for what a request leaves out (mode, block size, threshold)
+    const props = await fetch('props', { headers: headers() });
+    if (props.ok) state.defaults = ((await props.json()).default_generation_settings || {}).params || {};
+  } catch (_) { state.defaults = {}; }
+  const d = state.defaults;
+  if (d.block_size) $('block-size').placeholder = 'server: ' + d.block_size;
+  if (typeof d.threshold === 'number') $('threshold').placeholder = 'server: ' + Number(d.threshold.toPrecision(3));
   $('send').disabled = false;
   document.body.dataset.ready = '1';
 }
@@ -185,7 +189,7 @@ class Answer {
     this.text = '';
     this.thought = '';
     this.cells = null;     // the last canvas frame
-    this.committed = false;
+    this.block = -1;       // the block of the last canvas frame
     this.window = 0;       // canvas windows seen
     this.step = 0;         // steps in the current window
     this.frames = 0;       // canvas frames seen
@@ -205,16 +209,16 @@ class Answer {
     if (!this.text && this.thought) this.reasoning.open = false;  // the answer starts: fold the reasoning away
     this.text += text;
     this.content.textContent = this.text;
-    this.committed = true;  // a block was committed: the next canvas frame is a new window
     follow(stick);
   }
 
-  showCanvas(cells) {
+  // one LowConfidence step of a block: {block, step, n_produced, done, eog, cells: [text or null], tokens}
+  showCanvas(frame) {
     const stick = nearBottom();
+    const cells = frame.cells;
     const prev = this.cells;
-    const fresh = !prev || this.committed || prev.length !== cells.length
-      || prev.some((p, i) => p !== null && cells[i] === null);
-    this.committed = false;
+    const fresh = !prev || frame.block !== this.block || prev.length !== cells.length;
+    this.block = frame.block;
     if (fresh) {
       this.window += 1;
       this.step = 0;
@@ -242,18 +246,25 @@ class Answer {
     follow(stick);
   }
 
-  showStats(usage) {
-    const c = usage && usage.clover;
-    if (!c) return;
-    const passes = c.block_passes + c.causal_passes;
-    const head = c.mode === 'ar' ? 'ar' : `${c.mode} B=${c.block_size} threshold=${Number(c.threshold).toFixed(2)}`;
+  // the final chunk's timings (llama-server's, with the passes of a block-diffusion model), and the request
+  showStats(timings, request, finish) {
+    if (!timings) return;
+    const d = state.defaults;
+    const mode = request.mode || d.mode || 'auto';
+    const passes = (timings.block_passes || 0) + (timings.causal_passes || 0);
+    let head = mode;
+    if (mode === 'diffusion') {
+      const width = request.block_size || (this.cells && this.cells.length) || d.block_size;
+      const threshold = request.threshold !== undefined ? request.threshold : d.threshold;
+      head += ` B=${width}` + (typeof threshold === 'number' ? ` threshold=${Number(threshold).toFixed(2)}` : '');
+    }
     const parts = [
       ['mode', head],
-      ['tokens', `${c.generated_tokens} tokens`],
-      ['tok-s', `${Number(c.decode_tok_s).toFixed(1)} tok/s`],
-      ['tpf', `TPF ${Number(c.tokens_per_pass).toFixed(2)}`],
+      ['tokens', `${timings.predicted_n} tokens`],
+      ['tok-s', `${Number(timings.predicted_per_second).toFixed(1)} tok/s`],
+      ['tpf', `TPF ${Number(timings.tokens_per_pass || 1).toFixed(2)}`],
       ['passes', `${passes} passes`],
-      ['stop', `stop: ${c.stop_reason}`],
+      ['stop', `stop: ${finish || 'unknown'}`],
     ];
     this.stats.replaceChildren(...parts.map(([name, text]) => {
       const span = el('span', 'stat', text);
@@ -316,9 +327,11 @@ async function send(event) {
   setBusy(true);
   state.controller = new AbortController();
   let how = 'done';
+  const request = requestBody();
+  let finish = null;
   try {
     const resp = await fetch('v1/chat/completions', {
-      method: 'POST', headers: headers(), body: JSON.stringify(requestBody()), signal: state.controller.signal,
+      method: 'POST', headers: headers(), body: JSON.stringify(request), signal: state.controller.signal,
     });
     if (resp.status === 401) {  // the key is missing or wrong: ask, and give the prompt back
       how = 'key';
@@ -341,13 +354,14 @@ async function send(event) {
         how = 'error';
         break;
       }
-      if (chunk.clover_canvas) answer.showCanvas(chunk.clover_canvas);
-      if (chunk.usage) answer.showStats(chunk.usage);
+      if (chunk.canvas) answer.showCanvas(chunk.canvas);
       for (const choice of chunk.choices || []) {
+        finish = choice.finish_reason || finish;
         const delta = choice.delta || {};
         if (delta.reasoning_content) answer.addReasoning(delta.reasoning_content);
         if (delta.content) answer.addContent(delta.content);
       }
+      if (chunk.timings) answer.showStats(chunk.timings, request, finish);
     }
   } catch (err) {
     if (err.name === 'AbortError') {
