@@ -21,8 +21,7 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "server-loopback-host-check", "arg-input-files-regular-and-capped",
                        "chat-tool-choice-required-is-a-call", "server-named-tool-choice",
                        "server-responses-function-call-arguments-done", "server-request-nesting-cap",
-                       "server-malformed-requests-are-400", "server-logprobs-of-drafted-tokens",
-                       "server-static-files-without-key"}
+                       "server-malformed-requests-are-400", "server-logprobs-of-drafted-tokens"}
 
 
 @pytest.mark.native
