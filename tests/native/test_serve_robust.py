@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support import fuzz_bodies
-from tests.support.fuzz_bodies import WHOLE, Raw, mutated_requests, raw_answer
+from tests.support.fuzz_bodies import MESSAGES, TOOLS, WHOLE, Raw, mutated_requests, raw_answer
 from tests.support.serve import address, clover_serve, get, http
 
 pytestmark = pytest.mark.native
@@ -26,14 +26,6 @@ pytestmark = pytest.mark.native
 SEED = 45
 MODEL = "demo"
 MAX_DEPTH = 512  # the patch's SERVER_JSON_MAX_DEPTH
-MESSAGES = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]},
-            {"role": "assistant", "content": None, "reasoning_content": "add them",
-             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2}"}}]},
-            {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "add"},
-            {"role": "user", "content": "thanks"}]
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
 SAMPLING = {"model": MODEL, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stream": False,
             "stop": ["\n\n"], "presence_penalty": 0.1, "frequency_penalty": 0.1, "logit_bias": {"5": 1.0},
             "mode": "ar", "block_size": 8, "threshold": 0.9, "coreset_top_p": 1.0}

@@ -18,6 +18,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 COMBINED = 25  # bodies per endpoint with 2 to 4 fields changed at once
+# a chat with every role and part a valid body may hold, and one tool: what the chat bodies start from
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]},
+            {"role": "assistant", "content": None, "reasoning_content": "add them",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2}"}}]},
+            {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "add"},
+            {"role": "user", "content": "thanks"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds", "strict": False, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
 LENGTH_FIELDS = {"max_tokens", "max_completion_tokens", "max_output_tokens"}  # combined changes leave them alone
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.support import fuzz_bodies
-from tests.support.fuzz_bodies import WHOLE, Raw, deep, mutated_requests, raw_answer
+from tests.support.fuzz_bodies import MESSAGES, TOOLS, WHOLE, Raw, deep, mutated_requests, raw_answer
 from tests.support.serve import MODEL_ID, address, check_error_body, get, http, serve
 
 pytestmark = pytest.mark.native
@@ -31,14 +31,6 @@ SEED = 44
 TOP_LEVEL_ONLY = {"/apply-template"}  # its messages and tools are a chat request's, whose nested fields are fuzzed
 
 
-MESSAGES = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]},
-            {"role": "assistant", "content": None, "reasoning_content": "add them",
-             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2}"}}]},
-            {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "add"},
-            {"role": "user", "content": "thanks"}]
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds", "strict": False, "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
 SAMPLING = {"model": MODEL_ID, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "n": 1, "stream": False,
             "stop": ["\n\n"], "presence_penalty": 0.1, "frequency_penalty": 0.1, "repeat_penalty": 1.1,
             "logit_bias": {"5": 1.0}, "user": "fuzz", "mode": "ar", "block_size": 8, "threshold": 0.9,
