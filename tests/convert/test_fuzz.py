@@ -242,7 +242,7 @@ def test_special_files_quantize_cpp(special_bases: dict[str, Path], tiny_gguf: P
 
 # the console scripts themselves print only the one line (a sample: a fifo, /dev/zero, a too-large file)
 SPECIAL_SCRIPT_CASES = ("clover-convert-model.safetensors-fifo", "clover-convert---metadata-dev-zero",
-                        "clover-cpp-generate---grammar-file-fifo", "clover-cpp-serve---api-key-file-dev-zero",
+                        "clover-cpp-generate---grammar-file-fifo", "clover-cpp-serve-legacy---api-key-file-dev-zero",
                         "clover-cpp-chat---chat-template-too-large", "clover-quantize-IN-fifo")
 
 

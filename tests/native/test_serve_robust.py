@@ -130,3 +130,14 @@ def test_template_kwargs_are_an_object_of_a_few_keys(server: str, kwargs: Any) -
     status, _, answer = http(server + "/v1/chat/completions", body, timeout=60)
     assert status == 400 and "'chat_template_kwargs' must be an object of at most 256 keys" in \
         json.loads(answer)["error"]["message"], answer[:300]
+
+
+def test_a_request_lists_at_most_512_tools(server: str) -> None:
+    """Every tool is rendered into the prompt and the call grammar: 100,000 of them took the machine's memory."""
+    tool = {"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}
+    body = {**BODIES["/v1/chat/completions"], "tools": [tool] * 513, "tool_choice": "required"}
+    status, _, answer = http(server + "/v1/chat/completions", body, timeout=60)
+    assert status == 400 and "513 tools, more than the 512" in json.loads(answer)["error"]["message"], answer[:300]
+    anthropic = {**BODIES["/v1/messages"], "tools": [0] * 100_000}
+    status, _, answer = http(server + "/v1/messages", anthropic, timeout=60)
+    assert status == 400 and "must be an object" in json.loads(answer)["error"]["message"], answer[:300]
