@@ -111,11 +111,13 @@ WEBUI = Path(__file__).resolve().parent / "webui"
 
 @dataclass
 class LaunchLine:
-    """llama-server's arguments for a ``clover-cpp serve`` command line, and what was added to it."""
+    """llama-server's arguments for a ``clover-cpp serve`` command line, what was added to it, and the model's clover
+    settings (None: no model named, or not a Clover GGUF)."""
 
     args: list[str]
     model: str | None
     added: list[str]
+    info: object | None = None
 
 
 def _split(arg: str) -> tuple[str, str | None]:
@@ -164,6 +166,7 @@ def launch_line(argv: Sequence[str], env: Mapping[str, str], read_info: Callable
     args, model, given = translate(argv)
     model = model or env.get("LLAMA_ARG_MODEL")
     added: list[str] = []
+    info = None
     if model is not None:
         check_input_file(model, GGUF, "-m/--model")
         info = read_info(model)
@@ -173,7 +176,7 @@ def launch_line(argv: Sequence[str], env: Mapping[str, str], read_info: Callable
     ui_off = "webui" in given or "ui" in given or env.get("LLAMA_ARG_UI", "").lower() in ("0", "false", "off")
     if not ui_off and "path" not in given and "LLAMA_ARG_STATIC_PATH" not in env:
         added += ["--path", str(WEBUI)]
-    return LaunchLine(args + added, model, added)
+    return LaunchLine(args + added, model, added, info)
 
 
 def _clover_info(path: str) -> object | None:
@@ -195,16 +198,17 @@ def llama_server_path() -> Path:
     raise BadInput(f"llama-server is not built: none in {d} or {d.parent / 'bin'} (run `make setup`)")
 
 
-def _context_line(line: LaunchLine, env: Mapping[str, str], read_info: Callable[[str], object | None]) -> str:
-    """What the context will be, and why: -c as given, or the model's trained context."""
+def _context_line(line: LaunchLine, env: Mapping[str, str]) -> str:
+    """What the context will be, and why: -c as given (also as --ctx-size=N), or the model's trained context."""
     args = line.args
-    for i, arg in enumerate(args[:-1]):
-        if arg in ("-c", "--ctx-size") and args[i + 1] != "0":
-            return f"context {args[i + 1]} tokens (-c), shared by the slots (-np)"
+    for i, arg in enumerate(args):
+        name, inline = _split(arg)
+        value = inline if inline is not None else (args[i + 1] if i + 1 < len(args) else None)
+        if name in ("-c", "--ctx-size") and value not in (None, "0"):
+            return f"context {value} tokens (-c), shared by the slots (-np)"
     if env.get("LLAMA_ARG_CTX_SIZE", "0") != "0":
         return f"context {env['LLAMA_ARG_CTX_SIZE']} tokens (LLAMA_ARG_CTX_SIZE), shared by the slots (-np)"
-    info = read_info(line.model) if line.model else None
-    trained = f" of {getattr(info, 'n_ctx_train')} tokens" if info is not None else ""
+    trained = f" of {getattr(line.info, 'n_ctx_train')} tokens" if line.info is not None else ""
     return (f"context: the model's trained context{trained} (-c 0), shared by the slots (-np); llama.cpp's -fit "
             "lowers it when device memory is short and logs what it chose")
 
@@ -220,5 +224,5 @@ def main(argv: Sequence[str]) -> int:
     if line.model is not None:
         added = " ".join(line.added) if line.added else "nothing (the line sets it)"
         print(f"{PROG}: {line.model}: Clover's defaults added: {added}; "
-              f"{_context_line(line, os.environ, _clover_info)}", file=sys.stderr, flush=True)
+              f"{_context_line(line, os.environ)}", file=sys.stderr, flush=True)
     os.execv(exe, [str(exe), *line.args])

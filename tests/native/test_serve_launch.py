@@ -180,3 +180,20 @@ def test_its_exit_status_and_errors_are_llama_servers(demo_gguf: Path) -> None:
 def test_help_is_llama_servers(demo_gguf: Path) -> None:
     done = _run("--help")
     assert done.returncode == 0 and "--spec-type" in done.stdout and "--chat-template-file" in done.stdout
+
+
+def test_the_context_line_reads_the_model_once_and_every_form_of_c(demo_gguf: Path) -> None:
+    from clover_cpp.launch import _clover_info, _context_line
+
+    reads: list[str] = []
+
+    def read_info(path: str) -> object | None:
+        reads.append(path)
+        return _clover_info(path)
+
+    for c in (["-c", "768"], ["--ctx-size", "768"], ["--ctx-size=768"]):
+        assert _context_line(launch_line(["-m", str(demo_gguf), *c], {}, read_info), {}).startswith(
+            "context 768 tokens (-c)"), c
+    line = launch_line(["-m", str(demo_gguf)], {}, read_info)
+    assert "trained context of 4096 tokens (-c 0)" in _context_line(line, {})
+    assert reads == [str(demo_gguf)] * 4
