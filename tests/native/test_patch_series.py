@@ -21,7 +21,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "server-loopback-host-check", "arg-input-files-regular-and-capped",
                        "chat-tool-choice-required-is-a-call", "server-named-tool-choice",
                        "server-responses-function-call-arguments-done", "server-request-nesting-cap",
-                       "server-malformed-requests-are-400", "server-logprobs-of-drafted-tokens"}
+                       "server-malformed-requests-are-400", "server-logprobs-of-drafted-tokens",
+                       "vendor-httplib-thread-pool-burst", "vendor-httplib-header-read-timeout"}
 
 
 @pytest.mark.native
