@@ -143,3 +143,26 @@ def test_an_api_key_guards_the_api_but_not_health(demo_gguf: Path) -> None:
         with pytest.raises(openai.AuthenticationError):
             _client(url, "wrong").models.list()
         assert _client(url, "sesame").models.list().data
+
+
+def test_the_next_turn_reuses_the_prompt_up_to_its_generation_prompt(server: str) -> None:
+    """The demo model's memory is recurrent: a turn resumes from a context checkpoint. The server takes one where
+    the generation prompt starts (patch server-checkpoint-at-generation-prompt), so the second turn reuses the first
+    turn's prompt but for its generation prompt, its user message included; the checkpoint before that message
+    (all there was before the patch) leaves the message to prefill again."""
+    user = "Explain, step by step and with an example for each step, how a hash map resolves a collision. " * 3
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": user}]
+    client = _client(server)
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0,
+                                           extra_body={"mode": "ar", **THINK_OFF})
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Shorter."}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0,
+                                            extra_body={"mode": "ar", **THINK_OFF})
+    status, user_tokens = post(server + "/tokenize", {"content": user})
+    assert status == 200
+    reused = second.usage.prompt_tokens_details.cached_tokens
+    n_first = first.usage.prompt_tokens
+    # the generation prompt of this template with thinking off: "<|im_start|>assistant\n" and an empty think block
+    assert n_first - 12 <= reused < n_first, (reused, n_first)
+    assert reused > n_first - len(user_tokens["tokens"]), "the first turn's user message was prefilled again"
