@@ -141,3 +141,42 @@ def test_a_request_lists_at_most_512_tools(server: str) -> None:
     anthropic = {**BODIES["/v1/messages"], "tools": [0] * 100_000}
     status, _, answer = http(server + "/v1/messages", anthropic, timeout=60)
     assert status == 400 and "must be an object" in json.loads(answer)["error"]["message"], answer[:300]
+
+
+UNENFORCEABLE = [
+    {"type": "object", "properties": {"a": {"type": "nosuchtype"}, "b": {"type": "nothing"}}},
+    {"type": "string", "pattern": "[unclosed"},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "^a(?=b)$"}}},
+]
+
+
+@pytest.mark.parametrize("schema", UNENFORCEABLE)
+def test_a_schema_the_grammar_cannot_enforce_is_a_400_on_one_line(server: str, schema: dict[str, Any]) -> None:
+    """A schema is refused, not relaxed to any string where the grammar cannot enforce it (patch
+    server-json-schema-strict; the earlier server's guarantee that `json_schema` answers are never invalid): as
+    `json_schema` and as the chat's `response_format`, with the converter's reasons on one line."""
+    status, _, answer = http(server + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                           "json_schema": schema}, timeout=60)
+    message = json.loads(answer)["error"]["message"]
+    assert status == 400 and "json_schema" in message and "\n" not in message, answer[:300]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    status, _, answer = http(server + "/v1/chat/completions", chat, timeout=60)
+    message = json.loads(answer)["error"]["message"]
+    assert status == 400 and "\n" not in message, answer[:300]
+
+
+def test_tool_schemas_stay_lenient_and_strictness_can_be_turned_off(server: str, demo_gguf: Path) -> None:
+    """Agents send tools whose parameters hold patterns the grammar cannot enforce: those are relaxed, as before, so
+    that a request with them still runs; --no-json-schema-strict relaxes response schemas too."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^a(?=b)$"}}, "required": ["a"]}}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [tool],
+            "tool_choice": "required"}
+    status, _, answer = http(server + "/v1/chat/completions", chat, timeout=60)
+    assert status == 200, answer[:300]
+    with clover_serve(demo_gguf, "-c", "512", "-np", "1", "-t", "2", "--no-warmup", "--alias", MODEL,
+                      "--no-json-schema-strict") as (url, _, _):
+        status, _, answer = http(url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                          "json_schema": UNENFORCEABLE[2]}, timeout=60)
+        assert status == 200, answer[:300]
