@@ -108,7 +108,7 @@ def main() -> int:
     gguf = args.workdir / "clover-demo-f16.gguf"
     if not gguf.exists():
         clover_convert(REPO / "models" / "clover-demo", gguf, "f16")
-    procs, servers = start_servers(loader.lib_dir().parent / "bin" / "rpc-server", 2)
+    procs, servers = start_servers(loader.tool_path("rpc-server"), 2)
     results: dict[str, list[dict]] = {"local": [], "rpc": []}
     try:
         for i in range(args.runs):

@@ -46,7 +46,7 @@ def start(stack: ExitStack, name: str, gguf: Path, threads: int, work: Path) -> 
     program, extra = CONFIGS[name]
     log_path = work / f"launch-{gguf.stem}-{list(CONFIGS).index(name)}.log"
     if program == "llama-server":
-        return stack.enter_context(llama_server(loader.lib_dir().parent / "bin" / "llama-server", gguf, *common,
+        return stack.enter_context(llama_server(loader.tool_path("llama-server"), gguf, *common,
                                                 *extra, log_path=log_path))
     port = free_port()
     argv = cli_command("serve", "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *common, *extra)

@@ -78,7 +78,7 @@ def bench_model(path: Path, prompts: list[list[int]], settings: list[tuple[int, 
     from clover_dev.process import llama_server
     from clover_native import loader
 
-    exe = loader.lib_dir().parent / "bin" / "llama-server"
+    exe = loader.tool_path("llama-server")
     res: dict[str, Any] = {}
     with Model(path, n_ctx=N_CTX, n_threads=threads) as model, \
             llama_server(exe, path, "-c", str(N_CTX), "-np", "1", "-t", str(threads), "--no-warmup",

@@ -81,7 +81,7 @@ def servers(gguf: Path, threads: int, ngl: int, work: Path) -> Iterator[dict[str
     from clover_dev.process import llama_server
     from clover_native import loader
 
-    exe = loader.lib_dir().parent / "bin" / "llama-server"
+    exe = loader.tool_path("llama-server")
     with ExitStack() as stack:
         out = {}
         for spec in SERVER_TYPES:

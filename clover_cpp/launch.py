@@ -191,11 +191,11 @@ def _clover_info(path: str) -> object | None:
 def llama_server_path() -> Path:
     from clover_native import loader
 
-    d = loader.lib_dir()
-    for path in (d / "llama-server", d.parent / "bin" / "llama-server"):
-        if path.is_file():
-            return path
-    raise BadInput(f"llama-server is not built: none in {d} or {d.parent / 'bin'} (run `make setup`)")
+    path = loader.tool_path("llama-server")
+    if not path.is_file():
+        d = loader.lib_dir()
+        raise BadInput(f"llama-server is not built: none in {d} or {d.parent / 'bin'} (run `make setup`)")
+    return path
 
 
 def _context_line(line: LaunchLine, env: Mapping[str, str]) -> str:

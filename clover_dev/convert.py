@@ -41,7 +41,7 @@ def quantize(src: Path, dst: Path, qtype: str = "Q8_0") -> Path:
     """llama.cpp's own llama-quantize of the native build (not clover-quantize)."""
     from clover_native import loader
 
-    tool = loader.lib_dir().parent / "bin" / "llama-quantize"
+    tool = loader.tool_path("llama-quantize")
     if not tool.exists():
         raise FileNotFoundError(f"{tool} missing (make native)")
     run_tool([str(tool), str(src), str(dst), qtype], with_stdout=True)

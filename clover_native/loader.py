@@ -74,6 +74,14 @@ def lib_dir() -> Path:
     return installed_lib_dir() or DEFAULT_LIB_DIR
 
 
+def tool_path(name: str) -> Path:
+    """A native tool (llama-server, llama-quantize, rpc-server, ...) of the build ``lib_dir()`` belongs to: in
+    lib_dir() itself (where a wheel carries it), else in its sibling bin/ (a build's). The bin/ path when neither
+    exists, for the caller's message."""
+    d = lib_dir()
+    return next((p for p in (d / name, d.parent / "bin" / name) if p.is_file()), d.parent / "bin" / name)
+
+
 def _load_backend_modules(llama_cpp: ModuleType, d: Path) -> None:
     """A portable build (GGML_BACKEND_DL, what wheels carry) has ggml's CPU backend as run-time modules
     (libggml-cpu-<level>.so) in ``d``; ggml looks for them only beside the executable (python) and in the working

@@ -138,7 +138,7 @@ def test_file_layout_and_counts(tiny: SimpleNamespace) -> None:
 def test_llama_quantize_uses_it(tiny: SimpleNamespace) -> None:
     from clover_native import loader
 
-    tool = loader.lib_dir().parent / "bin" / "llama-quantize"
+    tool = loader.tool_path("llama-quantize")
     assert tool.exists(), f"{tool} missing (make native)"
     outs = {}
     for tag, extra in (("imx", ["--imatrix", str(tiny.masked)]), ("plain", [])):

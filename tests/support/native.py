@@ -48,7 +48,7 @@ def native_tool(name: str) -> Path:
     """A tool of the native build (build/native/bin: llama-server, rpc-server, ...); skip_or_fail when missing."""
     from clover_native import loader
 
-    path = loader.lib_dir().parent / "bin" / name
+    path = loader.tool_path(name)
     if not path.exists():
         skip_or_fail(f"{path} is missing (scripts/build_native.sh builds it)")
     return path

@@ -32,7 +32,7 @@ def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
 def _llama_clover() -> Path:
     from clover_native import loader
 
-    tool = loader.lib_dir().parent / "bin" / "llama-clover"
+    tool = loader.tool_path("llama-clover")
     assert tool.exists(), f"{tool} missing (make native)"
     return tool
 
@@ -124,7 +124,7 @@ def test_schema_matches_the_python_writer() -> None:
 @pytest.mark.native
 def test_clover_cpp_takes_llama_cpp_names(tiny_gguf: Path) -> None:
     """--temp, -s/--seed, -n/--n-predict, --top-k, --top-p, -c, -t, -ngl are the same options as the long
-    names (same dest), in generate, chat and serve."""
+    names (same dest), in generate and chat (serve takes llama-server's own: tests/native/test_serve_launch.py)."""
     from clover_cpp.cli import build_parser
 
     llama_names = ["--temp", "0.5", "-s", "7", "--n-predict", "9", "--top-k", "40", "--top-p", "0.9",
@@ -132,14 +132,14 @@ def test_clover_cpp_takes_llama_cpp_names(tiny_gguf: Path) -> None:
     want = {"temperature": 0.5, "seed": 7, "max_tokens": 9, "top_k": 40, "top_p": 0.9, "ctx_size": 512,
             "threads": 1, "n_gpu_layers": 0}
     parser = build_parser()
-    for command in ("generate", "chat", "serve-legacy"):
+    for command in ("generate", "chat"):
         extra = ["-p", "x"] if command == "generate" else []
         args = parser.parse_args([command, "-m", "M.gguf", *extra, *llama_names])
         assert {k: getattr(args, k) for k in want} == want, command
         long = parser.parse_args([command, "-m", "M.gguf", *extra, "--temperature", "0.5", "--seed", "7",
                                   "--max-tokens", "9"])
         assert (long.temperature, long.seed, long.max_tokens) == (0.5, 7, 9), command
-    for command in ("generate", "chat", "serve-legacy"):  # no option is defined twice
+    for command in ("generate", "chat"):  # no option is defined twice
         sub = parser._subparsers._group_actions[0].choices[command]
         strings = [s for a in sub._actions for s in a.option_strings]
         assert len(strings) == len(set(strings)), command
@@ -151,9 +151,8 @@ def test_clover_cpp_takes_llama_cpp_names(tiny_gguf: Path) -> None:
     assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 5
 
 
-@pytest.mark.parametrize("args", [["serve-legacy", "--seed", "-1"], ["serve-legacy", "--top-p", "0"],
-                                  ["serve-legacy", "-n", "0"],
-                                  ["chat", "-s", "-2"], ["generate", "-p", "x", "-s", "4294967296"]])
+@pytest.mark.parametrize("args", [["chat", "-s", "-2"], ["chat", "--top-p", "0"], ["chat", "-n", "0"],
+                                  ["generate", "-p", "x", "-s", "4294967296"]])
 @pytest.mark.native
 def test_clover_cpp_checks_the_new_options(tiny_gguf: Path, args: list[str]) -> None:
     cmd = [sys.executable, "-m", "clover_cpp.cli", args[0], "-m", str(tiny_gguf), *args[1:]]
@@ -191,26 +190,3 @@ def test_llama_clover_rejects_bad_numbers(tiny_gguf: Path, args: list[str]) -> N
     assert done.returncode == 2, (args, done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and args[0].lstrip("-") in lines[0], done.stderr
-
-
-def test_serve_defaults_fill_what_a_request_leaves_out() -> None:
-    """serve's -n, --top-k, --top-p and -s are defaults, as in llama-server: a request's own fields win, and the
-    default max_tokens is capped by what the context leaves."""
-    from types import SimpleNamespace
-
-    from clover_cpp.gen_params import GenParams
-    from clover_cpp.serve.prepare import Defaults, Preparer
-    from clover_cpp.serve.schema import CloverFields
-
-    model = SimpleNamespace(n_ctx=100, info=SimpleNamespace(n_vocab=3072, mask_token_id=3007))  # what _params reads
-    prep = Preparer(model, None, "m", 8,  # type: ignore[arg-type]
-                    Defaults(GenParams(temperature=0.8, top_k=40, top_p=0.5), max_tokens=10, seed=7))
-    p = prep._params(CloverFields(model="m"), 5, None, "messages")
-    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (10, 0.8, 40, 0.5, 7)
-    p = prep._params(CloverFields(model="m", top_k=0, top_p=1.0, seed=1), 95, None, "messages")
-    assert (p.max_tokens, p.top_k, p.top_p, p.seed) == (5, 0, 1.0, 1)
-    p = prep._params(CloverFields(model="m"), 5, 3, "messages")
-    assert p.max_tokens == 3
-    plain = Preparer(model, None, "m", 8, Defaults())  # type: ignore[arg-type]
-    p = plain._params(CloverFields(model="m"), 5, None, "messages")
-    assert (p.max_tokens, p.top_k, p.top_p, p.seed) == (95, 0, 1.0, 0)
