@@ -22,7 +22,9 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "chat-tool-choice-required-is-a-call", "server-named-tool-choice",
                        "server-responses-function-call-arguments-done", "server-request-nesting-cap",
                        "server-malformed-requests-are-400", "server-logprobs-of-drafted-tokens",
-                       "vendor-httplib-thread-pool-burst", "vendor-httplib-header-read-timeout"}
+                       "vendor-httplib-thread-pool-burst", "vendor-httplib-header-read-timeout",
+                       "vendor-httplib-refuse-declared-oversize-body",
+                       "server-http-errors-have-a-body"}
 
 
 @pytest.mark.native
