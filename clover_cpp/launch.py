@@ -92,8 +92,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--bd",), True, _refused("--bd", "llama-server reads one GGUF; convert without --bd-sidecar "
                                    "(clover-convert MODEL OUT.gguf), or serve the trunk alone for ar")),
     Flag(("--graph-cache",), True, _refused("--graph-cache", "llama-server keeps llama.cpp's graph reuse")),
-    Flag(("--checkpoint-every",), True, _refused("--checkpoint-every", "llama-server checkpoints where each prompt "
-                                                 "ends; --ctx-checkpoints N caps how many a slot keeps")),
+    Flag(("--checkpoint-every",), True, _refused("--checkpoint-every", "llama-server checkpoints at user messages "
+                                                 "and where the generation prompt starts; --ctx-checkpoints N caps "
+                                                 "how many a slot keeps")),
     Flag(("--max-body-bytes",), True, _refused("--max-body-bytes", "no replacement yet (llama-server's body limit "
                                                "is cpp-httplib's)")),
     Flag(("--max-messages",), True, _refused("--max-messages", "no replacement yet")),
