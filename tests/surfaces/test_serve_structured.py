@@ -1,21 +1,31 @@
-"""`clover-cpp serve` through the distribution stage (shared/clover-spec.md section 4; docs/serve.md, "Structured
-output" and "Logprobs"), with the official `openai` client on a live server (tiny f32 GGUF, two slots):
-schema-valid JSON in every mode at temperature 0.8, forced tool calls, logprobs equal across the lossless modes,
-penalties and logit_bias that reach the engine, n answers on n slots, and 400s that give llama.cpp's reason for a
-grammar it does not parse (the other bad schemas, grammars, penalties and biases: test_serve_live.py's BAD_CHAT)."""
+"""`clover-cpp serve` (llama-server) through its distribution stage (docs/serve.md, "Logprobs and metrics", "Block
+diffusion in llama-server"), with the official `openai` client on a live server (tiny f32 GGUF, two slots):
+schema-valid JSON in every mode at temperature 0.8 (diffusion decodes a constrained request as auto: no block
+pass), json_object and llama-server's json_schema and grammar fields, a grammar that applies after the reasoning,
+forced tool calls, logprobs equal across the lossless modes, streamed and on /v1/completions, penalties and
+logit_bias that reach the engine, n answers on n slots, and llama-server's 400 for a grammar it does not parse.
+
+llama-server's logprobs are the model's distribution before the sampler chain (penalties, bias, grammar), as its
+README says of ``n_probs``; its error body is ``{"error": {"code", "message", "type"}}``. The xfail tests are what
+the earlier server did and llama-server does not (strict: each fails as its reason says, or the mark must go):
+strings of valid UTF-8 under a grammar (llama.cpp's grammar takes bytes that are not UTF-8 as characters, and
+the chat parser then fails with a 500; the sampled tests ban the bytes that are never UTF-8), a logprobs entry for
+every token, echo and OpenAI's form of logprobs on /v1/completions, the usage of n answers, llama.cpp's reason for
+a grammar it does not parse, and a 400, not a 500, for a grammar that allows nothing."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai  # a test dependency (pyproject [test]): missing, the suite fails instead of skipping
 import pytest
 
+from tests.support.chat import Reference
 from tests.support.schema import validate
-from tests.support.serve import MODEL_ID, THINK_OFF, get, post, serve
+from tests.support.serve import MODEL_ID, THINK_OFF, clover_serve, http, post, sse_chunks
 
 pytestmark = pytest.mark.native
 
@@ -55,17 +65,22 @@ WEATHER_TOOL = {"type": "function", "function": {
 TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
                                        "required": ["zone"], "additionalProperties": False}}}
+BAD_GRAMMARS = [
+    ("root ::= undefined-rule", "Undefined rule identifier 'undefined-rule'"),
+    ('root ::= "a', "unexpected end of input"),
+    ("root ::= [a-", "unexpected end of input"),
+]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_gguf: Path) -> Iterator[str]:
-    with serve(tiny_gguf, tiny_gguf.parent, "-np", "2") as (url, _, _):
+    with clover_serve(tiny_gguf, "-np", "2", "-c", "2048", "-t", "1", "--no-warmup") as (url, _, _):
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(server: str) -> Any:
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _chat(client: Any, content: str, **kw: Any) -> Any:
@@ -74,216 +89,340 @@ def _chat(client: Any, content: str, **kw: Any) -> Any:
                                           extra_body=extra, **kw)
 
 
-def _json_answer(choice: Any, schema: dict[str, Any]) -> None:
-    """Schema-valid JSON, unless the answer was cut by max_tokens (spec: never invalid otherwise)."""
+def _post_chat(server: str, content: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+    return post(server + "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 8, **THINK_OFF, **fields,
+                                                  "messages": [{"role": "user", "content": content}]})
+
+
+def _without_bad_bytes(value: Any) -> Any:
+    """``value`` with each string that carries U+FFFD (bytes that are not UTF-8 in the answer) emptied."""
+    if isinstance(value, dict):
+        return {k: _without_bad_bytes(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_bad_bytes(v) for v in value]
+    return "" if isinstance(value, str) and "\ufffd" in value else value
+
+
+def _json_answer(choice: Any, schema: dict[str, Any]) -> bool:
+    """Schema-valid JSON, unless the answer was cut by max_tokens (never invalid otherwise); whether a string of it
+    carries bytes that are not UTF-8, which llama.cpp's grammar counts as characters of their own (the gap of
+    test_a_json_schema_string_is_utf8), so that only such a string may break its maxLength."""
     if choice.finish_reason == "length":
-        return
+        return False
     assert choice.finish_reason == "stop", choice
-    errors = validate(json.loads(choice.message.content), schema)
+    value = json.loads(choice.message.content)
+    errors = validate(_without_bad_bytes(value), schema)
     assert not errors, (choice.message.content, errors)
+    return _without_bad_bytes(value) != value
+
+
+def _not_utf8(ref: Reference) -> dict[str, int]:
+    """A logit bias that bans the byte tokens f5 .. ff, which never occur in UTF-8: llama.cpp's grammar lets them
+    into a string, and f8 .. ff make the chat parser refuse the answer (test_a_json_schema_answer_is_parsed)."""
+    # byte-level BPE: bytes ae .. ff are the characters U+00AE .. U+00FF
+    return {str(ref.tokenizer.token_to_id(chr(b))): -100 for b in range(0xF5, 0x100)}
 
 
 # ------------------------------------------------------------------------------------------ structured output
 @pytest.mark.parametrize("mode", MODES)
-def test_json_schema_at_temperature(client: Any, mode: str) -> None:
-    """20 distinct prompt/seed pairs at temperature 0.8: every answer valid or cut by length (diffusion runs as
-    auto when constrained)."""
-    finished = 0
+def test_json_schema_at_temperature(client: Any, ref: Reference, mode: str,
+                                    record_property: Callable[[str, object], None]) -> None:
+    """20 distinct prompt/seed pairs at temperature 0.8: every answer valid or cut by length (with the bytes that are
+    never UTF-8 banned, and a maxLength broken only by other bytes that are not UTF-8: llama.cpp's gaps, the xfail
+    tests below). No answer has a block pass: diffusion decodes a constrained request as auto, and a drafter's own
+    passes are not counted."""
+    finished = not_utf8 = 0
     for i in range(20):
         schema = TICKET if i % 2 == 0 else EDIT
         fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
         r = _chat(client, f"request {i}: file a ticket", response_format=fmt, temperature=0.8, seed=100 + i,
-                  max_tokens=160, extra_body={"mode": mode})
-        _json_answer(r.choices[0], schema)
+                  max_tokens=160, logit_bias=_not_utf8(ref), extra_body={"mode": mode})
+        not_utf8 += _json_answer(r.choices[0], schema)
         finished += r.choices[0].finish_reason == "stop"
-        ran = (r.usage.model_extra or {})["clover"]["mode"]
-        assert ran == ("auto" if mode == "diffusion" else mode), "usage names the mode the answer ran in"
+        timings = r.model_extra["timings"]
+        assert timings["block_passes"] == 0 and timings["causal_passes"] > 0, timings
+        assert mode != "ar" or "draft_n" not in timings, timings  # ar never drafts
     assert finished >= 10, f"only {finished} of 20 answers finished within 160 tokens: the test checks too little"
+    if not_utf8:
+        record_property("note", f"json_schema in {mode}: {not_utf8} of 20 answers had bytes that are not UTF-8")
 
 
-def test_json_object_and_llama_server_fields(client: Any, server: str) -> None:
-    """json_object gives a JSON object; llama-server's json_schema and grammar fields constrain /v1/completions. The
-    json_schema answer must stop within 200 tokens and validate: the tiny model's answers to it took at most 108 tokens
-    over 100 seeds. The completions run in ar, where a seed gives one answer (auto's drafts follow its measured
-    costs)."""
-    r = _chat(client, "an object", response_format={"type": "json_object"}, temperature=0.8, seed=3, max_tokens=120)
-    if r.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(r.choices[0].message.content), dict)
+def _bounded_string(server: str, byte_token: int) -> tuple[int, dict[str, Any]]:
+    """A greedy answer to a schema of one string of at most 2 characters, biased towards ``byte_token``."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2}}, "required": ["a"],
+              "additionalProperties": False}
+    return _post_chat(server, "x", max_tokens=40, temperature=0, mode="ar", logit_bias={str(byte_token): 100},
+                      response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+
+
+@pytest.mark.xfail(strict=True, reason="llama.cpp's grammar reads byte f5, which never begins a UTF-8 character, "
+                   "as the lead of a 4-byte one: biased, f5 and three continuation bytes pass as one character of a "
+                   "string of maxLength 2; the answer is {\"a\": \":\" and four U+FFFD}, 5 characters (overlong "
+                   "forms, such as e0 96 a6 at temperature, pass too)")
+def test_a_json_schema_string_is_utf8(server: str, ref: Reference) -> None:
+    status, body = _bounded_string(server, ref.tokenizer.token_to_id("\u00f5"))  # byte f5
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop", body
+    content = body["choices"][0]["message"]["content"]
+    assert "\ufffd" not in content and len(json.loads(content)["a"]) <= 2, content
+
+
+@pytest.mark.xfail(strict=True, reason="llama.cpp's grammar takes a byte f8 .. ff as the lead of a 4-byte character "
+                   "in a string, and the chat parser then refuses the answer: biased towards byte fd, the request is a "
+                   "500, 'The model produced output that does not match the expected peg-native format' "
+                   "(server_error; at temperature, 1 of test_json_schema_at_temperature's 20 answers without the ban)")
+def test_a_json_schema_answer_is_parsed(server: str, ref: Reference) -> None:
+    status, body = _bounded_string(server, ref.tokenizer.token_to_id("\u00fd"))  # byte fd
+    assert status == 200, body
+
+
+def test_json_object_and_llama_server_fields(client: Any, server: str, ref: Reference) -> None:
+    """json_object gives a JSON object; llama-server's json_schema and grammar fields constrain /v1/completions. In
+    ar, where a seed gives one answer (auto's drafts follow its measured costs), so the answers must stop within
+    max_tokens: at these seeds the tiny model's do, the json_schema one in about 50 tokens."""
+    r = _chat(client, "an object", response_format={"type": "json_object"}, temperature=0.8, seed=1, max_tokens=120,
+              extra_body={"mode": "ar"})
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
     for body in ({"json_schema": EDIT}, {"grammar": 'root ::= "yes" | "no"'}):
         status, out = post(server + "/v1/completions", {"model": MODEL_ID, "prompt": "answer:", "max_tokens": 200,
-                                                        "temperature": 0.8, "seed": 5, "mode": "ar", **body})
+                                                        "temperature": 0.8, "seed": 5, "mode": "ar",
+                                                        "logit_bias": _not_utf8(ref), **body})
         assert status == 200, out
-        text = out["choices"][0]["text"]
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "stop", out
         if "grammar" in body:
-            assert text in ("yes", "no")
+            assert choice["text"] in ("yes", "no")
         else:
-            assert out["choices"][0]["finish_reason"] == "stop", out
-            assert not validate(json.loads(text), EDIT)
+            assert not validate(_without_bad_bytes(json.loads(choice["text"])), EDIT)
 
 
-def test_grammar_applies_after_think(server: str) -> None:
+def test_grammar_applies_after_think(server: str, ref: Reference) -> None:
     """With thinking on, the reasoning is free and the answer after </think> matches the schema. Unbiased, the tiny
     model reasons past max_tokens (its reasoning is no JSON); a bias on </think> makes it close the reasoning at
-    once, and the answer after it is the schema's JSON (the grammar allows </think>'s text inside a string)."""
-    think_close = post(server + "/tokenize", {"content": "</think>"})[1]["tokens"]
-    assert len(think_close) == 1
-    request = {"model": MODEL_ID, "messages": [{"role": "user", "content": "a ticket"}], "return_token_ids": True,
-               "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TICKET}},
-               "chat_template_kwargs": {"enable_thinking": True}}
-    status, free = post(server + "/v1/chat/completions", {**request, "max_tokens": 12})
+    once, and the answer after it is the schema's JSON (the grammar allows </think>'s text inside a string). The
+    bytes that are never UTF-8 banned, as in test_json_schema_at_temperature (without the ban, 4 of seeds 0 .. 11
+    got test_a_json_schema_answer_is_parsed's 500)."""
+    status, tokenized = post(server + "/tokenize", {"content": "</think>"})
+    assert status == 200 and len(tokenized["tokens"]) == 1, tokenized
+    think_close = tokenized["tokens"][0]
+    request = {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TICKET}},
+               "chat_template_kwargs": {"enable_thinking": True}, "logprobs": True, "temperature": 0.8, "seed": 1,
+               "mode": "ar"}
+    status, free = _post_chat(server, "a ticket", **request, max_tokens=12)
     assert status == 200 and free["choices"][0]["finish_reason"] == "length", free
-    assert free["choices"][0]["message"]["reasoning_content"][:1] != "{"
-    status, body = post(server + "/v1/chat/completions", {**request, "max_tokens": 200,
-                                                          "logit_bias": {str(think_close[0]): 60}})
+    message = free["choices"][0]["message"]
+    assert message["content"] == "" and message["reasoning_content"][:1] not in ("", "{"), message
+    status, body = _post_chat(server, "a ticket", **request, max_tokens=200,
+                              logit_bias={**_not_utf8(ref), str(think_close): 60})
     assert status == 200, body
     choice = body["choices"][0]
-    assert choice["token_ids"][0] == think_close[0] and choice["finish_reason"] == "stop", choice
-    assert not validate(json.loads(choice["message"]["content"]), TICKET)
+    assert choice["logprobs"]["content"][0]["id"] == think_close and choice["finish_reason"] == "stop", choice
+    assert not choice["message"].get("reasoning_content"), choice
+    assert not validate(_without_bad_bytes(json.loads(choice["message"]["content"])), TICKET)
+
+
+def _check_call(call: Any) -> None:
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+    assert not validate(_without_bad_bytes(json.loads(call.function.arguments)), tool["function"]["parameters"]), \
+        call
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_forced_tool_call(client: Any, tool_choice: Any) -> None:
-    r = _chat(client, "what is the weather in Paris?", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
-              max_tokens=160, temperature=0.8, seed=7)
-    choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
+def test_forced_tool_call(client: Any, ref: Reference, tool_choice: Any) -> None:
+    """A sampled answer is one call (parallel_tool_calls false: llama-server's default, as OpenAI's, allows several),
+    its arguments valid for the tool's schema (as in test_json_schema_at_temperature), to the named function if one
+    is. In ar, where a seed gives one answer."""
+    choice = _chat(client, "what is the weather in Paris?", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
+                   parallel_tool_calls=False, max_tokens=160, temperature=0.8, seed=7, logit_bias=_not_utf8(ref),
+                   extra_body={"mode": "ar"}).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
     (call,) = choice.message.tool_calls
+    _check_call(call)
     if isinstance(tool_choice, dict):
         assert call.function.name == "get_time"
-    tool = WEATHER_TOOL if call.function.name == "get_weather" else TIME_TOOL
-    assert not validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
 # ------------------------------------------------------------------------------------------ logprobs
-def _greedy_logprobs(client: Any, mode: str, **kw: Any) -> tuple[list[str], list[float], list[list[Any]]]:
-    r = _chat(client, "count to ten", logprobs=True, top_logprobs=3, max_tokens=24, extra_body={"mode": mode}, **kw)
-    content = r.choices[0].logprobs.content
-    return ([c.token for c in content], [c.logprob for c in content], [c.top_logprobs for c in content])
+def _greedy_logprobs(client: Any, mode: str, **kw: Any) -> tuple[Any, list[Any]]:
+    r = _chat(client, "count to ten", logprobs=True, top_logprobs=3, max_tokens=24, temperature=0,
+              extra_body={"mode": mode}, **kw)
+    return r, r.choices[0].logprobs.content
 
 
 def test_logprobs_match_across_lossless_modes(client: Any) -> None:
-    """Greedy ar, auto and spec emit the same tokens with the same log P. The engine-level test
-    (tests/engine/test_distribution.py) holds the exact parity bound; here 1e-2 covers batched vs one-token
-    kernels on an f32 model whose logits are O(1)."""
-    tokens, lps, tops = _greedy_logprobs(client, "ar", presence_penalty=0.5, frequency_penalty=0.3)
-    assert tokens and all(lp <= 0 for lp in lps)
-    for top, tok, lp in zip(tops, tokens, lps):
-        assert len(top) == 3 and top[0].token == tok and top[0].logprob == pytest.approx(lp)
-        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+    """Greedy ar, auto and spec, with penalties, emit the same tokens with the same log P and top tokens (with drafts
+    accepted on the demo model: tests/native/test_serve_api.py). The logprobs are the model's before the penalties,
+    so the top token need not be the one chosen; each is in order, and the chosen one's agrees with its own entry
+    in the top list."""
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.3)
+    runs = {mode: _greedy_logprobs(client, mode, **penalties) for mode in ("ar", "auto", "spec")}
+    ar = runs["ar"][1]
+    assert ar and runs["ar"][0].choices[0].finish_reason == "length"
+    for entry in ar:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3, entry
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True), entry
+        assert all(t.logprob == pytest.approx(entry.logprob) for t in entry.top_logprobs if t.token == entry.token)
     for mode in ("auto", "spec"):
-        m_tokens, m_lps, _ = _greedy_logprobs(client, mode, presence_penalty=0.5, frequency_penalty=0.3)
-        assert m_tokens == tokens, mode
-        assert max(abs(a - b) for a, b in zip(lps, m_lps)) < 1e-2, mode
+        response, content = runs[mode]
+        assert response.usage.completion_tokens == runs["ar"][0].usage.completion_tokens, mode
+        assert [c.token for c in content] == [c.token for c in ar], mode
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(content, ar)) < 1e-3, mode
+        assert [[t.token for t in c.top_logprobs] for c in content] == [[t.token for t in c.top_logprobs] for c in ar]
 
 
 def test_logprobs_streamed_and_completions(client: Any) -> None:
-    stream = _chat(client, "hello", logprobs=True, top_logprobs=1, max_tokens=12, stream=True,
-                   stream_options={"include_usage": True}, extra_body={"mode": "spec"})
-    n_lp, usage = 0, None
-    for chunk in stream:
+    """The streamed logprobs are the answer's, in order; /v1/completions gives llama-server's logprobs (``content``,
+    as the chat's) with at most ``logprobs`` top tokens, whose texts rebuild the answer."""
+    ask = dict(logprobs=True, top_logprobs=1, max_tokens=12, temperature=0, extra_body={"mode": "spec"})
+    whole = _chat(client, "hi", **ask)
+    want = [(c.token, c.logprob) for c in whole.choices[0].logprobs.content]
+    streamed, usage = [], None
+    for chunk in _chat(client, "hi", stream=True, stream_options={"include_usage": True}, **ask):
         usage = chunk.usage or usage
         for c in chunk.choices:
-            n_lp += len(c.logprobs.content) if c.logprobs else 0
-    assert usage is not None and n_lp == usage.completion_tokens
-    r = client.completions.create(model=MODEL_ID, prompt="def f(x):", logprobs=2, max_tokens=6, echo=True)
+            streamed += [(t.token, t.logprob) for t in (c.logprobs.content or [])] if c.logprobs else []
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 12
+    assert [t for t, _ in streamed] == [t for t, _ in want] and len(want) == 12  # whole characters: see below
+    assert [lp for _, lp in streamed] == pytest.approx([lp for _, lp in want], abs=1e-4)  # the prompt cached or not
+
+    r = client.completions.create(model=MODEL_ID, prompt="def f(x):", logprobs=2, max_tokens=6, temperature=0)
+    content = r.choices[0].logprobs.model_extra["content"]
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(c["token"] for c in content) == r.choices[0].text
+    for c in content:
+        assert len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][1]["logprob"]
+
+
+@pytest.mark.xfail(strict=True, reason="llama-server sends no logprobs entry for a token whose text ends in an "
+                   "incomplete UTF-8 character (process_token skips add_token while the text is incomplete): greedy "
+                   "ar 'hello' emits 12 tokens, the second a lone byte (id 131), and gets 11 entries, streamed or not")
+def test_every_token_has_a_logprobs_entry(client: Any) -> None:
+    ask = dict(logprobs=True, top_logprobs=1, max_tokens=12, temperature=0, extra_body={"mode": "ar"})
+    whole = _chat(client, "hello", **ask)
+    n_streamed = sum(len(c.logprobs.content or []) for chunk in _chat(client, "hello", stream=True, **ask)
+                     for c in chunk.choices if c.logprobs)
+    assert len(whole.choices[0].logprobs.content) == n_streamed == whole.usage.completion_tokens == 12
+
+
+@pytest.mark.xfail(strict=True, reason="llama-server's /v1/completions accepts echo: true and ignores it (the "
+                   "text does not start with the prompt)")
+def test_completions_echo(client: Any) -> None:
+    r = client.completions.create(model=MODEL_ID, prompt="def f(x):", max_tokens=6, temperature=0, echo=True)
+    assert r.choices[0].text.startswith("def f(x):"), r.choices[0].text
+
+
+@pytest.mark.xfail(strict=True, reason="llama-server's /v1/completions logprobs are its own {content: [...]}, not "
+                   "OpenAI's completions form (tokens, token_logprobs, top_logprobs, text_offset): the SDK's "
+                   "fields are None")
+def test_completions_logprobs_in_openais_form(client: Any) -> None:
+    r = client.completions.create(model=MODEL_ID, prompt="def f(x):", logprobs=2, max_tokens=6, temperature=0)
     lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
-    assert lp.text_offset[0] == len("def f(x):") and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.tokens is not None and len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and all(len(t) <= 2 for t in lp.top_logprobs)
 
 
 # ------------------------------------------------------------------------------------------ penalties, bias, n
 def test_penalties_and_bias_reach_the_engine(client: Any) -> None:
-    plain = _chat(client, "repeat after me", max_tokens=32, extra_body={"mode": "ar"}).choices[0].message.content
+    plain = _chat(client, "repeat after me", max_tokens=32, temperature=0,
+                  extra_body={"mode": "ar"}).choices[0].message.content
     # negative presence and frequency favour the answer's own tokens: the random tiny model rarely repeats one,
     # so positive penalties alone might change nothing in 32 tokens
     kw = dict(presence_penalty=-2.0, frequency_penalty=-0.5, extra_body={"repeat_penalty": 1.3})
     for mode in ("ar", "auto", "spec"):
         body = {**kw, "extra_body": {**kw["extra_body"], "mode": mode}}
-        text = _chat(client, "repeat after me", max_tokens=32, **body).choices[0].message.content
+        text = _chat(client, "repeat after me", max_tokens=32, temperature=0, **body).choices[0].message.content
         if mode == "ar":
             penalised = text
             assert penalised != plain, "the penalties changed nothing"
         else:
-            assert text == penalised, mode  # greedy spec and auto keep ar's distribution (spec 4)
+            assert text == penalised, mode  # greedy auto and spec keep ar's distribution
 
 
-def _ids(server: str, content: str = "anything", **fields: Any) -> list[list[int]]:
-    """Each choice's token ids of a chat answer (return_token_ids; greedy unless fields say otherwise)."""
-    status, body = post(server + "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 8, **THINK_OFF,
-                                                          "return_token_ids": True, **fields,
-                                                          "messages": [{"role": "user", "content": content}]})
+def _ids(server: str, **fields: Any) -> list[int]:
+    """The token ids of a greedy chat answer, from its logprobs (llama-server's entries carry each token's id)."""
+    status, body = _post_chat(server, "anything", temperature=0, logprobs=True, **fields)
     assert status == 200, body
-    return [c["token_ids"] for c in body["choices"]]
+    return [c["id"] for c in body["choices"][0]["logprobs"]["content"]]
 
 
 def test_logit_bias(server: str) -> None:
     """-100 bans (OpenAI), a large positive bias forces: both on the greedy answer's first token."""
-    (first, *_), = _ids(server)
-    (banned,) = _ids(server, logit_bias={str(first): -100})
-    assert first not in banned
-    (forced,) = _ids(server, logit_bias={"65": 100})
-    assert forced[0] == 65
+    first, *_ = _ids(server)
+    assert first not in _ids(server, logit_bias={str(first): -100})
+    assert _ids(server, logit_bias={"65": 100}) == [65] * 8
 
 
 def test_n_answers_on_slots(server: str) -> None:
-    """n = 2 runs on the two slots; answer i samples with seed + i, so answer 1 equals a lone request with seed + 1."""
-    # ar: a sampled auto answer depends on its timed draft decisions, so only ar's is fixed by the seed
-    status, body = post(server + "/v1/chat/completions", {"model": MODEL_ID, "n": 2, "temperature": 1.0, "seed": 11,
-                                                          "mode": "ar",
-                                                          "max_tokens": 16, "return_token_ids": True, **THINK_OFF,
-                                                          "messages": [{"role": "user", "content": "two answers"}]})
+    """n = 2 runs on the two slots; answer i samples with seed + i, so each equals a lone request with that seed (ar:
+    a sampled auto answer depends on its timed draft decisions, so only ar's is fixed by the seed). n above the
+    slots is llama-server's 400."""
+    ask = dict(temperature=1.0, mode="ar", max_tokens=16)
+    status, body = _post_chat(server, "two answers", n=2, seed=11, **ask)
     assert status == 200, body
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
-    (alone,) = _ids(server, "two answers", temperature=1.0, seed=12, max_tokens=16, mode="ar")
-    assert body["choices"][1]["token_ids"] == alone
-    status, body = post(server + "/v1/chat/completions", {"model": MODEL_ID, "n": 3, "max_tokens": 4,
-                                                          "messages": [{"role": "user", "content": "x"}]})
-    assert status == 400 and body["error"]["param"] == "n"
+    for i, choice in enumerate(body["choices"]):
+        status, alone = _post_chat(server, "two answers", seed=11 + i, **ask)
+        assert choice["message"]["content"] == alone["choices"][0]["message"]["content"], i
+    assert body["choices"][0]["message"]["content"] != body["choices"][1]["message"]["content"]
+    status, body = _post_chat(server, "x", n=3, max_tokens=4)
+    message = "Field 'n': Value must be between 1 <= value <= 2, but got 3"
+    assert (status, body) == (400, {"error": {"code": 400, "type": "invalid_request_error", "message": message}})
 
 
-def test_n_answers_streamed(client: Any, server: str) -> None:
+@pytest.mark.xfail(strict=True, reason="llama-server's usage of n answers is the first answer's: n = 2 answers of "
+                   "16 tokens each report completion_tokens 16, and streamed, each answer sends a usage chunk of its "
+                   "own 16 tokens")
+def test_n_answers_usage_counts_every_answer(server: str) -> None:
+    ask = dict(n=2, temperature=1.0, seed=11, mode="ar", max_tokens=16, ignore_eos=True)
+    status, body = _post_chat(server, "two answers", **ask)
+    assert status == 200 and all(c["finish_reason"] == "length" for c in body["choices"]), body
+    assert body["usage"]["completion_tokens"] == 32, body["usage"]
+    status, _, raw = http(server + "/v1/chat/completions", {
+        "model": MODEL_ID, **THINK_OFF, **ask, "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "two answers"}]}, timeout=120)
+    assert [c["usage"]["completion_tokens"] for c in sse_chunks(raw) if c.get("usage")] == [32]
+
+
+def test_n_answers_streamed(client: Any) -> None:
     """Streamed, the two answers' chunks interleave under one id, each choice with its index, and each answer's
-    text equals the whole (non-streamed) answer of the same request. In ar: a sampled auto answer depends on its
-    draft decisions, which follow the passes' measured times, so only ar's is fixed by the seed."""
+    text equals the whole (non-streamed) answer of the same request. In ar (see test_n_answers_on_slots)."""
     request = dict(n=2, temperature=1.0, seed=21, max_tokens=12, extra_body={"mode": "ar"})
     whole = _chat(client, "two streams", **request)
     texts, finished, ids = ["", ""], [None, None], set()
-    for chunk in _chat(client, "two streams", stream=True, stream_options={"include_usage": True}, **request):
+    for chunk in _chat(client, "two streams", stream=True, **request):
         ids.add(chunk.id)
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
             finished[c.index] = c.finish_reason or finished[c.index]
-        if chunk.usage:
-            assert chunk.usage.completion_tokens == whole.usage.completion_tokens
-    assert len(ids) == 1 and all(finished)
-    assert texts == [c.message.content for c in whole.choices]
+    assert len(ids) == 1 and finished == [c.finish_reason for c in whole.choices] and all(finished)
+    assert texts == [c.message.content for c in whole.choices] and texts[0] != texts[1]
 
 
-# ------------------------------------------------------------------------------------------ bad input
-# (bad schemas, grammars, penalties and biases: test_serve_live.py's BAD_CHAT)
-@pytest.mark.parametrize(("grammar", "reason"), [
-    ("root ::= undefined-rule", "Undefined rule identifier 'undefined-rule'"),
-    ('root ::= "a', "unexpected end of input"),
-    ("root ::= [a-", "unexpected end of input"),
-])
+# ------------------------------------------------------------------------------------------ bad grammars
+@pytest.mark.parametrize("grammar", [g for g, _ in BAD_GRAMMARS])
+def test_a_grammar_error_is_a_400(server: str, grammar: str) -> None:
+    """llama-server's 400 for a GBNF it does not parse (README: "Failed to parse grammar"), before anything runs."""
+    status, body = _post_chat(server, "x", max_tokens=4, grammar=grammar)
+    assert (status, body) == (400, {"error": {"code": 400, "type": "invalid_request_error",
+                                              "message": "Failed to initialize samplers: failed to parse grammar"}})
+
+
+@pytest.mark.xfail(strict=True, reason="llama-server's 400 says only 'Failed to initialize samplers: failed to parse "
+                   "grammar'; llama.cpp's reason ('parse: error parsing grammar: ...') goes to the server's log")
+@pytest.mark.parametrize(("grammar", "reason"), BAD_GRAMMARS)
 def test_a_grammar_error_gives_llama_cpps_reason(server: str, grammar: str, reason: str) -> None:
-    """The 400 tells the client why its GBNF does not parse, in llama.cpp's words."""
-    status, body = post(server + "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 4, **THINK_OFF,
-                                                          "grammar": grammar,
-                                                          "messages": [{"role": "user", "content": "x"}]})
-    assert status == 400 and body["error"]["param"] == "grammar", body
-    assert set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert f"llama.cpp's GBNF parser rejected it: {reason}" in body["error"]["message"], body
+    status, body = _post_chat(server, "x", max_tokens=4, grammar=grammar)
+    assert status == 400 and reason in body["error"]["message"], body
 
 
-def test_grammar_that_allows_nothing(server: str) -> None:
-    """A grammar whose only token is the mask token (always banned) is refused before anything runs; one that
-    dead-ends after its first token ends the answer with a 400, never a hang."""
-    mask_id = get(server + "/v1/models")["data"][0]["clover"]["mask_token_id"]
+@pytest.mark.xfail(strict=True, reason="a grammar whose only token is the (always banned) mask token is a 500 "
+                   "(server_error), 'got exception: Unexpected empty grammar stack after accepting piece: ' and a "
+                   "token the grammar does not allow (greedy: '? (30)'); the server lives on")
+def test_grammar_that_allows_nothing(server: str, ref: Reference) -> None:
+    """A grammar whose only token is the mask token (always banned), or that dead-ends on it after its first token,
+    is a 400 that names the grammar, never a 500 or a hang."""
+    mask_id = ref.model.config.mask_token_id
     for grammar in (f"root ::= <[{mask_id}]>", f'root ::= "a" <[{mask_id}]>'):
-        status, body = post(server + "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 8, **THINK_OFF,
-                                                              "grammar": grammar,
-                                                              "messages": [{"role": "user", "content": "x"}]})
-        assert status == 400, body
-        assert "grammar" in body["error"]["message"]
+        status, body = _post_chat(server, "x", grammar=grammar, temperature=0)
+        assert status == 400 and "grammar" in body["error"]["message"], (grammar, status, body)
