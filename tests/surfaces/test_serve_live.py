@@ -1,18 +1,36 @@
-"""`clover-cpp serve` (docs/serve.md): a live server on the tiny GGUF driven by the official `openai` client.
+"""`clover-cpp serve` (docs/serve.md): the patched llama-server, live on the tiny GGUF, driven by the official `openai`
+client and plain HTTP.
 
-Every answer is compared with the reference: the checkpoint's chat template rendered by clover_ref,
-tokenized by its tokenizer.json and decoded greedily by clover_ref.decode on a fresh history. The server's pure
-parts are tested in tests/surfaces/test_serve_units.py.
+Every answer is compared with the reference: the checkpoint's chat template rendered by clover_ref, tokenized by its
+tokenizer.json and decoded greedily by clover_ref.decode on a fresh history. llama-server gives the token ids when a
+request asks (`"verbose": true, "return_tokens": true`: the answer's `__verbose.tokens`, and `__verbose.prompt`, the
+prompt it ran on); the decoding statistics the earlier server reported in `usage.clover` are the answer's `timings`
+(`causal_passes`, `block_passes`, `tokens_per_pass`, `draft_n`, `draft_n_accepted`).
+
+These tests began as the earlier FastAPI server's (`clover-cpp serve-legacy`). Where llama-server answers otherwise
+but soundly (its error messages and types, its field names, its limits), they assert what llama-server does, and say
+so where they do; where it lacks a behaviour the earlier server had, the test is a strict xfail naming the gap. What
+tests/native/test_serve_*.py and test_server_*.py already check (the Host check, tool_choice errors, the fuzz of bad
+bodies, the metrics of passes, diffusion against the engine) is not repeated here.
+
+The observations that wait (a shutdown, a template that never ends, an abandoned request, a body that never comes)
+run in the background as the module starts, most on servers of their own (the `background` fixture), and their tests
+read what they saw.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
+import socket
+import subprocess
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from http import client as http_client
 from pathlib import Path
 from typing import Any
 
@@ -20,56 +38,114 @@ import pytest
 
 from tests.support.chat import Reference
 from tests.support.engine import run_concurrently
-from tests.support.serve import MODEL_ID, THINK_OFF, auth as _auth, get as _get, post as _post, post_raw as _post_raw
-from tests.support.serve import serve as _serve
+from tests.support.serve import (MODEL_ID, THINK_OFF, address, auth, clover_serve, emitted_tokens, get, http, post,
+                                 post_raw)
 
 pytestmark = pytest.mark.native  # every test here runs a live server (skipped without the build; a failure in CI)
+
+# served as "tiny", as the earlier server named the file; a fixed seed for the requests that sample (llama-server's
+# default temperature is 0.8, its default seed random); one thread: two on a small shared machine wait on each other
+# at every pass (a 24-token answer took from 25 ms to 1 s), and the tiny model needs no more
+BASE = ("-t", "1", "--no-warmup", "--alias", MODEL_ID, "--seed", "7")
+TOKENS = {"verbose": True, "return_tokens": True}  # the answer's __verbose carries the prompt and the token ids
+USER = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write a function that adds two numbers."}]
+DIFFUSION = {"block_size": 8, "threshold": 0.006}
+LONG = {"mode": "diffusion", "block_size": 16, "threshold": 1.0, "ignore_eos": True}  # one token a step: about a minute
+N_VOCAB = 3072
 
 
 @pytest.fixture(scope="module")
 def server(tiny_gguf: Path) -> Iterator[str]:
-    with _serve(tiny_gguf, tiny_gguf.parent, "--max-block-size", "32") as (url, _, _):
+    """One slot, the earlier server's default context (4096) and block room (--max-block-size 32)."""
+    with clover_serve(tiny_gguf, *BASE, "-c", "4096", "-np", "1", "--max-block-size", "32", "--metrics") as (url, _, _):
         yield url
+
+
+def _client(url: str, key: str = "none", timeout: float = 120) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def client(server: str) -> Any:
-    from openai import OpenAI
-
-    return OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    return _client(server)
 
 
-def _token_ids(resp: Any) -> tuple[list[int], list[int]]:
-    extra = resp.model_extra or {}
-    choice = resp.choices[0].model_extra or {}
-    return extra["prompt_token_ids"], choice["token_ids"]
+@pytest.fixture(scope="module", autouse=True)
+def background(tiny_gguf: Path, server: str) -> Iterator[dict[str, Future[dict[str, Any]]]]:
+    """The observations that wait (a shutdown that hangs, a template that never ends or crashes the server, an
+    abandoned request, a body that never comes), mostly on servers of their own, started together as the module
+    starts and read by their tests, so that their waits overlap the other tests'."""
+    args = _hardened_args(tiny_gguf.parent)
+    with ThreadPoolExecutor(5) as pool:
+        yield {"sigterm": pool.submit(_sigterm, tiny_gguf),
+               "endless": pool.submit(_endless_template, tiny_gguf, args),
+               "recurse": pool.submit(_recursing_template, tiny_gguf, args),
+               "abandoned": pool.submit(_abandoned, tiny_gguf),
+               "declared length": pool.submit(_declared_length, server)}
 
 
-def _clover(resp: Any) -> dict[str, Any]:
-    return resp.usage.model_extra["clover"]
+def _verbose(resp: Any) -> dict[str, Any]:
+    return resp.model_extra["__verbose"]
 
 
-def _check_stats(clover: dict[str, Any], want_stats: Any, mode: str) -> None:
-    assert clover["mode"] == mode
-    assert clover["generated_tokens"] == want_stats.generated_tokens
-    assert (clover["block_passes"], clover["causal_passes"]) == (want_stats.block_passes, want_stats.causal_passes)
-    assert clover["stop_reason"] == want_stats.stop_reason
-    passes = clover["block_passes"] + clover["causal_passes"]
-    assert clover["tokens_per_pass"] == pytest.approx(clover["generated_tokens"] / passes)
+def _tokens(resp: Any) -> list[int]:
+    """The generated ids (less the end-of-generation token llama-server stopped at)."""
+    return emitted_tokens(_verbose(resp))
 
 
-USER = [{"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "Write a function that adds two numbers."}]
+def _timings(resp: Any) -> dict[str, Any]:
+    return resp.model_extra["timings"]
+
+
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
+
+
+def _slots(url: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(url + "/slots", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _content(want: Any) -> str:
+    """The message content llama-server gives for an answer without reasoning or tool calls: the decoded text as it
+    is. The earlier server's parser (the reference's parsed content) also trimmed its trailing whitespace."""
+    assert want.parsed.reasoning is None and not want.parsed.tool_calls and want.parsed.content == want.text.rstrip()
+    return want.text
+
+
+def _check_timings(timings: dict[str, Any], want: Any, mode: str) -> None:
+    """The earlier `usage.clover` checks on llama-server's `timings`: diffusion and ar count the reference's passes;
+    `spec` is llama-server's drafters (--spec-type ngram-mod,draft-clover), whose passes are not the engine's
+    block-draft rounds: a drafter's own passes are not counted, and every round is one causal pass."""
+    assert timings["predicted_n"] == want.stats.generated_tokens
+    passes = timings["block_passes"] + timings["causal_passes"]
+    assert timings["tokens_per_pass"] == pytest.approx(timings["predicted_n"] / passes)
+    if mode == "spec":
+        assert timings["block_passes"] == 0 and 0 < timings["causal_passes"] <= timings["predicted_n"], timings
+        assert timings["draft_n"] >= timings["draft_n_accepted"] >= 0 and timings["draft_n"] > 0, timings
+    else:
+        assert (timings["block_passes"], timings["causal_passes"]) == \
+            (want.stats.block_passes, want.stats.causal_passes), (timings, want.stats)
+        assert "draft_n" not in timings, timings
 
 
 def test_models_and_health(client: Any, server: str) -> None:
+    """llama-server's shapes: /v1/models lists the alias with its `meta`, /props the slots and the context, /health
+    `{"status": "ok"}` (the earlier `clover` card and job counters are gone; there is no /v1/models/{id})."""
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_ID]
-    card = models.data[0].model_extra["clover"]
-    assert card["n_ctx"] == 4096 and card["block_size"] == 8 and card["max_block_size"] == 32
-    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
-    health = _get(server + "/health")
-    assert health["status"] == "ok" and health["model"] == MODEL_ID
+    meta = models.data[0].model_extra["meta"]
+    assert (meta["n_ctx"], meta["n_vocab"], meta["n_ctx_train"]) == (4096, N_VOCAB, 4096), meta
+    props = get(server + "/props")
+    assert props["total_slots"] == 1 and props["default_generation_settings"]["n_ctx"] == 4096
+    assert props["default_generation_settings"]["params"]["mode"] == "auto"  # llama-server's default decoding
+    assert get(server + "/health") == {"status": "ok"}
+    status, _, body = http(server + f"/v1/models/{MODEL_ID}")
+    assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
 
 
 def _piece_bytes(piece: str | list[int]) -> bytes:
@@ -77,67 +153,62 @@ def _piece_bytes(piece: str | list[int]) -> bytes:
 
 
 def test_tokenize_and_detokenize_as_llama_server(server: str, ref: Reference) -> None:
-    """llama-server's shapes (tools/server/README.md of the pinned llama.cpp, "POST /tokenize" and "POST
-    /detokenize"): ``{"tokens": [ids]}``; with ``with_pieces``, ``{"id", "piece"}`` objects whose piece is the text
-    when it is valid UTF-8 and a list of bytes otherwise; ``{"content": text}`` back. The ids are the checkpoint's
-    tokenizer.json's."""
+    """tools/server/README.md, "POST /tokenize" and "POST /detokenize": ``{"tokens": [ids]}``; with ``with_pieces``,
+    ``{"id", "piece"}`` objects whose piece is the text when it is valid UTF-8 and a list of bytes otherwise. The ids
+    are the checkpoint's tokenizer.json's; special tokens are parsed unless ``parse_special`` is false."""
     text = "def add(a, b):\n    return a + b  # \U0001d518 sum"
-    got, body = _post(server + "/tokenize", {"content": text})
+    got, body = post(server + "/tokenize", {"content": text})
     assert got == 200 and list(body) == ["tokens"] and body["tokens"] == ref.ids(text)
-    got, pieces = _post(server + "/tokenize", {"content": text, "with_pieces": True})
-    assert got == 200 and list(pieces) == ["tokens"]
-    assert all(list(p) == ["id", "piece"] for p in pieces["tokens"])
-    assert [p["id"] for p in pieces["tokens"]] == body["tokens"]
+    got, pieces = post(server + "/tokenize", {"content": text, "with_pieces": True})
+    assert got == 200 and [p["id"] for p in pieces["tokens"]] == body["tokens"]
     assert b"".join(_piece_bytes(p["piece"]) for p in pieces["tokens"]).decode() == text
     assert any(isinstance(p["piece"], list) for p in pieces["tokens"]), "a 4-byte character split into byte pieces"
     assert all(isinstance(p["piece"], str) for p in pieces["tokens"] if p["id"] in ref.ids("def add"))
 
     special = "<|im_start|>user"
-    _, parsed = _post(server + "/tokenize", {"content": special})
-    _, plain = _post(server + "/tokenize", {"content": special, "parse_special": False})
+    _, parsed = post(server + "/tokenize", {"content": special})
+    _, plain = post(server + "/tokenize", {"content": special, "parse_special": False})
     im_start = ref.ids("<|im_start|>")
     assert parsed["tokens"] == ref.ids(special) and len(im_start) == 1
     assert im_start[0] not in plain["tokens"] and len(plain["tokens"]) > len(parsed["tokens"])
 
-    got, back = _post(server + "/detokenize", {"tokens": body["tokens"]})
+    got, back = post(server + "/detokenize", {"tokens": body["tokens"]})
     assert got == 200 and back == {"content": text}
-    assert _post(server + "/detokenize", {"tokens": parsed["tokens"]})[1] == {"content": special}
-    got, err = _post(server + "/detokenize", {"tokens": [1, 10**9]})
-    assert got == 400 and err["error"]["param"] == "tokens[1]" and "vocabulary" in err["error"]["message"]
-    got, err = _post(server + "/tokenize", {"text": "x"})
-    assert got == 400 and err["error"]["param"] == "content"
+    assert post(server + "/detokenize", {"tokens": parsed["tokens"]})[1] == {"content": special}
+    got, err = post(server + "/detokenize", {"tokens": [1, N_VOCAB]})
+    assert got == 400 and f"token id {N_VOCAB} is not in the vocabulary (0 .. {N_VOCAB - 1})" in \
+        err["error"]["message"], err
+    # llama-server reads a body without "content" as empty text (the earlier server: a 400 naming the field)
+    assert post(server + "/tokenize", {"text": "x"}) == (200, {"tokens": []})
 
 
 def test_apply_template_as_llama_server(server: str, ref: Reference) -> None:
-    """llama-server's /apply-template (tools/server/README.md, "POST /apply-template"): ``{"prompt": text}``, the
-    chat template's rendering of the messages that a chat completion would run on."""
-    got, body = _post(server + "/apply-template", {"messages": USER})
+    """tools/server/README.md, "POST /apply-template": ``{"prompt": text}``, the rendering a chat completion runs on."""
+    got, body = post(server + "/apply-template", {"messages": USER})
     assert got == 200 and body == {"prompt": ref.render(USER)}
-    got, body = _post(server + "/apply-template", {"messages": USER, **THINK_OFF})
+    got, body = post(server + "/apply-template", {"messages": USER, **THINK_OFF})
     assert body == {"prompt": ref.render(USER, thinking=False)}
-    got, err = _post(server + "/apply-template", {"messages": []})
-    assert got == 400 and err["error"]["param"] == "messages"
+    # no messages: llama-server renders the generation prompt alone (the earlier server: a 400)
+    assert post(server + "/apply-template", {"messages": []}) == (200, {"prompt": "<|im_start|>assistant\n<think>\n"})
 
 
-@pytest.mark.parametrize("mode,opts", [("ar", {}), ("diffusion", {"block_size": 8, "threshold": 0.006}),
-                                       ("spec", {"block_size": 4})])
+@pytest.mark.parametrize("mode,opts", [("ar", {}), ("diffusion", DIFFUSION), ("spec", {"block_size": 4})])
 def test_chat_equals_reference_and_stream_reassembles(client: Any, ref: Reference, mode: str,
                                                       opts: dict[str, Any]) -> None:
     want = ref.chat(USER, mode, 24, thinking=False, **opts)
-    extra = {"mode": mode, "return_token_ids": True, **opts, **THINK_OFF}
+    extra = {"mode": mode, **opts, **THINK_OFF}
     resp = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=24, temperature=0,
-                                          extra_body=extra)
-    prompt_ids, tokens = _token_ids(resp)
-    assert prompt_ids == want.prompt_ids
-    assert tokens == want.tokens
+                                          extra_body={**extra, **TOKENS})
+    assert _verbose(resp)["prompt"] == want.prompt_text
+    assert _tokens(resp) == want.tokens
     msg = resp.choices[0].message
-    assert msg.content == want.parsed.content and msg.content
+    assert msg.content == want.text and msg.content  # the decoded text as it is (see _content)
     assert msg.model_extra.get("reasoning_content") is None
     assert resp.choices[0].finish_reason == ("length" if want.stats.stop_reason == "length" else "stop")
     assert resp.usage.prompt_tokens == len(want.prompt_ids)
     assert resp.usage.completion_tokens == len(want.tokens)
     assert resp.usage.total_tokens == len(want.prompt_ids) + len(want.tokens)
-    _check_stats(_clover(resp), want.stats, mode)
+    _check_timings(_timings(resp), want, mode)
 
     stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=24, temperature=0,
                                             stream=True, stream_options={"include_usage": True}, extra_body=extra)
@@ -148,38 +219,40 @@ def test_chat_equals_reference_and_stream_reassembles(client: Any, ref: Referenc
     assert text == msg.content
     assert finish == [resp.choices[0].finish_reason]
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # it streamed
+    # the usage chunk comes last, with the request's timings (a chat stream carries no token ids)
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
-    assert chunks[-1].usage.model_extra["clover"]["block_passes"] == _clover(resp)["block_passes"]
-    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
-    assert last.choices[0].model_extra["token_ids"] == want.tokens
+    streamed = chunks[-1].model_extra["timings"]
+    assert (streamed["block_passes"], streamed["causal_passes"]) == \
+        (_timings(resp)["block_passes"], _timings(resp)["causal_passes"])
 
 
 def test_thinking_on_and_off(client: Any, ref: Reference) -> None:
-    opts = {"mode": "diffusion", "block_size": 8, "threshold": 0.006}
-    on = ref.chat(USER, "diffusion", 20, thinking=True, block_size=8, threshold=0.006)
-    off = ref.chat(USER, "diffusion", 20, thinking=False, block_size=8, threshold=0.006)
+    opts = {"mode": "diffusion", **DIFFUSION}
+    on = ref.chat(USER, "diffusion", 20, thinking=True, **DIFFUSION)
+    off = ref.chat(USER, "diffusion", 20, thinking=False, **DIFFUSION)
     assert on.prompt_text.endswith("<think>\n") and off.prompt_text.endswith("<think>\n\n</think>\n\n")
     r_on = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=20, temperature=0,
-                                          extra_body={**opts, "return_token_ids": True,
+                                          extra_body={**opts, **TOKENS,
                                                       "chat_template_kwargs": {"enable_thinking": True}})
     r_default = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=20, temperature=0,
                                                extra_body=opts)
     r_off = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=20, temperature=0,
-                                           extra_body={**opts, "return_token_ids": True, **THINK_OFF})
-    assert _token_ids(r_on) == (on.prompt_ids, on.tokens)
-    assert _token_ids(r_off) == (off.prompt_ids, off.tokens)
+                                           extra_body={**opts, **TOKENS, **THINK_OFF})
+    assert (_verbose(r_on)["prompt"], _tokens(r_on)) == (on.prompt_text, on.tokens)
+    assert (_verbose(r_off)["prompt"], _tokens(r_off)) == (off.prompt_text, off.tokens)
     # thinking on: the model is inside <think>; without a </think> everything it wrote is reasoning
-    assert on.parsed.reasoning and r_on.choices[0].message.model_extra["reasoning_content"] == on.parsed.reasoning
-    assert r_on.choices[0].message.content == on.parsed.content
-    assert r_default.choices[0].message.model_extra["reasoning_content"] == on.parsed.reasoning  # the default
+    assert on.parsed.reasoning and not on.parsed.content and "</think>" not in on.text
+    assert r_on.choices[0].message.model_extra["reasoning_content"] == on.text
+    assert r_on.choices[0].message.content == ""
+    assert r_default.choices[0].message.model_extra["reasoning_content"] == on.text  # the default
     assert r_off.choices[0].message.model_extra.get("reasoning_content") is None
-    assert r_off.choices[0].message.content == off.parsed.content
+    assert r_off.choices[0].message.content == _content(off)
     # streamed reasoning arrives as delta.reasoning_content and reassembles
     chunks = list(client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=20, temperature=0,
                                                  stream=True, extra_body=opts))
     streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
-    assert streamed == on.parsed.reasoning
+    assert streamed == on.text
     assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
 
 
@@ -190,7 +263,7 @@ TOOLS = [{"type": "function", "function": {
 
 def test_tool_call_round_trip(client: Any, ref: Reference) -> None:
     """tools, an assistant message with tool_calls and the tool's result go through the template: the
-    server's prompt equals the reference rendering token for token, and so does the answer."""
+    server's prompt equals the reference rendering, and so does the answer."""
     args = json.dumps({"city": "Paris"})
     convo = [{"role": "user", "content": "What is the weather in Paris?"},
              {"role": "assistant", "content": "",
@@ -203,31 +276,32 @@ def test_tool_call_round_trip(client: Any, ref: Reference) -> None:
     assert "<tool_response>\n{\"temp_c\": 21" in want.prompt_text and "\"name\": \"get_weather\"" in want.prompt_text
     resp = client.chat.completions.create(model=MODEL_ID, messages=convo, tools=TOOLS, tool_choice="auto",
                                           max_tokens=16, temperature=0,
-                                          extra_body={"mode": "ar", "return_token_ids": True, **THINK_OFF})
-    assert _token_ids(resp) == (want.prompt_ids, want.tokens)
-    assert resp.choices[0].message.content == want.parsed.content
+                                          extra_body={"mode": "ar", **TOKENS, **THINK_OFF})
+    assert (_verbose(resp)["prompt"], _tokens(resp)) == (want.prompt_text, want.tokens)
+    assert resp.usage.prompt_tokens == len(want.prompt_ids)
+    assert resp.choices[0].message.content == _content(want)
     assert (resp.choices[0].message.tool_calls or []) == []  # random weights write no <tool_call>
     # content given as text parts renders the same prompt
     parts = [dict(m) for m in convo]
     parts[0]["content"] = [{"type": "text", "text": "What is the weather in Paris?"}]
     again = client.chat.completions.create(model=MODEL_ID, messages=parts, tools=TOOLS, max_tokens=16,
-                                           temperature=0, extra_body={"mode": "ar", "return_token_ids": True,
-                                                                      **THINK_OFF})
-    assert _token_ids(again) == (want.prompt_ids, want.tokens)
+                                           temperature=0, extra_body={"mode": "ar", **TOKENS, **THINK_OFF})
+    assert (_verbose(again)["prompt"], _tokens(again)) == (want.prompt_text, want.tokens)
 
 
-def test_completions_echo_and_stop(client: Any, ref: Reference) -> None:
+def test_completions_and_stop(client: Any, ref: Reference) -> None:
     prompt = "def fibonacci(n):\n    if n < 2:\n"
-    want = ref.completion(prompt, "diffusion", 24, block_size=8, threshold=0.006)
-    extra = {"mode": "diffusion", "block_size": 8, "threshold": 0.006, "return_token_ids": True}
-    resp = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+    want = ref.completion(prompt, "diffusion", 24, **DIFFUSION)
+    extra = {"mode": "diffusion", **DIFFUSION}
+    resp = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0,
+                                     extra_body={**extra, **TOKENS})
     assert resp.choices[0].text == want.text
-    assert resp.choices[0].model_extra["token_ids"] == want.tokens
-    assert resp.usage.completion_tokens == len(want.tokens)
-    _check_stats(resp.usage.model_extra["clover"], want.stats, "diffusion")
-    echo = client.completions.create(model=MODEL_ID, prompt=want.prompt_ids, max_tokens=24, temperature=0,
-                                     echo=True, extra_body=extra)
-    assert echo.choices[0].text == prompt + want.text
+    assert _tokens(resp) == want.tokens
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(want.prompt_ids), len(want.tokens))
+    _check_timings(_timings(resp), want, "diffusion")
+    ids = client.completions.create(model=MODEL_ID, prompt=want.prompt_ids, max_tokens=24, temperature=0,
+                                    extra_body={**extra, **TOKENS})
+    assert (ids.choices[0].text, _tokens(ids)) == (want.text, want.tokens)  # the prompt as token ids
     chunks = list(client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0,
                                             stream=True, extra_body=extra))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
@@ -242,120 +316,159 @@ def test_completions_echo_and_stop(client: Any, ref: Reference) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="llama-server's /v1/completions ignores `echo` (and `suffix`, `best_of`): "
+                   "echo=true answers the completion alone, suffix is left out, with a 200 either way "
+                   "(upstream's oaicompat_completion_params_parse, which refused them, is never called)")
+@pytest.mark.parametrize("field", ["echo", "suffix"])
+def test_echo_is_honoured_and_suffix_refused(client: Any, server: str, field: str) -> None:
+    prompt = "def fibonacci(n):\n"
+    if field == "echo":
+        plain = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=4, temperature=0)
+        echo = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+        assert echo.choices[0].text == prompt + plain.choices[0].text
+    else:
+        got, err = post_raw(server + "/v1/completions", json.dumps(
+            {"model": MODEL_ID, "prompt": prompt, "suffix": "    return n\n", "max_tokens": 4}).encode())
+        assert got == 400 and "suffix" in err["error"]["message"], (got, err)
+
+
 def test_eight_concurrent_clients(client: Any, ref: Reference, server: str) -> None:
-    """Eight threads at once, mixed modes and streaming: each answer equals the reference's."""
-    before = _get(server + "/health")
+    """Eight threads at once on one slot (llama-server queues them), mixed modes and streaming: each answer equals
+    the reference's, and /metrics counts every generated token."""
+    before = _metrics(server)
     cases = []
     for i in range(8):
         mode = ("ar", "diffusion", "spec")[i % 3]
-        opts = {"diffusion": {"block_size": 8, "threshold": 0.006}, "spec": {"block_size": 8}}.get(mode, {})
+        opts = {"diffusion": DIFFUSION, "spec": {"block_size": 8}}.get(mode, {})
         messages = [{"role": "user", "content": f"Client {i}: write a loop that counts to {3 + i}."}]
         cases.append((messages, mode, opts, i % 2 == 1))
 
-    def run(i: int) -> tuple[str | None, list[int]]:
+    def run(i: int) -> tuple[str | None, list[int] | None, int]:
         messages, mode, opts, stream = cases[i]
-        extra = {"mode": mode, "return_token_ids": True, **opts, **THINK_OFF}
+        extra = {"mode": mode, **opts, **THINK_OFF}
         if stream:
             chunks = list(client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20,
-                                                         temperature=0, stream=True, extra_body=extra))
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True}, extra_body=extra))
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
-            return text, last.choices[0].model_extra["token_ids"]
+            return text, None, chunks[-1].usage.completion_tokens
         resp = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20,
-                                              temperature=0, extra_body=extra)
-        return resp.choices[0].message.content, _token_ids(resp)[1]
+                                              temperature=0, extra_body={**extra, **TOKENS})
+        return resp.choices[0].message.content, _tokens(resp), resp.usage.completion_tokens
 
     results = run_concurrently(run, 8)
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors
-    for i, (messages, mode, opts, _) in enumerate(cases):
+    for i, (messages, mode, opts, stream) in enumerate(cases):
         want = ref.chat(messages, mode, 20, thinking=False, **opts)
-        text, tokens = results[i]
-        assert tokens == want.tokens, f"client {i} ({mode})"
-        assert text == want.parsed.content, f"client {i} ({mode})"
-    after = _get(server + "/health")
-    assert after["completed"] - before["completed"] == 8 and after["failed"] == 0
+        text, tokens, n = results[i]
+        assert text == _content(want), f"client {i} ({mode})"
+        assert n == len(want.tokens), f"client {i} ({mode})"
+        if not stream:
+            assert tokens == want.tokens, f"client {i} ({mode})"
+    after = _metrics(server)
+    assert after["tokens_predicted_total"] - before["tokens_predicted_total"] == sum(r[2] for r in results)
+    assert after["requests_processing"] == 0 and after["requests_deferred"] == 0, after
 
 
-def test_parallel_slots_serve_concurrent_clients(tiny_gguf: Path, ref: Reference) -> None:
-    """`--parallel 3`: six clients at once, mixed modes and streaming; each answer equals the reference's, the
-    slots' passes were batched (/health), and -c is divided among the slots as in llama-server."""
-    from openai import OpenAI
+@pytest.fixture(scope="module")
+def parallel(tiny_gguf: Path) -> Iterator[str]:
+    with clover_serve(tiny_gguf, *BASE, "-np", "3", "-c", "6144", "--max-block-size", "32", "--metrics") as \
+            (url, _, _):
+        yield url
 
-    with _serve(tiny_gguf, tiny_gguf.parent, "--parallel", "3", "-c", "6144", "--max-block-size", "32") as (url, _, _):
-        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        assert client.models.list().data[0].model_extra["clover"]["n_ctx"] == 2048
-        cases = [([{"role": "user", "content": f"Client {i}: write a loop that counts to {3 + i}."}],
-                  ("ar", "ar", "spec", "diffusion", "auto", "ar")[i]) for i in range(6)]
-        opts = {"diffusion": {"block_size": 8, "threshold": 0.006}, "spec": {"block_size": 8}}
 
-        def run(i: int) -> tuple[str | None, list[int]]:
-            messages, mode = cases[i]
-            resp = client.chat.completions.create(
-                model=MODEL_ID, messages=messages, max_tokens=20, temperature=0,
-                extra_body={"mode": mode, "return_token_ids": True, **opts.get(mode, {}), **THINK_OFF})
-            return resp.choices[0].message.content, _token_ids(resp)[1]
+def test_parallel_slots_serve_concurrent_clients(parallel: str, ref: Reference) -> None:
+    """`-np 3`: six clients at once, mixed modes; each answer equals the reference's, every slot served, their
+    tokens decoded in shared batches (/metrics' busy slots per decode), and -c divided among the slots."""
+    client = _client(parallel)
+    assert get(parallel + "/props")["default_generation_settings"]["n_ctx"] == 2048
+    assert [(s["id"], s["n_ctx"]) for s in _slots(parallel)] == [(0, 2048), (1, 2048), (2, 2048)]
+    cases = [([{"role": "user", "content": f"Client {i}: write a loop that counts to {3 + i}."}],
+              ("ar", "ar", "spec", "diffusion", "auto", "ar")[i]) for i in range(6)]
+    opts = {"diffusion": DIFFUSION, "spec": {"block_size": 8}}
 
-        results = run_concurrently(run, len(cases))
-        health = _get(url + "/health")
+    def run(i: int) -> tuple[str | None, list[int], int]:
+        messages, mode = cases[i]
+        resp = client.chat.completions.create(
+            model=MODEL_ID, messages=messages, max_tokens=20, temperature=0,
+            extra_body={"mode": mode, **TOKENS, **opts.get(mode, {}), **THINK_OFF})
+        return resp.choices[0].message.content, _tokens(resp), _verbose(resp)["id_slot"]
+
+    results = run_concurrently(run, len(cases))
     for i, (messages, mode) in enumerate(cases):
         assert not isinstance(results[i], BaseException), f"client {i} ({mode}): {results[i]!r}"
         want = ref.chat(messages, "ar" if mode == "auto" else mode, 20, thinking=False, **opts.get(mode, {}))
         assert results[i][1] == want.tokens, f"client {i} ({mode})"
-        assert results[i][0] == want.parsed.content, f"client {i} ({mode})"
-    assert health["slots"] == 3 and health["completed"] == 6 and health["failed"] == 0, health
-    assert health["batched_passes"] > health["batch_rounds"] > 0, health
-    assert sorted({r["slot"] for r in health["recent"]}) == [0, 1, 2], health["recent"]
+        assert results[i][0] == _content(want), f"client {i} ({mode})"
+    assert sorted({r[2] for r in results}) == [0, 1, 2], results
+    assert _metrics(parallel)["n_busy_slots_per_decode"] > 1
+
+
+def _idle(url: str, deadline_s: float) -> bool:
+    """Whether every slot is idle within ``deadline_s``, asked at 1.1 s intervals: llama-server notices a closed
+    connection of a request that is not streamed only after a second without any result on its queue, and each
+    /slots answer is such a result."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        time.sleep(1.1)
+        if not any(s["is_processing"] for s in _slots(url)):
+            return True
+        if time.monotonic() > deadline:
+            return False
 
 
 def _answer(client: Any, messages: list[dict[str, Any]], mode: str, thinking: bool,
-            cache: bool) -> tuple[list[int], list[int], int, Any]:
+            cache: bool) -> tuple[str, list[int], int, Any]:
     resp = client.chat.completions.create(
         model=MODEL_ID, messages=messages, max_tokens=16, temperature=0,
-        extra_body={"mode": mode, "return_token_ids": True, "cache_prompt": cache,
+        extra_body={"mode": mode, **TOKENS, "cache_prompt": cache,
                     "chat_template_kwargs": {"enable_thinking": thinking}})
-    prompt_ids, tokens = _token_ids(resp)
-    return prompt_ids, tokens, resp.usage.prompt_tokens_details.cached_tokens, resp
+    return _verbose(resp)["prompt"], _tokens(resp), resp.usage.prompt_tokens_details.cached_tokens, resp
 
 
 @pytest.mark.parametrize("mode", ["ar", "auto"])
 @pytest.mark.parametrize("thinking", [False, True])
-def test_multi_turn_chat_reuses_the_prefix_and_answers_as_without(client: Any, tiny_model: Any, mode: str,
-                                                                  thinking: bool) -> None:
-    """Turns 2 and 3 reuse the previous turns' prompt (usage.prompt_tokens_details.cached_tokens), a rollback
-    (turn 2 asked differently) and a cancelled request in between change nothing: every answer equals the
-    same request on a fresh history (cache_prompt false), or diverges first at a near-tie of the reference."""
+def test_multi_turn_chat_reuses_the_prefix_and_answers_as_without(client: Any, ref: Reference, tiny_model: Any,
+                                                                  mode: str, thinking: bool) -> None:
+    """Turns 2 and 3 reuse a prefix of the history (usage.prompt_tokens_details.cached_tokens), a rollback (turn 3
+    asks turn 2 again) and a cancelled request in between change nothing: every answer equals the same request on a
+    fresh history (cache_prompt false), or diverges first at a near-tie of the reference. llama-server restores the
+    recurrent state from its checkpoints, the nearest at the start of an earlier user message: at least the system
+    turn is reused (the earlier server reused all but the last generation prompt)."""
     from tests.support.engine import Ledger
 
     ledger = Ledger()
     messages = list(USER)
     for turn, question in enumerate(["And now subtract them.", "Multiply them too.", "Divide them instead."]):
-        if turn == 2:  # rollback: turn 2 asked differently, then a request that is cancelled mid-stream
+        if turn == 2:  # rollback: turn 2 asked again, after a request that is cancelled mid-stream
             messages = messages[:-2]
             stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=400, temperature=0,
                                                     stream=True, extra_body={"mode": mode, "ignore_eos": True})
             next(iter(stream))
             stream.close()
-        prompt_ids, tokens, cached, resp = _answer(client, messages, mode, thinking, cache=True)
+        prompt, tokens, cached, resp = _answer(client, messages, mode, thinking, cache=True)
+        prompt_ids = ref.ids(prompt)
+        assert prompt == ref.render(messages, thinking=thinking) and resp.usage.prompt_tokens == len(prompt_ids)
         if turn == 0:
-            first_prompt = prompt_ids
-        else:  # all but the generation prompt of turn 0 (11 tokens with thinking off) came from the history
-            assert len(first_prompt) - 12 <= cached < len(prompt_ids), (cached, len(first_prompt))
+            system_turn = len(ref.ids(prompt[:prompt.index("<|im_start|>user")]))
+        else:
+            assert system_turn <= cached < len(prompt_ids), (cached, system_turn, len(prompt_ids))
         want_prompt, want, fresh, _ = _answer(client, messages, mode, thinking, cache=False)
-        assert fresh == 0 and prompt_ids == want_prompt
+        assert fresh == 0 and prompt == want_prompt
         ledger.check(f"serve/turn{turn}/{mode}/think={thinking}", tokens, want, tiny_model, prompt_ids)
         messages = messages + [{"role": "assistant", "content": resp.choices[0].message.content or "ok"},
                                {"role": "user", "content": question}]
     assert len(ledger.near_ties) <= 1, ledger.near_ties
 
 
-def test_disconnect_mid_stream_frees_the_engine(client: Any, ref: Reference, server: str) -> None:
-    """A long streamed generation (about a minute on one core) is dropped after its first chunks: the engine
-    stops it, and the next request is answered at once and correctly."""
-    before = _get(server + "/health")
-    long = {"mode": "diffusion", "block_size": 16, "threshold": 1.0, "ignore_eos": True, **THINK_OFF}
+def test_disconnect_mid_stream_frees_the_slot(client: Any, ref: Reference, server: str) -> None:
+    """A long streamed generation (about a minute here) is dropped after its first chunks: llama-server cancels it,
+    the slot is free at once, and the next request is answered at once and correctly."""
+    before = _metrics(server)
     stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=4000, temperature=0,
-                                            stream=True, extra_body=long)
+                                            stream=True, extra_body={**LONG, **THINK_OFF})
     seen = 0
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -366,32 +479,59 @@ def test_disconnect_mid_stream_frees_the_engine(client: Any, ref: Reference, ser
     start = time.monotonic()
     want = ref.chat(USER, "ar", 12, thinking=False)
     resp = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=12, temperature=0,
-                                          extra_body={"mode": "ar", "return_token_ids": True, **THINK_OFF})
+                                          extra_body={"mode": "ar", **TOKENS, **THINK_OFF})
     waited = time.monotonic() - start
-    assert _token_ids(resp)[1] == want.tokens
-    assert waited < 15, f"the next request waited {waited:.1f} s: the dropped generation kept the engine"
-    after = _get(server + "/health")
-    assert after["cancelled"] == before["cancelled"] + 1
-    dropped = [j for j in after["recent"] if j["stop_reason"] == "cancelled"][-1]
-    assert dropped["mode"] == "diffusion" and dropped["generated_tokens"] < 1000, dropped
+    assert _tokens(resp) == want.tokens
+    assert waited < 15, f"the next request waited {waited:.1f} s: the dropped generation kept the slot"
+    dropped = _metrics(server)["tokens_predicted_total"] - before["tokens_predicted_total"] - len(want.tokens)
+    assert 2 <= dropped < 1000, dropped
 
 
-def test_disconnect_while_waiting_for_a_full_answer(client: Any, server: str) -> None:
-    from openai import APITimeoutError, OpenAI
+def _send(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """A POST on a raw socket, left open (its answer unread)."""
+    host, port = address(url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, port), timeout=30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
 
-    before = _get(server + "/health")
-    impatient = OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=1.5)
-    with pytest.raises(APITimeoutError):
-        impatient.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=4000, temperature=0,
-                                          extra_body={"mode": "diffusion", "block_size": 16, "threshold": 1.0,
-                                                      "ignore_eos": True, **THINK_OFF})
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        health = _get(server + "/health")
-        if health["cancelled"] > before["cancelled"] and not health["running"]:
-            break
-        time.sleep(0.1)
-    assert health["cancelled"] == before["cancelled"] + 1 and not health["running"], health
+
+def _abandoned(gguf: Path) -> dict[str, Any]:
+    """On a one-slot server of its own: a long answer that is not streamed, its client gone after 0.5 s; whether its
+    slot still decodes after 1.5 s of /slots asked back to back (a monitor; any other request's result does the
+    same), whether it is idle after a second of quiet then, and how many tokens it decoded."""
+    with clover_serve(gguf, *BASE, "-c", "4096", "-np", "1", "--max-block-size", "32", "--metrics") as (url, _, _):
+        sock = _send(url, "/v1/chat/completions", {"model": MODEL_ID, "messages": USER, "max_tokens": 4000,
+                                                   "temperature": 0, **LONG, **THINK_OFF})
+        time.sleep(0.5)
+        sock.close()
+        end = time.monotonic() + 1.5
+        while True:
+            polled = _slots(url)[0]["is_processing"]
+            if time.monotonic() > end:
+                break
+        idle = _idle(url, 15)
+        return {"decoding while polled": polled, "idle after quiet": idle,
+                "decoded": _metrics(url)["tokens_predicted_total"]}
+
+
+def test_disconnect_while_waiting_for_a_full_answer(background: dict[str, Future[dict[str, Any]]]) -> None:
+    """A client that stops waiting for an answer that is not streamed: llama-server cancels the request (within a
+    second of quiet, see the xfail below), long before its 4000 tokens."""
+    abandoned = background["abandoned"].result()
+    assert abandoned["idle after quiet"] and 0 < abandoned["decoded"] < 3000, abandoned
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="llama-server notices that the client of a request that is not streamed has "
+                   "gone only when its HTTP thread's wait for a result times out (1 s, server_response_reader::next); "
+                   "every result sent to any request (a /slots or /metrics answer, another client's answer) restarts "
+                   "that wait, so on a server asked more than once a second the abandoned request decodes on (here: "
+                   "still decoding after 1.5 s of /slots asked back to back; cancelled 1 s after the polling stopped)")
+def test_disconnect_while_waiting_is_noticed_on_a_busy_server(background: dict[str, Future[dict[str, Any]]]) -> None:
+    abandoned = background["abandoned"].result()
+    assert not abandoned["decoding while polled"], abandoned
 
 
 # ============================================================================ bad requests
@@ -399,356 +539,548 @@ def _chat_body(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
 
 
+CONTEXT = "exceed_context_size_error"
+# (name, body, message fragment, error type): llama-server's 400s, each naming the problem in its message (its error
+# object has no `param`; its type is invalid_request_error, or exceed_context_size_error for the context)
 BAD_CHAT = [
-    ("unknown model", _chat_body(model="gpt-4o"), 404, "model", "model_not_found"),
-    ("no messages", {"model": MODEL_ID}, 400, "messages", "missing_required_parameter"),
-    ("empty messages", _chat_body(messages=[]), 400, "messages", None),
-    ("bad role", _chat_body(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role", None),
-    ("user without content", _chat_body(messages=[{"role": "user"}]), 400, "messages.0.content", None),
-    ("image part", _chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-     400, "messages.0.content", None),
-    ("temperature", _chat_body(temperature=-1), 400, "temperature", None),
-    ("top_p", _chat_body(top_p=0), 400, "top_p", None),
-    ("max_tokens 0", _chat_body(max_tokens=0), 400, "max_tokens", None),
-    ("max_tokens too big", _chat_body(max_tokens=5000), 400, "max_tokens", "context_length_exceeded"),
-    ("prompt too long", _chat_body(messages=[{"role": "user", "content": "word " * 5000}]), 400, "messages",
-     "context_length_exceeded"),
-    ("n beyond the slots", _chat_body(n=2), 400, "n", None),
-    ("mode", _chat_body(mode="beam"), 400, "mode", None),
-    ("block_size 0", _chat_body(block_size=0), 400, "block_size", None),
-    ("block_size too big", _chat_body(block_size=64), 400, "block_size", None),
-    ("threshold", _chat_body(threshold=1.5), 400, "threshold", None),
-    ("tool_choice required without tools", _chat_body(tool_choice="required"), 400, "tool_choice", None),
-    ("tool_choice unknown function", _chat_body(tools=TOOLS, tool_choice={"type": "function",
-                                                                          "function": {"name": "nope"}}),
-     400, "tool_choice.function.name", None),
-    ("bad tool", _chat_body(tools=[{"type": "function", "function": {"description": "no name"}}]), 400,
-     "tools.0.function.name", None),
-    ("top_logprobs without logprobs", _chat_body(top_logprobs=2), 400, "top_logprobs", None),
-    ("top_logprobs too many", _chat_body(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
-    ("response_format unknown", _chat_body(response_format={"type": "xml"}), 400, "response_format.type", None),
-    ("five stops", _chat_body(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
-    ("enable_thinking type", _chat_body(chat_template_kwargs={"enable_thinking": "yes"}), 400,
-     "chat_template_kwargs.enable_thinking", None),
-    ("logit_bias out of range", _chat_body(logit_bias={"5": 300}), 400, "logit_bias", None),
-    ("logit_bias just above 100", _chat_body(logit_bias={"5": 101}), 400, "logit_bias", None),
-    ("logit_bias token outside the vocabulary", _chat_body(logit_bias={"999999": 1}), 400, "logit_bias", None),
-    # the distribution stage (tests/surfaces/test_serve_structured.py): schemas, grammars and penalties
+    ("no messages", {"model": MODEL_ID}, "'messages' is required", None),
+    ("user without content", _chat_body(messages=[{"role": "user"}]), "must contain 'content'", None),
+    ("prompt too long", _chat_body(messages=[{"role": "user", "content": "word " * 5000}]),
+     "exceeds the available context size (4096 tokens)", CONTEXT),
+    ("prompt characters", _chat_body(messages=[{"role": "user", "content": "x" * 300_000}]),
+     "exceeds the available context size (4096 tokens)", CONTEXT),
+    ("n beyond the slots", _chat_body(n=2), "Field 'n': Value must be between 1 <= value <= 1", None),
+    ("mode", _chat_body(mode="beam"), "Field 'mode': unknown mode 'beam'", None),
+    ("block_size 0", _chat_body(block_size=0), "Field 'block_size': Value must be between 1 <= value <= 32", None),
+    ("block_size beyond --max-block-size", _chat_body(block_size=33),
+     "Field 'block_size': Value must be between 1 <= value <= 32", None),
+    ("threshold", _chat_body(threshold=1.5), "Field 'threshold'", None),
+    ("bad tool", _chat_body(tools=[{"type": "function", "function": {"description": "no name"}}]),
+     "Failed to parse tools", None),
+    ("top_logprobs without logprobs", _chat_body(top_logprobs=2), "top_logprobs requires logprobs", None),
+    ("response_format unknown", _chat_body(response_format={"type": "xml"}), "response_format type must be", None),
+    ("enable_thinking type", _chat_body(chat_template_kwargs={"enable_thinking": "yes"}),
+     "invalid type for \"enable_thinking\"", None),
     ("schema with a dangling $ref", _chat_body(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), 400,
-     "response_format.json_schema.schema", None),
-    ("schema not an object", _chat_body(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": ["not", "a", "schema"]}}), 400, "response_format.json_schema.schema", None),
-    # left recursion: llama.cpp's parser refuses it
-    ("left-recursive grammar", _chat_body(grammar='root ::= root "a"'), 400, "grammar", None),
-    # a token id outside the vocabulary
-    ("grammar token outside the vocabulary", _chat_body(grammar="root ::= <[999999]>"), 400, "grammar", None),
-    # two constraints at once
-    ("grammar and json_schema", _chat_body(grammar='root ::= "a"', json_schema={"type": "object"}), 400,
-     "json_schema", None),
-    # the penalties take any finite value, as llama-server's and the CLI's do (GenParams' table)
-    ("presence_penalty string", _chat_body(presence_penalty="2"), 400, "presence_penalty", "invalid_type"),
-    ("frequency_penalty string", _chat_body(frequency_penalty="-3"), 400, "frequency_penalty", "invalid_type"),
-    ("repeat_penalty 0", _chat_body(repeat_penalty=0), 400, "repeat_penalty", None),
-    ("stream type", _chat_body(stream="maybe"), 400, "stream", None),
-    # strict types: pydantic's lax mode read these as true, 8, 1 and 0.5
-    ("stream string yes", _chat_body(stream="yes"), 400, "stream", "invalid_type"),
-    ("max_tokens string", _chat_body(max_tokens="8"), 400, "max_tokens", "invalid_type"),
-    ("n string", _chat_body(n="1"), 400, "n", "invalid_type"),
-    ("temperature string", _chat_body(temperature="0.5"), 400, "temperature", "invalid_type"),
-    ("ignore_eos number", _chat_body(ignore_eos=1), 400, "ignore_eos", "invalid_type"),
-    ("include_usage string", _chat_body(stream=True, stream_options={"include_usage": "true"}), 400,
-     "stream_options.include_usage", "invalid_type"),
-    ("stream_options without stream", _chat_body(stream_options={"include_usage": True}), 400, "stream_options",
-     None),
-    ("lone surrogate", _chat_body(messages=[{"role": "user", "content": "a\ud800b"}]), 400, "messages.0.content",
-     None),
-    ("lone surrogate in the model", _chat_body(model="x\udfff"), 400, "model", None),
-    ("too many messages", _chat_body(messages=[{"role": "user", "content": "hi"}] * 1025), 400, "messages",
-     "too_many_messages"),
-    ("prompt characters", _chat_body(messages=[{"role": "user", "content": "x" * 300_000}]), 400, "messages",
-     "context_length_exceeded"),
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}),
+     "cannot resolve $ref #/nowhere", None),
+    ("json_schema not an object", _chat_body(json_schema=["not", "a", "schema"]), "schema must be an object", None),
+    ("left-recursive grammar", _chat_body(grammar='root ::= root "a"'), "failed to parse grammar", None),
+    ("presence_penalty string", _chat_body(presence_penalty="2"), "Field 'presence_penalty'", None),
+    ("frequency_penalty string", _chat_body(frequency_penalty="-3"), "Field 'frequency_penalty'", None),
+    ("repeat_penalty 0", _chat_body(repeat_penalty=0), "penalty_repeat must be finite and greater than 0", None),
+    ("stream type", _chat_body(stream="maybe"), "Field 'stream'", None),
+    ("stream string yes", _chat_body(stream="yes"), "Field 'stream'", None),
+    ("max_tokens string", _chat_body(max_tokens="8"), "Field 'max_tokens'", None),
+    ("n string", _chat_body(n="1"), "Field 'n'", None),
+    ("temperature string", _chat_body(temperature="0.5"), "Field 'temperature'", None),
+    ("ignore_eos number", _chat_body(ignore_eos=1), "Field 'ignore_eos'", None),
+    ("include_usage string", _chat_body(stream=True, stream_options={"include_usage": "true"}),
+     "Field 'include_usage'", None),
+    ("lone surrogate", _chat_body(messages=[{"role": "user", "content": "a\ud800b"}]), "invalid JSON", None),
+    ("lone surrogate in the model", _chat_body(model="x\udfff"), "invalid JSON", None),
 ]
 
 
-@pytest.mark.parametrize("name,body,status,param,code", BAD_CHAT, ids=[c[0] for c in BAD_CHAT])
-def test_bad_chat_requests(server: str, name: str, body: dict[str, Any], status: int, param: str | None,
-                           code: str | None) -> None:
-    got, err = _post_raw(server + "/v1/chat/completions", json.dumps(body).encode())
-    assert got == status, (name, err)
-    assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}, err
-    assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
-    assert err["error"]["param"] == param, err
-    if code:
-        assert err["error"]["code"] == code, err
+def _check_error(got: int, err: dict[str, Any], fragment: str, kind: str | None = None, status: int = 400) -> None:
+    assert got == status, err
+    assert set(err) == {"error"} and err["error"]["code"] == status, err
+    assert err["error"]["type"] == (kind or "invalid_request_error"), err
+    assert fragment in err["error"]["message"], err
 
 
-BAD_COMPLETION = [
-    ("batched prompts", {"prompt": ["a", "b"]}, "prompt"),
-    ("token outside the vocabulary", {"prompt": [1, 2, 999999]}, "prompt"),
-    ("empty prompt", {"prompt": ""}, "prompt"),
-    ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
-    ("logprobs too many", {"prompt": "x", "logprobs": 21}, "logprobs"),
-    ("prompt type", {"prompt": {"text": "x"}}, "prompt"),
-    ("max_tokens string", {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
-    ("echo string", {"prompt": "x", "echo": "yes"}, "echo"),
-    ("token id string", {"prompt": ["1", "2"]}, "prompt"),
-    ("lone surrogate", {"prompt": "\udc80"}, "prompt"),
-    ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("prompt characters", {"prompt": "x" * 300_000}, "prompt"),
+@pytest.mark.parametrize("name,body,fragment,kind", BAD_CHAT, ids=[c[0] for c in BAD_CHAT])
+def test_bad_chat_requests(server: str, name: str, body: dict[str, Any], fragment: str, kind: str | None) -> None:
+    got, err = post_raw(server + "/v1/chat/completions", json.dumps(body).encode())
+    _check_error(got, err, fragment, kind)
+
+
+# Requests the earlier server refused that llama-server answers, each with what it does instead
+# (name, body, check of the answer)
+def _first_ids(answer: dict[str, Any]) -> list[int]:
+    return emitted_tokens(answer["__verbose"])
+
+
+ACCEPTED_CHAT: list[tuple[str, dict[str, Any], Any]] = [
+    # one model: the field is not checked, the answer names the served model
+    ("unknown model", _chat_body(model="gpt-4o"), lambda a: a["model"] == MODEL_ID),
+    # the template renders what it is given: no messages or a role it does not know leave the generation prompt
+    ("empty messages", _chat_body(messages=[]), lambda a: a["usage"]["prompt_tokens"] == 7),
+    ("bad role", _chat_body(messages=[{"role": "robot", "content": "x"}]), lambda a: a["usage"]["prompt_tokens"] == 7),
+    # out-of-range sampling values are clamped: temperature to 0 (greedy), top_p to [0, 1]
+    ("temperature -1", _chat_body(temperature=-1, **TOKENS),
+     lambda a: a["__verbose"]["generation_settings"]["temperature"] == 0),
+    ("top_p 0", _chat_body(top_p=0, **TOKENS), lambda a: a["__verbose"]["generation_settings"]["top_p"] == 0),
+    # no cap on top_logprobs (OpenAI's is 20) or on the number of stop strings (OpenAI's is 4)
+    ("top_logprobs 21", _chat_body(logprobs=True, top_logprobs=21),
+     lambda a: [len(t["top_logprobs"]) for t in a["choices"][0]["logprobs"]["content"]] == [21] * 4),
+    ("five stops", _chat_body(stop=["a", "b", "c", "d", "e"], **TOKENS),
+     lambda a: a["__verbose"]["generation_settings"]["stop"] == ["a", "b", "c", "d", "e"]),
+    # logit_bias: any value (300 makes the token every answer), ids outside the vocabulary are skipped
+    ("logit_bias 300", _chat_body(logit_bias={"5": 300}, **TOKENS), lambda a: _first_ids(a) == [5] * 4),
+    ("logit_bias token outside the vocabulary", _chat_body(logit_bias={"999999": 1, "7": 300}, **TOKENS),
+     lambda a: _first_ids(a) == [7] * 4 and a["__verbose"]["generation_settings"]["logit_bias"] == [
+         {"bias": 300.0, "token": 7}]),
+    ("stream_options without stream", _chat_body(stream_options={"include_usage": True}),
+     lambda a: a["object"] == "chat.completion" and a["usage"]["completion_tokens"] == 4),
 ]
 
 
-# docs/serve.md, "Request fields": llama-server's ranges, within the engine's 32-bit fields, not OpenAI's documented
-# ones (temperature 0..2, the penalties -2..2)
+@pytest.mark.parametrize("name,body,check", ACCEPTED_CHAT, ids=[c[0] for c in ACCEPTED_CHAT])
+def test_chat_requests_llama_server_accepts(server: str, name: str, body: dict[str, Any], check: Any) -> None:
+    got, answer = post_raw(server + "/v1/chat/completions", json.dumps(body).encode())
+    assert got == 200, answer
+    assert check(answer), answer
+
+
+IMAGE = _chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+NOT_A_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": ["not", "a", "schema"]}}
+GAPS_CHAT = [
+    ("image part", IMAGE, "500 server_error 'image input is not supported - hint: ... provide the mmproj'"),
+    ("grammar token outside the vocabulary", _chat_body(grammar="root ::= <[999999]>"),
+     "500 server_error 'got exception: Unexpected empty grammar stack after accepting piece: ? (30)'"),
+    ("grammar and json_schema", _chat_body(grammar='root ::= "a"', json_schema={"type": "object"}),
+     "500 server_error 'Cannot use both json_schema and grammar'"),
+    ("response_format schema not an object", _chat_body(response_format=NOT_A_SCHEMA, **THINK_OFF),
+     "200, the answer unconstrained (the same schema as the json_schema field is a 400)"),
+    ("tool_choice required without tools", _chat_body(tool_choice="required"), "200, a text answer"),
+]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="llama-server answers these bad requests with a 500 or ignores what they ask "
+                   "(each case's id and GAPS_CHAT say what it answers)")
+@pytest.mark.parametrize("name,body,observed", GAPS_CHAT, ids=[c[0] for c in GAPS_CHAT])
+def test_bad_chat_requests_llama_server_gets_wrong(server: str, name: str, body: dict[str, Any],
+                                                   observed: str) -> None:
+    got, err = post_raw(server + "/v1/chat/completions", json.dumps(body).encode())
+    assert got == 400 and err["error"]["type"] == "invalid_request_error", (observed, got, err)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="max_tokens 0 is documented (tools/server/README.md, n_predict) as 'no tokens "
+                   "will be generated but the prompt is evaluated into the cache'; llama-server generates one token "
+                   "(usage.completion_tokens 1, finish_reason length) on /v1/chat/completions, /v1/completions and "
+                   "/completion")
+def test_max_tokens_0_generates_nothing(server: str) -> None:
+    got, answer = post(server + "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 0})
+    assert got == 200 and answer["usage"]["completion_tokens"] == 0 and answer["choices"][0]["text"] == "", answer
+
+
+# (name, fields, status, message fragment or the check of a 200 answer): llama-server's own rules for the prompt
+COMPLETIONS = [
+    ("batched prompts", {"prompt": ["a", "b"]}, 200, lambda a: [c["index"] for c in a["choices"]] == [0, 1]),
+    ("token ids as strings", {"prompt": ["1", "2"]}, 200, lambda a: len(a["choices"]) == 2),  # two text prompts
+    ("empty prompt", {"prompt": ""}, 200, lambda a: a["usage"]["total_tokens"] == 0 and a["choices"][0]["text"] == ""),
+    ("logprobs 21", {"prompt": "x", "logprobs": 21},
+     200, lambda a: [len(t["top_logprobs"]) for t in a["choices"][0]["logprobs"]["content"]] == [21, 21]),
+    ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}},
+     200, lambda a: a["object"] == "text_completion"),
+    ("token outside the vocabulary", {"prompt": [1, 2, 999999]}, 400, "Prompt contains invalid tokens"),
+    ("prompt type", {"prompt": {"text": "x"}}, 400, '"prompt" elements must be'),
+    ("max_tokens string", {"prompt": "x", "max_tokens": "8"}, 400, "Field 'max_tokens'"),
+    ("echo string", {"prompt": "x", "echo": "yes"}, 400, "Field 'echo'"),
+    ("lone surrogate", {"prompt": "\udc80"}, 400, "invalid JSON"),
+    ("prompt characters", {"prompt": "x" * 300_000}, 400, "exceeds the available context size (4096 tokens)"),
+]
+
+
+@pytest.mark.parametrize("name,fields,status,expect", COMPLETIONS, ids=[c[0] for c in COMPLETIONS])
+def test_completion_requests(server: str, name: str, fields: dict[str, Any], status: int, expect: Any) -> None:
+    got, answer = post_raw(server + "/v1/completions", json.dumps({"model": MODEL_ID, "max_tokens": 2,
+                                                                   **fields}).encode())
+    if status == 200:
+        assert got == 200 and expect(answer), answer
+    else:
+        _check_error(got, answer, expect, CONTEXT if "context" in expect else None)
+
+
+# llama-server reads the sampling fields into 32-bit values: numbers beyond a float's range become +-inf and are
+# taken, out-of-range ones are clamped where its schema has soft limits (temperature >= 0, top_k), and refused where
+# it has hard ones (block_size) or the sampler checks them (repeat_penalty > 0)
 SAMPLING_RANGES = [
     ({"temperature": 3.5, "presence_penalty": -5, "frequency_penalty": 7.5, "repeat_penalty": 20}, None),
     ({"temperature": 0, "presence_penalty": 3.4e38, "frequency_penalty": -3.4e38, "repeat_penalty": 1e-3}, None),
-    ({"temperature": -0.1}, "temperature"), ({"temperature": 1e308}, "temperature"),
-    ({"presence_penalty": 1e39}, "presence_penalty"), ({"frequency_penalty": -1e39}, "frequency_penalty"),
-    ({"repeat_penalty": 0}, "repeat_penalty"), ({"repeat_penalty": 1e39}, "repeat_penalty"),
-    ({"top_k": 2**31}, "top_k"), ({"top_k": 2**63}, "top_k"), ({"block_size": 2**31}, "block_size"),
+    ({"temperature": -0.1}, None), ({"temperature": 1e308}, None),
+    ({"presence_penalty": 1e39}, None), ({"frequency_penalty": -1e39}, None), ({"repeat_penalty": 1e39}, None),
+    ({"top_k": 2**31}, None), ({"top_k": 2**63}, None),
+    ({"repeat_penalty": 0}, "penalty_repeat must be finite and greater than 0"),
+    ({"block_size": 2**31}, "Field 'block_size': Value must be between 1 <= value <= 32"),
 ]
 
 
-@pytest.mark.parametrize("fields,param", SAMPLING_RANGES)
-def test_sampling_ranges_are_llama_servers(server: str, fields: dict[str, Any], param: str | None) -> None:
-    got, body = _post_raw(server + "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 1,
-                                                                 "mode": "ar", **fields}).encode())
-    if param is None:
-        assert got == 200 and body["usage"]["completion_tokens"] <= 1, body
+@pytest.mark.parametrize("fields,fragment", SAMPLING_RANGES)
+def test_sampling_ranges_are_llama_servers(server: str, fields: dict[str, Any], fragment: str | None) -> None:
+    got, body = post_raw(server + "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 1,
+                                                                "mode": "ar", **fields}).encode())
+    if fragment is None:
+        assert got == 200 and body["usage"]["completion_tokens"] == 1, body
     else:
-        assert got == 400 and body["error"]["param"] == param and "\n" not in body["error"]["message"], body
-
-
-@pytest.mark.parametrize("name,fields,param", BAD_COMPLETION, ids=[c[0] for c in BAD_COMPLETION])
-def test_bad_completion_requests(server: str, name: str, fields: dict[str, Any], param: str) -> None:
-    got, err = _post_raw(server + "/v1/completions", json.dumps({"model": MODEL_ID, **fields}).encode())
-    assert got == 400, (name, err)
-    assert err["error"]["param"] == param, err
+        _check_error(got, body, fragment)
 
 
 def test_bad_http(server: str, client: Any) -> None:
-    from openai import BadRequestError, NotFoundError
+    from openai import BadRequestError
 
-    status, err = _post_raw(server + "/v1/chat/completions", b'{"model": "tiny", "messages": [')
-    assert status == 400 and err["error"]["code"] == "invalid_json"
-    status, err = _post_raw(server + "/v1/chat/completions", b"[1, 2]")
-    assert status == 400 and err["error"]["type"] == "invalid_request_error"
-    status, err = _post_raw(server + "/v1/chat/completions", b"\xff\xfe garbage")
-    assert status == 400
-    status, err = _post_raw(server + "/v1/nothing", b"{}")
-    assert status == 404 and err["error"]["code"] == "not_found"
-    status, err = _post_raw(server + "/v1/chat/completions", b"", method="GET")
-    assert status == 405 and err["error"]["code"] == "method_not_allowed"
-    with pytest.raises(NotFoundError) as nf:
-        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    assert nf.value.code == "model_not_found"
+    for raw, fragment in ((b'{"model": "tiny", "messages": [', "invalid JSON"), (b"[1, 2]", "'messages' is required"),
+                          (b"\xff\xfe garbage", "invalid JSON")):
+        got, err = post_raw(server + "/v1/chat/completions", raw)
+        _check_error(got, err, fragment)
+    # llama-server's unknown route, and a known one with another method, are 404s (the earlier server: 405 for this)
+    for method, path in (("POST", "/v1/nothing"), ("GET", "/v1/chat/completions")):
+        got, err = post_raw(server + path, b"{}", method=method)
+        assert (got, err["error"]["type"], err["error"]["message"]) == (404, "not_found_error", "File Not Found")
     with pytest.raises(BadRequestError) as br:
         client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], n=3)
-    assert br.value.param == "n"
+    assert "Field 'n'" in br.value.message
     # after all that the server still answers
-    assert _get(server + "/health")["status"] == "ok"
+    assert get(server + "/health") == {"status": "ok"}
     ok = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                         extra_body={"mode": "ar"})
-    assert ok.usage.completion_tokens <= 3
+    assert ok.usage.completion_tokens == 3
 
 
 # ============================================================================ hardening: limits, keys, hostile input
-def test_logit_bias_that_bans_every_token(server: str, client: Any) -> None:
-    n_vocab = client.models.retrieve(MODEL_ID).model_extra["clover"]["n_vocab"]
-    everything = {str(t): -100 for t in range(n_vocab)}
-    got, err = _post_raw(server + "/v1/chat/completions", json.dumps(_chat_body(logit_bias=everything)).encode())
-    assert got == 400 and err["error"]["param"] == "logit_bias" and "every token" in err["error"]["message"], err
-    mask = client.models.retrieve(MODEL_ID).model_extra["clover"]["mask_token_id"]
-    all_but_mask = {k: v for k, v in everything.items() if int(k) != mask}  # the mask token is always banned
-    got, err = _post_raw(server + "/v1/completions",
-                         json.dumps({"model": MODEL_ID, "prompt": "x", "logit_bias": all_but_mask}).encode())
-    assert got == 400 and err["error"]["param"] == "logit_bias", err
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a logit_bias that bans every token (`false`, or -inf) is answered 200 with "
+                   "banned tokens: /completion gives tokens [30, 30, 30, 30] ('????') in ar, sampled and diffusion; "
+                   "the earlier server refused it with a 400 naming logit_bias")
+def test_logit_bias_that_bans_every_token(server: str) -> None:
+    got, answer = post(server + "/completion", {"prompt": "x", "n_predict": 4, "return_tokens": True,
+                                                "logit_bias": [[t, False] for t in range(N_VOCAB)]})
+    assert got == 400 and "logit_bias" in answer["error"]["message"], (got, answer)
 
 
-def test_body_size_limit(server: str) -> None:
-    """--max-body-bytes (8 MiB by default): a larger Content-Length is answered before the body is read; a
-    chunked body is counted while it arrives."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(server)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    conn.putrequest("POST", "/v1/chat/completions")
-    conn.putheader("Content-Type", "application/json")
-    conn.putheader("Content-Length", str(9 * 2**20))
-    conn.endheaders()  # and no body: the answer comes without it
-    resp = conn.getresponse()
-    err = json.loads(resp.read())
-    assert resp.status == 413 and err["error"]["code"] == "request_too_large", err
-    assert "--max-body-bytes" in err["error"]["message"] and str(8 * 2**20) in err["error"]["message"]
-    conn.close()
-    big = json.dumps(_chat_body(messages=[{"role": "user", "content": "x" * (8 * 2**20)}])).encode()
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=iter([big[i:i + 2**20] for i in range(0, len(big), 2**20)]),
-                 headers={"Content-Type": "application/json"}, encode_chunked=True)
-    resp = conn.getresponse()
-    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
-    conn.close()
-    assert _get(server + "/health")["status"] == "ok"
+def test_logit_bias_that_leaves_one_token(server: str) -> None:
+    got, answer = post(server + "/completion", {"prompt": "x", "n_predict": 4, "return_tokens": True,
+                                                "logit_bias": [[t, False] for t in range(N_VOCAB) if t != 5]})
+    assert got == 200 and answer["tokens"] == [5] * 4, answer
 
 
-def test_host_header_is_checked_on_loopback(server: str) -> None:
-    """DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example."""
-    port = server.rsplit(":", 1)[1]
-    for path in ("/health", "/v1/models"):
-        got, err = _post_raw(server + path, b"", method="GET", headers={"Host": f"evil.example:{port}"})
-        assert got == 403 and err["error"]["code"] == "forbidden_host", err
-    got, _ = _post_raw(server + "/v1/models", b"", method="GET", headers={"Host": "127.0.0.1:1"})
-    assert got == 403
-    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"LOCALHOST:{port}"):
-        got, body = _post_raw(server + "/v1/models", b"", method="GET", headers={"Host": host})
-        assert got == 200 and body["data"][0]["id"] == MODEL_ID
+def _over_the_cap() -> Iterator[bytes]:
+    """A chat body of more than cpp-httplib's 100 MiB payload cap, in 1 MiB pieces."""
+    yield b'{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "'
+    piece = b"x" * 2**20
+    for _ in range(101):
+        yield piece
+    yield b'"}]}'
+
+
+def _chunked_over_the_cap(server: str) -> tuple[int, bytes]:
+    conn = http_client.HTTPConnection(*address(server), timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=_over_the_cap(), headers={"Content-Type": "application/json"},
+                     encode_chunked=True)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_body_over_the_cap_is_a_413(server: str) -> None:
+    """llama-server's body limit is cpp-httplib's payload cap, 100 MiB (no flag sets it: --max-body-bytes, 8 MiB by
+    default in the earlier server, is refused): a chunked body is counted while it arrives."""
+    status, _ = _chunked_over_the_cap(server)
+    assert status == 413
+    assert get(server + "/health") == {"status": "ok"}
+
+
+def test_the_413_has_the_error_body(server: str) -> None:
+    """cpp-httplib's own 413 had an empty body (patch server-http-errors-have-a-body)."""
+    status, body = _chunked_over_the_cap(server)
+    assert status == 413 and "error" in json.loads(body or b"{}"), body[:200]
+
+
+def _declared_length(url: str) -> dict[str, Any]:
+    """A request that declares a body over the cap (101 MiB) and sends none: its answer within 1 s (None: none)."""
+    conn = http_client.HTTPConnection(*address(url), timeout=1)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(101 * 2**20))
+        conn.endheaders()  # and no body: the answer should come without it
+        try:
+            return {"status": conn.getresponse().status}
+        except TimeoutError:
+            return {"status": None}
+    finally:
+        conn.close()
+
+
+def test_a_declared_length_over_the_cap_is_answered_at_once(background: dict[str, Future[dict[str, Any]]]) -> None:
+    """cpp-httplib read (and discarded) a declared length over the cap before its 413, holding the connection until
+    the read timeout (patch vendor-httplib-refuse-declared-oversize-body)."""
+    declared = background["declared length"].result()
+    assert declared["status"] == 413, declared
 
 
 HOSTILE_TEMPLATE = """{%- macro deeper(n) -%}{{ deeper(n + 1) }}{%- endmacro -%}
 {%- set c = messages[-1]['content'] -%}
 {%- if c == 'loop' -%}{%- for i in range(100000) -%}{%- for j in range(100000) -%}{%- endfor -%}{%- endfor -%}
-{%- elif c == 'overflow' -%}{{ range(10 ** 30) | list | length }}
+{%- elif c == 'raise' -%}{{ raise_exception('this template refuses') }}
 {%- elif c == 'recurse' -%}{{ deeper(0) }}
 {%- else -%}<|im_start|>user
 {{ c }}<|im_end|>
 <|im_start|>assistant
 {% endif -%}"""
+KEYS = ["file-key-1", "file-key-2"]
+
+
+def _hardened_args(folder: Path) -> tuple[str, ...]:
+    """-c 64, API keys (the flag and a file, with a comment and blank lines), a hostile chat template; the files are
+    written once (servers of the background observations may be reading them)."""
+    for name, text in (("hostile.jinja", HOSTILE_TEMPLATE), ("keys.txt", f"\n{KEYS[0]}\n# a comment, not a key\n"
+                                                                         f"{KEYS[1]}\n\n")):
+        if not (folder / name).exists() or (folder / name).read_text() != text:
+            (folder / name).write_text(text)
+    return ("-c", "64", "-np", "1", "--api-key", "flag-key", "--api-key-file", str(folder / "keys.txt"),
+            "--chat-template-file", str(folder / "hostile.jinja"))
 
 
 @pytest.fixture(scope="module")
-def hardened(tiny_gguf: Path) -> Iterator[dict[str, Any]]:
-    """A second server: -c 64, API keys (flag and file), a hostile chat template, a 2 s template limit."""
-    folder = tiny_gguf.parent
-    (folder / "hostile.jinja").write_text(HOSTILE_TEMPLATE)
-    (folder / "keys.txt").write_text("\nfile-key-1\n  file-key-2  \n\n")
-    with _serve(tiny_gguf, folder, "-c", "64", "--api-key", "flag-key", "--api-key-file", str(folder / "keys.txt"),
-                "--chat-template", str(folder / "hostile.jinja"), "--template-timeout", "2",
-                "--max-messages", "50000", "--max-body-bytes", str(32 * 2**20)) as (url, proc, log):
-        yield {"url": url, "proc": proc, "log": log}
+def hardened(tiny_gguf: Path) -> Iterator[str]:
+    with clover_serve(tiny_gguf, *BASE, *_hardened_args(tiny_gguf.parent)) as (url, _, _):
+        yield url
 
 
-def test_api_keys(hardened: dict[str, Any]) -> None:
-    from openai import AuthenticationError, OpenAI
+KEY = auth("flag-key")
 
-    url = hardened["url"]
+
+def test_api_keys(hardened: str) -> None:
+    """Beyond tests/native/test_serve_api.py's one key: the keys of --api-key and of --api-key-file (its comment
+    and blank lines are not keys), the X-Api-Key header, near misses refused, every API route guarded."""
+    from openai import AuthenticationError
+
     body = json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 2}).encode()
-    for headers in ({}, _auth("wrong"), _auth("flag-keyx"), {"Authorization": "Basic flag-key"},
-                    _auth("file-key-1x")):
-        got, err = _post_raw(url + "/v1/completions", body, headers=headers)
-        assert got == 401, (headers, err)
-        assert set(err["error"]) == {"message", "type", "param", "code"}
-        assert err["error"]["code"] == "invalid_api_key" and err["error"]["type"] == "invalid_request_error"
-    for path in ("/v1/models", f"/v1/models/{MODEL_ID}", "/v1/nothing"):
-        got, err = _post_raw(url + path, b"", method="GET")
-        assert got == 401 and err["error"]["code"] == "invalid_api_key", (path, err)
-    for path in ("/tokenize", "/detokenize", "/apply-template"):
-        got, err = _post_raw(url + path, b"{}")
-        assert got == 401 and err["error"]["code"] == "invalid_api_key", (path, err)
-    assert _get(url + "/health")["status"] == "ok"  # open without a key
-    for key in ("flag-key", "file-key-1", "file-key-2"):
-        got, ok = _post_raw(url + "/v1/completions", body, headers=_auth(key))
-        assert got == 200 and ok["usage"]["completion_tokens"] <= 2, (key, ok)
-    got, _ = _post_raw(url + "/v1/completions", body, headers={"X-Api-Key": "file-key-2"})
+    for headers in ({}, auth("wrong"), auth("flag-keyx"), {"Authorization": "Basic flag-key"}, auth("file-key-1x"),
+                    auth("# a comment, not a key"), auth("")):
+        got, err = post_raw(hardened + "/v1/completions", body, headers=headers)
+        assert (got, err) == (401, {"error": {"message": "Invalid API Key", "type": "authentication_error",
+                                              "code": 401}}), headers
+    for path in ("/v1/models", "/props", "/slots", "/v1/nothing"):
+        got, err = post_raw(hardened + path, b"", method="GET")
+        assert got == 401 and err["error"]["type"] == "authentication_error", (path, err)
+    for path in ("/tokenize", "/detokenize", "/apply-template", "/completion", "/v1/messages"):
+        got, err = post_raw(hardened + path, b"{}")
+        assert got == 401 and err["error"]["type"] == "authentication_error", (path, err)
+    assert get(hardened + "/health") == {"status": "ok"}  # open without a key
+    for key in ("flag-key", *KEYS):
+        got, ok = post_raw(hardened + "/v1/completions", body, headers=auth(key))
+        assert got == 200 and ok["usage"]["completion_tokens"] == 2, (key, ok)
+    got, _ = post_raw(hardened + "/v1/completions", body, headers={"X-Api-Key": KEYS[1]})
     assert got == 200
-    with pytest.raises(AuthenticationError) as denied:
-        OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
-    assert denied.value.code == "invalid_api_key"
-    assert OpenAI(base_url=url + "/v1", api_key="flag-key", max_retries=0).models.list().data[0].id == MODEL_ID
+    with pytest.raises(AuthenticationError):
+        _client(hardened, "nope").models.list()
+    assert _client(hardened, KEYS[0]).models.list().data[0].id == MODEL_ID
 
 
-def test_small_context_is_reported_and_enforced(hardened: dict[str, Any]) -> None:
-    """-c 64: llama.cpp allocates at least n_batch (512), but the engine's context is 64, and so is the card's."""
-    url, key = hardened["url"], _auth("flag-key")
-    got, card = _post_raw(url + f"/v1/models/{MODEL_ID}", b"", method="GET", headers=key)
-    assert got == 200 and card["clover"]["n_ctx"] == 64
+def test_small_context_is_reported_and_enforced(hardened: str) -> None:
+    """-c 64: llama.cpp pads the context to a multiple of 256, and the server reports and enforces 256. A prompt
+    that fills it is a 400 naming both sizes; a max_tokens beyond the room left is answered up to the context's end
+    (finish_reason length; the earlier server refused it), as a request without max_tokens is."""
+    props = post_raw(hardened + "/props", b"", method="GET", headers=KEY)[1]
+    assert props["default_generation_settings"]["n_ctx"] == 256
+    assert [s["n_ctx"] for s in post_raw(hardened + "/slots", b"", method="GET", headers=KEY)[1]] == [256]
 
     def complete(prompt: Any, **fields: Any) -> tuple[int, dict[str, Any]]:
-        return _post_raw(url + "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": prompt, **fields}).encode(),
-                         headers=key)
+        body = {"model": MODEL_ID, "prompt": prompt, "ignore_eos": True, **fields}
+        return post_raw(hardened + "/v1/completions", json.dumps(body).encode(), headers=KEY)
 
-    for prompt, fields in (([5] * 64, {"max_tokens": 1}), ([5] * 80, {}), ([5] * 60, {"max_tokens": 5}),
-                           ("word " * 200, {"max_tokens": 1})):
-        got, err = complete(prompt, **fields)
-        assert got == 400 and err["error"]["code"] == "context_length_exceeded", (len(prompt), err)
-        assert "64" in err["error"]["message"]
-    got, ok = complete([5] * 60, max_tokens=4, ignore_eos=True)
-    assert got == 200 and ok["usage"]["completion_tokens"] == 4 and ok["usage"]["prompt_tokens"] == 60, ok
-    got, ok = complete([5] * 60, ignore_eos=True, max_tokens=None)  # left out: the room the context leaves
-    assert got == 200 and ok["usage"]["completion_tokens"] == 4 and ok["choices"][0]["finish_reason"] == "length"
+    for prompt in ([5] * 256, [5] * 300, "word " * 300):
+        got, err = complete(prompt, max_tokens=1)
+        _check_error(got, err, "exceeds the available context size (256 tokens)", CONTEXT)
+        assert err["error"]["n_ctx"] == 256 and err["error"]["n_prompt_tokens"] >= 256, err
+    got, ok = complete([5] * 250, max_tokens=4)
+    assert got == 200 and (ok["usage"]["prompt_tokens"], ok["usage"]["completion_tokens"]) == (250, 4), ok
+    for fields in ({"max_tokens": 20}, {}):  # the room left: 256 - 250 positions
+        got, ok = complete([5] * 250, **fields)
+        assert got == 200 and ok["usage"]["completion_tokens"] == 6, (fields, ok)
+        assert ok["choices"][0]["finish_reason"] == "length"
 
 
 def _health_time(url: str) -> float:
     start = time.monotonic()
-    assert _get(url + "/health")["status"] == "ok"
+    assert get(url + "/health") == {"status": "ok"}
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("content,fragment", [("loop", "--template-timeout"), ("overflow", "OverflowError"),
-                                              ("recurse", "recursed")])
-def test_hostile_template_is_a_400_and_health_answers(hardened: dict[str, Any], content: str, fragment: str) -> None:
-    url = hardened["url"]
+def _watch(url: str, send: Any, window: float) -> tuple[Any, float]:
+    """send() on a thread while /health is asked every 0.1 s, for at most ``window`` seconds: (its answer, or None
+    when it has not come, and the slowest /health)."""
     result: dict[str, Any] = {}
 
-    def send() -> None:
-        result["answer"] = _post_raw(url + "/v1/chat/completions", json.dumps(_chat_body(
-            messages=[{"role": "user", "content": content}])).encode(), headers=_auth("flag-key"))
+    def run() -> None:
+        try:
+            result["answer"] = send()
+        except (OSError, http_client.HTTPException):  # the connection of a request never answered, when it ends
+            pass
 
-    thread = threading.Thread(target=send)
-    start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     slowest = 0.0
-    while thread.is_alive():
+    end = time.monotonic() + window
+    while thread.is_alive() and time.monotonic() < end:
         slowest = max(slowest, _health_time(url))
         time.sleep(0.1)
-    thread.join()
-    got, err = result["answer"]
-    assert got == 400 and fragment in err["error"]["message"], err
-    assert slowest < 1.0, f"/health took {slowest:.2f} s while the template ran"
-    assert time.monotonic() - start < 8
-    got, ok = _post_raw(url + "/v1/chat/completions", json.dumps(_chat_body(max_tokens=2)).encode(),
-                        headers=_auth("flag-key"))
+    thread.join(timeout=0.5)
+    return result.get("answer"), slowest
+
+
+def _hostile_chat(url: str, content: str, timeout: float = 60) -> Any:
+    return http(url + "/v1/chat/completions", _chat_body(messages=[{"role": "user", "content": content}]), KEY,
+                timeout=timeout)
+
+
+def test_a_template_that_raises_is_a_400_and_health_answers(hardened: str) -> None:
+    """The template's exception is the 400's message (llama-server's, several lines with the template's source)."""
+    (got, _, raw), slowest = _watch(hardened, lambda: _hostile_chat(hardened, "raise"), 10)
+    err = json.loads(raw)
+    _check_error(got, err, "Jinja Exception: this template refuses")
+    assert slowest < 1.0
+    got, _, ok = _hostile_chat(hardened, "hello")
     assert got == 200, ok  # and the server still answers
 
 
-def test_forty_thousand_messages_do_not_freeze_the_server(hardened: dict[str, Any]) -> None:
-    url = hardened["url"]
+def _endless_template(gguf: Path, args: tuple[str, ...]) -> dict[str, Any]:
+    """A chat whose template loops 10^10 times, on a server of its own, watched for 2 s; the server is killed after
+    (llama-server has no limit that would end the rendering)."""
+    with clover_serve(gguf, *BASE, *args, alive_at_end=False) as (url, proc, _):
+        try:
+            answer, slowest = _watch(url, lambda: _hostile_chat(url, "loop", timeout=10), 2)
+            alive = proc.poll() is None
+        finally:
+            proc.kill()
+    return {"answer": answer, "slowest /health": slowest, "alive": alive}
+
+
+def _recursing_template(gguf: Path, args: tuple[str, ...]) -> dict[str, Any]:
+    """A chat whose template recurses without end, on a server of its own: the answer (or the error of a connection
+    closed without one) and whether the server is alive after."""
+    with clover_serve(gguf, *BASE, *args, alive_at_end=False) as (url, proc, _):
+        try:
+            try:
+                got: Any = _hostile_chat(url, "recurse")[0]
+            except (OSError, http_client.HTTPException) as exc:
+                got = repr(exc)
+            time.sleep(0.2)
+            alive = proc.poll() is None
+        finally:
+            proc.kill()
+    return {"answer": got, "alive": alive, "exit status": proc.returncode}
+
+
+def _stream_long(url: str) -> socket.socket:
+    return _send(url, "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 4000, "stream": True,
+                                          **LONG})
+
+
+def _busy_with_one_waiting(url: str, socks: list[socket.socket]) -> None:
+    """The first long stream (``socks``) is under way on the one slot; a second is sent and waits for it (a
+    RuntimeError otherwise: the xfails that read this expect an AssertionError of their own)."""
+    if not socks[0].recv(4096).startswith(b"HTTP/1.1 200"):
+        raise RuntimeError("the first stream has not started")
+    socks.append(_stream_long(url))
+    time.sleep(0.5)  # read, it waits for the slot
+    if [s["is_processing"] for s in _slots(url)] != [True]:
+        raise RuntimeError("the slot is not decoding the first stream")
+
+
+def _sigterm(gguf: Path) -> dict[str, Any]:
+    """SIGTERM to a one-slot server while a long answer streams and another request waits for the slot: its exit
+    status within 2 s (None: still running; it is killed then)."""
+    with clover_serve(gguf, *BASE, "-c", "4096", "-np", "1", "--max-block-size", "32", alive_at_end=False) as \
+            (url, proc, _):
+        socks = [_stream_long(url)]
+        try:
+            _busy_with_one_waiting(url, socks)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                status = proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                status = None
+            return {"exit status": status, "seconds": time.monotonic() - start}
+        finally:
+            proc.kill()
+            for s in socks:
+                s.close()
+
+
+def test_an_endless_template_does_not_hold_up_health(background: dict[str, Future[dict[str, Any]]]) -> None:
+    endless = background["endless"].result()
+    assert endless["alive"] and endless["slowest /health"] < 1.0, endless
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="llama-server has no limit on a chat template's rendering (--template-timeout is refused: no "
+                   "replacement): a template that loops is rendered to its end, an HTTP thread busy meanwhile (a loop "
+                   "of 10^6 steps here took 35 s and was answered 200); no answer came in 2 s")
+def test_an_endless_template_is_a_4xx(background: dict[str, Future[dict[str, Any]]]) -> None:
+    endless = background["endless"].result()
+    assert endless["answer"] is not None and 400 <= endless["answer"][0] < 500, endless
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a chat template whose macro recurses without end overflows an HTTP thread's stack: "
+                   "llama-server dies with SIGSEGV (in libllama-common, common/jinja), every slot gone, and the "
+                   "request's connection is closed without an answer")
+def test_a_recursing_template_is_a_4xx(background: dict[str, Future[dict[str, Any]]]) -> None:
+    recurse = background["recurse"].result()
+    assert isinstance(recurse["answer"], int) and 400 <= recurse["answer"] < 500 and recurse["alive"], recurse
+
+
+@pytest.fixture(scope="module")
+def forty_thousand(hardened: str) -> dict[str, Any]:
+    """40,000 messages, sent once and watched (the hostile template renders the last message alone)."""
     body = json.dumps(_chat_body(messages=[{"role": "user", "content": "hello there"}] * 40_000)).encode()
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(answer=_post_raw(
-        url + "/v1/chat/completions", body, headers=_auth("flag-key"))))
-    thread.start()
-    slowest = 0.0
-    while thread.is_alive():
-        slowest = max(slowest, _health_time(url))
-        time.sleep(0.05)
-    got, err = result["answer"]
-    assert got == 400 and err["error"]["code"] == "context_length_exceeded", err
-    assert slowest < 1.0, f"/health took {slowest:.2f} s"
+    answer, slowest = _watch(hardened, lambda: post_raw(hardened + "/v1/chat/completions", body, headers=KEY), 60)
+    return {"answer": answer, "slowest": slowest}
 
 
-def test_sigterm_stops_the_server_quickly(tiny_gguf: Path) -> None:
-    """SIGTERM while one long generation streams and another waits: the server exits within 5 s. --max-queue 1
-    answers a third request with a 429 meanwhile."""
-    with _serve(tiny_gguf, tiny_gguf.parent, "--max-queue", "1", alive_at_end=False) as (url, proc, log):
-        long = {"model": MODEL_ID, "prompt": "x", "max_tokens": 4000, "stream": True, "ignore_eos": True,
-                "mode": "diffusion", "block_size": 16, "threshold": 1.0}
-        streams = []
-        for _ in range(2):
-            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(long).encode(),
-                                         headers={"Content-Type": "application/json"})
-            streams.append(urllib.request.urlopen(req, timeout=60))  # the headers: the job is queued
-        deadline = time.monotonic() + 10
-        while _get(url + "/health")["waiting"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        got, err = _post_raw(url + "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "x"}).encode())
-        assert got == 429 and err["error"]["code"] == "queue_full" and "--max-queue" in err["error"]["message"]
-        start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        took = time.monotonic() - start
-        for s in streams:
-            s.close()
-        assert took < 5, f"the server took {took:.1f} s to stop:\n{log.read_text()[-2000:]}"
+def test_forty_thousand_messages_do_not_freeze_the_server(forty_thousand: dict[str, Any], ref: Reference) -> None:
+    """/health answers while the request is read and rendered; llama-server, with no cap on messages, answers it
+    (the template here renders the last message alone)."""
+    assert forty_thousand["slowest"] < 1.0, forty_thousand["slowest"]
+    got, answer = forty_thousand["answer"]
+    last = ref.ids("<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n")
+    assert got == 200 and answer["usage"]["prompt_tokens"] == len(last), answer
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="llama-server has no cap on a request's messages (--max-messages is refused: "
+                   "no replacement): 40,000 messages are answered 200 here; with the checkpoint's own template the "
+                   "same request kept an HTTP thread busy 80 s rendering and tokenizing them before its 400 "
+                   "(exceed_context_size_error)")
+def test_forty_thousand_messages_are_refused(forty_thousand: dict[str, Any]) -> None:
+    got, answer = forty_thousand["answer"]
+    assert got == 400, answer
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="llama-server queues every request: it has no cap on waiting requests and no 429 "
+                   "(`clover-cpp serve --max-queue 1` exits 2 before it starts: --max-queue has no replacement)")
+def test_a_full_queue_is_a_429(tiny_gguf: Path) -> None:
+    """With one slot decoding and one request waiting, a third is answered 429 at once (the earlier server's
+    --max-queue 1)."""
+    with clover_serve(tiny_gguf, *BASE, "-c", "4096", "-np", "1", "--max-block-size", "32", "--max-queue", "1",
+                      ready_s=30) as (url, _, _):
+        socks = [_stream_long(url)]
+        try:
+            _busy_with_one_waiting(url, socks)
+            got, err = post_raw(url + "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "x"}).encode())
+            assert got == 429 and "--max-queue" in err["error"]["message"], (got, err)
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="SIGTERM while a long answer streams and another request waits for the slot: llama-server "
+                   "logs 'cleaning up before exit...' and goes on until a second signal (observed: 6 of 6 tries still "
+                   "running after 10 to 30 s; it stops the HTTP server, which waits for its handlers, before it stops "
+                   "the decoding loop, so a stream runs to its end; with only the streaming request it hung 5 of 6 "
+                   "tries)")
+def test_sigterm_stops_the_server_quickly(background: dict[str, Future[dict[str, Any]]]) -> None:
+    """The earlier server exited within 5 s; the bound here is 2 s."""
+    sigterm = background["sigterm"].result()
+    assert sigterm["exit status"] == 0, sigterm
