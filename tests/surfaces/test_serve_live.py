@@ -542,6 +542,8 @@ def _chat_body(**fields: Any) -> dict[str, Any]:
 CONTEXT = "exceed_context_size_error"
 # (name, body, message fragment, error type): llama-server's 400s, each naming the problem in its message (its error
 # object has no `param`; its type is invalid_request_error, or exceed_context_size_error for the context)
+IMAGE = _chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+NOT_A_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": ["not", "a", "schema"]}}
 BAD_CHAT = [
     ("no messages", {"model": MODEL_ID}, "'messages' is required", None),
     ("user without content", _chat_body(messages=[{"role": "user"}]), "must contain 'content'", None),
@@ -579,6 +581,13 @@ BAD_CHAT = [
      "Field 'include_usage'", None),
     ("lone surrogate", _chat_body(messages=[{"role": "user", "content": "a\ud800b"}]), "invalid JSON", None),
     ("lone surrogate in the model", _chat_body(model="x\udfff"), "invalid JSON", None),
+    # 500s or ignored before patch server-more-bad-requests-are-400
+    ("image part", IMAGE, "image input is not supported", None),
+    ("grammar and json_schema", _chat_body(grammar='root ::= "a"', json_schema={"type": "object"}),
+     "Cannot use both json_schema and grammar", None),
+    ("response_format schema not an object", _chat_body(response_format=NOT_A_SCHEMA, **THINK_OFF),
+     "'response_format.json_schema.schema' must be an object", None),
+    ("tool_choice required without tools", _chat_body(tool_choice="required"), "lists no tools", None),
 ]
 
 
@@ -633,23 +642,14 @@ def test_chat_requests_llama_server_accepts(server: str, name: str, body: dict[s
     assert check(answer), answer
 
 
-IMAGE = _chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
-NOT_A_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": ["not", "a", "schema"]}}
 GAPS_CHAT = [
-    ("image part", IMAGE, "500 server_error 'image input is not supported - hint: ... provide the mmproj'"),
     ("grammar token outside the vocabulary", _chat_body(grammar="root ::= <[999999]>"),
      "500 server_error 'got exception: Unexpected empty grammar stack after accepting piece: ? (30)'"),
-    ("grammar and json_schema", _chat_body(grammar='root ::= "a"', json_schema={"type": "object"}),
-     "500 server_error 'Cannot use both json_schema and grammar'"),
-    ("response_format schema not an object", _chat_body(response_format=NOT_A_SCHEMA, **THINK_OFF),
-     "200, the answer unconstrained (the same schema as the json_schema field is a 400)"),
-    ("tool_choice required without tools", _chat_body(tool_choice="required"), "200, a text answer"),
 ]
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="llama-server answers these bad requests with a 500 or ignores what they ask "
-                   "(each case's id and GAPS_CHAT say what it answers)")
+                   reason="llama-server answers this bad request with a 500 (GAPS_CHAT says what it answers)")
 @pytest.mark.parametrize("name,body,observed", GAPS_CHAT, ids=[c[0] for c in GAPS_CHAT])
 def test_bad_chat_requests_llama_server_gets_wrong(server: str, name: str, body: dict[str, Any],
                                                    observed: str) -> None:
