@@ -2,10 +2,9 @@
 """Time to first token of a growing chat over `clover-cpp serve`, with and without prefix reuse.
 
     .venv/bin/python -m bench.bench_serve [--preset mid] [--quant Q8_0] [--turns 10] [--workdir build/bench-serve]
-        [--server serve|serve-legacy] [--skip-thinking]
+        [--skip-thinking]
 
---server picks the server: `clover-cpp serve` (llama-server, its prompt cache with the recurrent state's context
-checkpoints; the default) or `serve-legacy` (the earlier FastAPI server on the engine's prefix cache).
+The server is `clover-cpp serve` (llama-server: its prompt cache, with the recurrent state's context checkpoints).
 
 One server (the `mid` preset quantized to Q8_0: Qwen3.5-35B-A3B's per-layer dims, 4 layers), driven by the
 official openai client, greedy `ar`. A conversation of --turns turns, each user turn about 300 tokens and
@@ -21,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,37 +53,12 @@ def make_model(work: Path, preset: str, quant: str) -> Path:
     return f16 if quant == "f16" else quantize(f16, path, quant)
 
 
-def start_server(gguf: Path, n_ctx: int, log_path: Path, server: str) -> tuple[subprocess.Popen, str]:
-    from clover_dev.process import cli_command, free_port
+def server_argv(gguf: Path, n_ctx: int, port: int) -> list[str]:
+    """`clover-cpp serve` (llama-server): one slot holding the whole context, as the earlier server's."""
+    from clover_dev.process import cli_command
 
-    if server == "serve":  # llama-server: one slot holding the whole context, as the earlier server's
-        port = free_port()
-        argv = cli_command("serve", "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx),
-                           "-np", "1", "--no-warmup")
-        proc = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                urllib_get(f"http://127.0.0.1:{port}/health")
-                return proc, f"http://127.0.0.1:{port}"
-            except OSError:
-                if proc.poll() is not None:
-                    raise SystemExit(f"the server exited:\n{log_path.read_text()[-2000:]}") from None
-                time.sleep(0.2)
-        raise SystemExit("the server did not start")
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cli_command("serve-legacy", "-m", str(gguf), "--port", "0", "-c", str(n_ctx),
-                                            "--log-level", "warning"), stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        found = re.search(r"listening on (http://\S+)", log_path.read_text())
-        if found:
-            time.sleep(1.0)
-            return proc, found.group(1)
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log_path.read_text()[-2000:]}")
-        time.sleep(0.1)
-    raise SystemExit("the server did not start")
+    return cli_command("serve", "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx),
+                       "-np", "1", "--no-warmup")
 
 
 def words(rng: np.random.Generator, n: int) -> str:
@@ -157,7 +129,7 @@ def shared_system(client: Any, model: str, n: int, system_words: int) -> dict[st
 
 
 def render(res: dict[str, Any]) -> str:
-    lines = [f"# Time to first token with prefix reuse (`clover-cpp {res.get('server', 'serve-legacy')}`)", "",
+    lines = [f"# Time to first token with prefix reuse (`clover-cpp {res.get('server', 'serve')}`)", "",
              f"{res['machine']}; `{res['command']}`. Model: {res['model']}, greedy `ar`, one server, "
              f"the openai client streaming; TTFT measured at the client. Each turn: a user message of about "
              f"{res['user_tokens']} tokens, an answer of {res['answer_tokens']} tokens.", ""]
@@ -192,6 +164,8 @@ def render(res: dict[str, Any]) -> str:
 def main() -> int:
     from openai import OpenAI
 
+    from clover_dev.process import free_port, serving
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mid")
     ap.add_argument("--quant", default="Q8_0")
@@ -201,29 +175,25 @@ def main() -> int:
     ap.add_argument("--system-words", type=int, default=1500, help="about 2K tokens")
     ap.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-serve")
     ap.add_argument("--name", default="bench_serve")
-    ap.add_argument("--server", choices=["serve", "serve-legacy"], default="serve")
     ap.add_argument("--skip-thinking", action="store_true", help="no second conversation with thinking on")
     args = ap.parse_args()
     gguf = make_model(args.workdir, args.preset, args.quant)
-    proc, url = start_server(gguf, 8192, args.workdir / "server.log", args.server)
-    try:
+    port = free_port()
+    with serving(server_argv(gguf, 8192, port), port, log_path=args.workdir / "server.log", ready_s=300) as (url, _):
         client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         res: dict[str, Any] = {"model": f"{args.preset} {args.quant}", "answer_tokens": args.answer,
-                               "server": args.server,
+                               "server": "serve",
                                "command": "bench/bench_serve.py " + " ".join(sys.argv[1:])}
         res["think_off"] = conversation(client, model, args.turns, args.user_words, args.answer, False)
         res["user_tokens"] = round(np.mean(np.diff([0] + [t["prompt_tokens"] for t in res["think_off"]["fresh"]]))
                                    - args.answer)
         save(res, args.name)  # each phase is written as it ends: a long run cut short keeps what it measured
         res["shared"] = shared_system(client, model, 4, args.system_words)
-        res["cache"] = json.loads(urllib_get(url + "/health")).get("prefix_cache", "llama-server's prompt cache")
+        res["cache"] = "llama-server's prompt cache"
         save(res, args.name)
         if not args.skip_thinking:
             res["think_on"] = conversation(client, model, args.turns, args.user_words, args.answer, True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     save(res, args.name)
     log(f"wrote bench/results/{args.name}.md")
     return 0
@@ -236,13 +206,6 @@ def save(res: dict[str, Any], name: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1))
     (RESULTS / f"{name}.md").write_text(render(res))
-
-
-def urllib_get(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return r.read().decode()
 
 
 if __name__ == "__main__":

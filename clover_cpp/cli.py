@@ -6,16 +6,15 @@
                         [--grammar GBNF | --grammar-file F | -j/--json-schema SCHEMA | -jf/--json-schema-file F]
     generate and chat take llama.cpp's penalty and grammar flags (spec 4's distribution stage; docs/decoding.md,
     "Constrained decoding").
-    generate, chat and serve also take llama.cpp's names for the common options, as aliases of the same option:
+    generate and chat also take llama.cpp's names for the common options, as aliases of the same option:
     --temp (--temperature), -s/--seed, -n/--n-predict (--max-tokens), --top-k, --top-p, -c, -t, -ngl.
-    generate, chat and serve take llama.cpp's offload flags: -ngl N, -ncmoe/--n-cpu-moe N, -cmoe/--cpu-moe,
+    generate and chat take llama.cpp's offload flags: -ngl N, -ncmoe/--n-cpu-moe N, -cmoe/--cpu-moe,
     -ot/--override-tensor REGEX=BUFT, -sm/--split-mode none|layer|row, -ts/--tensor-split N0,N1, -mg/--main-gpu I,
     -fitt/--fit-target MiB (clover_cpp/offload.py)
     clover-cpp imatrix -m F16.gguf -f CALIB.txt [-o imatrix.gguf] [--chunk-size 512] [--chunks N]
                        [--block-size B] [--no-masked] [--seed S] [-t N] [-ngl N]       (clover_cpp/imatrix.py)
     clover-cpp chat -m MODEL.gguf [--mode M] [--think on|off] [--visual] ...   (clover_cpp/chat.py)
     clover-cpp serve -m MODEL.gguf [llama-server's options]   the patched llama-server (clover_cpp/launch.py)
-    clover-cpp serve-legacy -m MODEL.gguf ...   the earlier FastAPI server (clover_cpp/serve/), being retired
 
 Bad input prints exactly one line (``clover-cpp: error: ...``) and exits with status 2.
 """
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -32,7 +30,7 @@ import time
 from clover_common import cli_runner
 from clover_common.cli_runner import OneLineParser
 from clover_common.errors import BadInput
-from clover_common.input_files import API_KEYS, CALIBRATION_TEXT, GGUF, check_input_file, read_input_text
+from clover_common.input_files import CALIBRATION_TEXT, GGUF, check_input_file, read_input_text
 
 from . import options
 from .options import BD_HELP, at_least
@@ -66,7 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     imx.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     imx.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_chat(sub)
-    _add_serve(sub)
     return parser
 
 
@@ -81,50 +78,6 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--visual", action="store_true", help="show the canvas filling step by step")
     chat.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     chat.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve-legacy", help="the earlier FastAPI server, being retired: use serve "
-                           "(docs/serve.md)")
-    options.add_engine_args(serve)
-    # llama-server's sampling options: defaults for what a request leaves out
-    options.add_generation_args(serve, max_tokens=None, seed=None, max_tokens_help="max_tokens of a chat request "
-                                "that sets none (default: what the context leaves)", penalties=True)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080, help="TCP port (0 = any free port, printed at start)")
-    serve.add_argument("--alias", default=None, help="model id clients send (default: the file name without .gguf)")
-    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
-    serve.add_argument("--no-webui", action="store_true",
-                       help="accepted and ignored: the web chat moved to clover-cpp serve (docs/serve.md)")
-    serve.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                       help="slots: requests decoded at once, their passes batched (default 1); -c is divided among "
-                            "them, as in llama-server (docs/serve.md, \"Slots\")")
-    mon = serve.add_argument_group("monitoring, llama-server's endpoints and flags (docs/serve.md, \"Monitoring\")")
-    mon.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
-                     help="GET /slots, each slot's state (default: on; --no-slots: a 501)")
-    mon.add_argument("--metrics", action="store_true", help="GET /metrics, Prometheus counters (default: off, a 501)")
-    mon.add_argument("--props", action="store_true", help="accept POST /props (default: off, a 501; there is no "
-                     "property to change yet, as in llama-server)")
-    sec = serve.add_argument_group("security (docs/serve.md, \"Security\")")
-    sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                     help="accept requests to /v1 only with 'Authorization: Bearer KEY' "
-                          "(repeatable; /health stays open)")
-    sec.add_argument("--api-key-file", default=None, metavar="FILE", help="read API keys from FILE, one per line")
-    lim = serve.add_argument_group("limits (0 = none; docs/serve.md, \"Limits\")")
-    lim.add_argument("--max-body-bytes", type=int, default=8 * 2**20, metavar="N",
-                     help="largest request body (default 8 MiB; larger: 413)")
-    lim.add_argument("--max-messages", type=int, default=1024, metavar="N",
-                     help="most messages in a chat (default 1024)")
-    lim.add_argument("--max-prompt-chars", type=int, default=0, metavar="N",
-                     help="most characters of a prompt, checked before tokenizing (default 0: 64 x n_ctx)")
-    lim.add_argument("--max-queue", type=int, default=64, metavar="N",
-                     help="most requests waiting for the engine (default 64; more: 429)")
-    lim.add_argument("--template-timeout", type=float, default=10.0, metavar="S",
-                     help="seconds to render the chat template and tokenize one request (default 10)")
-    lim.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                     help="seconds a connection may take to send a request's headers (from when it connects or its "
-                          "previous answer ends), and may fall silent while sending its body (default 10; "
-                          "llama-server's flag name)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -237,37 +190,6 @@ def run_chat_command(args: argparse.Namespace) -> int:
     return run_chat(args)
 
 
-def run_serve_command(args: argparse.Namespace) -> int:
-    """The OpenAI-compatible server (clover_cpp/serve/)."""
-    options.check_model_args(args)
-    options.gen_params(args)  # the defaults a request may take are checked before the model loads
-    if not 0 <= args.port <= 65535:
-        raise BadInput(f"--port must be in 0..65535, got {args.port}")
-    at_least(("--max-body-bytes", args.max_body_bytes, 0), ("--max-messages", args.max_messages, 0),
-              ("--max-prompt-chars", args.max_prompt_chars, 0), ("--max-queue", args.max_queue, 0),
-              ("-np/--parallel", args.parallel, 1))
-    for flag, seconds in (("--template-timeout", args.template_timeout), ("--timeout", args.timeout)):
-        if not 0 <= seconds < math.inf:
-            raise BadInput(f"{flag} must be a finite number >= 0, got {seconds}")
-    for key in args.api_key:
-        if not key or key != key.strip() or not key.isprintable() or not key.isascii():
-            raise BadInput("--api-key: a key must be printable ASCII without surrounding spaces")
-    if args.api_key_file:
-        lines = read_input_text(args.api_key_file, API_KEYS, "--api-key-file").splitlines()
-        keys = [line.strip() for line in lines if line.strip()]
-        if not keys:
-            raise BadInput(f"{args.api_key_file}: holds no API key (--api-key-file: one key per line)")
-        bad = [i + 1 for i, line in enumerate(lines) if line.strip() and not (line.strip().isprintable()
-                                                                           and line.strip().isascii())]
-        if bad:
-            raise BadInput(f"{args.api_key_file}: line {bad[0]} is not a printable ASCII key (--api-key-file)")
-        args.api_key += keys
-    at_least(("-n/--n-predict", args.max_tokens, 1))
-    from .serve.startup import run_serve
-
-    return run_serve(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")  # llama.cpp's error log would add lines; we print one
     argv = sys.argv[1:] if argv is None else argv
@@ -283,8 +205,6 @@ def _run(args: argparse.Namespace) -> int:
         return run_imatrix(args)
     if args.command == "chat":
         return run_chat_command(args)
-    if args.command == "serve-legacy":
-        return run_serve_command(args)
     return run_generate(args)
 
 

@@ -1,12 +1,10 @@
 """``GenParams``: what one generation asks of the engine, the one Python shape of libclover's
 ``clover_gen_params``. ``Model.generate`` / ``Model.run`` take it (or its fields as keywords); ``clover-cpp``
-builds it from its options (clover_cpp/options.py), chat keeps one for its turns, and the server fills one per
-request from the request and its defaults.
+builds it from its options (clover_cpp/options.py) and chat keeps one for its turns.
 
 Its checks are the Python API's and the command line's one place for these values: a bad value is a
-``GenParamError`` naming the field, which the CLI turns into its option's name. Request fields are checked
-by their pydantic models (clover_cpp/serve/schema.py); limits of a loaded engine (its largest block size, its
-vocabulary, its context) are checked by libclover.
+``GenParamError`` naming the field, which the CLI turns into its option's name; limits of a loaded engine (its
+largest block size, its vocabulary, its context) are checked by libclover.
 """
 
 from __future__ import annotations
@@ -151,10 +149,10 @@ class GenParams:
     in its stats. ``stop_ids=None`` stops at the vocabulary's end-of-generation tokens, ``()`` at none.
     ``draft_steps``: spec mode's LowConfidence steps before the argmax draft (greedy only).
 
-    The bounds are the engine's (clover.h) for the Python API, the CLI and the server alike: llama-server's
-    sampling fields accept any temperature and penalty, and the engine accepts every value that has a meaning
-    (temperature >= 0, finite penalties, repeat_penalty > 0) and that its 32-bit fields hold (``Bound.fits``), so
-    none of them narrows it to OpenAI's documented ranges (docs/serve.md, "Request fields")."""
+    The bounds are the engine's (clover.h) for the Python API and the CLI: as llama-server's sampling fields accept
+    any temperature and penalty, the engine accepts every value that has a meaning (temperature >= 0, finite
+    penalties, repeat_penalty > 0) and that its 32-bit fields hold (``Bound.fits``), not OpenAI's documented
+    ranges."""
 
     mode: str = param(DEFAULT_MODE, flags=("--mode",), c_field="mode",
                       help=f"{DEFAULT_MODE} (default): lossless, faster than ar where drafts are accepted; "

@@ -151,4 +151,4 @@ def test_the_base_install_imports_no_reference_module() -> None:
         parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
         todo += [n for n in [*edges[name], *parents] if n in edges]
     assert sorted(n for n in seen if n.split(".")[0] == "clover_ref") == []
-    assert "clover_common.config" in seen and "clover_cpp.serve.routes" in seen
+    assert "clover_common.config" in seen and "clover_cpp.launch" in seen

@@ -236,13 +236,13 @@ def test_special_files_convert_ref(special_bases: dict[str, Path], tmp_path: Pat
 @pytest.mark.native
 def test_special_files_quantize_cpp(special_bases: dict[str, Path], tiny_gguf: Path, tmp_path: Path,
                                     record_property) -> None:
-    """clover-quantize and clover-cpp generate, chat, serve and imatrix: every file option, as above."""
+    """clover-quantize and clover-cpp generate, chat and imatrix: every file option, as above; serve: its model."""
     _special_files(tmp_path, special_bases, tiny_gguf, True, record_property)
 
 
 # the console scripts themselves print only the one line (a sample: a fifo, /dev/zero, a too-large file)
 SPECIAL_SCRIPT_CASES = ("clover-convert-model.safetensors-fifo", "clover-convert---metadata-dev-zero",
-                        "clover-cpp-generate---grammar-file-fifo", "clover-cpp-serve-legacy---api-key-file-dev-zero",
+                        "clover-cpp-generate---grammar-file-fifo", "clover-cpp-serve--m_--model-dev-zero",
                         "clover-cpp-chat---chat-template-too-large", "clover-quantize-IN-fifo")
 
 

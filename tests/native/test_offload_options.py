@@ -69,7 +69,7 @@ def test_n_cpu_moe_patterns_are_llamas(tiny_gguf: Path) -> None:
 
 
 # ------------------------------------------------------------------------------- CLI -> engine params
-@pytest.mark.parametrize("command", ["generate", "chat", "serve-legacy"])
+@pytest.mark.parametrize("command", ["generate", "chat"])
 def test_cli_flags_reach_model_params(command: str, tiny_gguf: Path) -> None:
     extra = ["-p", "x"] if command == "generate" else []
     parser = build_parser()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from clover_common.input_files import (API_KEYS, CALIBRATION_TEXT, CHAT_TEMPLATE, CONFIG, GGUF, GRAMMAR, IMATRIX,
+from clover_common.input_files import (CALIBRATION_TEXT, CHAT_TEMPLATE, CONFIG, GGUF, GRAMMAR, IMATRIX,
                                        JSON_SCHEMA, MODEL_CARD, SAFETENSORS, TOKENIZER, WEIGHT_INDEX, InputKind,
                                        size_text)
 
@@ -52,7 +52,8 @@ CONVERT = ("{DIR}", "{OUT}", "--outtype", "f32", "--threads", "1")
 REF = ("generate", "{DIR}", "-p", "x", "-n", "1")
 GENERATE = ("generate", "-m", "{GGUF}", "-p", "x", "-n", "1", "-c", "64", "-t", "1")
 CHAT = ("chat", "-m", "{GGUF}", "-c", "64", "-t", "1")
-SERVE = ("serve-legacy", "-m", "{GGUF}", "-c", "64", "-t", "1", "--port", "0")
+SERVE = ("serve", "-m", "{GGUF}", "-c", "64", "-t", "1", "--port", "0")  # llama-server: its own file options
+# are tested in tests/native/test_arg_input_files.py; here, the model clover-cpp serve reads before it starts
 IMATRIX_CMD = ("imatrix", "-m", "{GGUF}", "-f", "{GGUF}", "-o", "{OUT}")
 
 SLOTS: tuple[Slot, ...] = (
@@ -83,17 +84,16 @@ SLOTS: tuple[Slot, ...] = (
     Slot("clover-quantize", ("{DIR}/m-00001-of-00002.gguf", "{OUT}", "Q8_0"), GGUF, member="m-00002-of-00002.gguf",
          base="split", native=True),
     Slot("clover-quantize", ("{GGUF}", "{OUT}", "Q4_K_M", "--imatrix", "{FILE}"), IMATRIX, "--imatrix", native=True),
-    # clover-cpp: every file option of generate, chat, serve and imatrix
+    # clover-cpp: every file option of generate, chat and imatrix, and serve's model
     *(Slot("clover-cpp", (*command[:2], "{FILE}", *command[3:]), GGUF, "-m/--model", native=True)
       for command in (GENERATE, CHAT, SERVE, IMATRIX_CMD)),
     *(Slot("clover-cpp", (*command, "--bd", "{FILE}"), GGUF, "--bd", native=True)
-      for command in (GENERATE, CHAT, SERVE, IMATRIX_CMD)),
+      for command in (GENERATE, CHAT, IMATRIX_CMD)),
     *(Slot("clover-cpp", (*command, option, "{FILE}"), kind, flag, native=True)
       for command in (GENERATE, CHAT) for option, kind, flag in (("--grammar-file", GRAMMAR, "--grammar-file"),
                                                                  ("-jf", JSON_SCHEMA, "-jf/--json-schema-file"))),
     *(Slot("clover-cpp", (*command, "--chat-template", "{FILE}"), CHAT_TEMPLATE, "--chat-template", native=True)
-      for command in (CHAT, SERVE)),
-    Slot("clover-cpp", (*SERVE, "--api-key-file", "{FILE}"), API_KEYS, "--api-key-file", native=True),
+      for command in (CHAT,)),
     Slot("clover-cpp", (*IMATRIX_CMD[:4], "{FILE}", *IMATRIX_CMD[5:]), CALIBRATION_TEXT, "-f/--file", native=True),
 )
 

@@ -1,12 +1,9 @@
-"""Helpers for the server tests: a live `clover-cpp serve` (the patched llama-server: ``clover_serve``) or the earlier
-FastAPI server (``serve``, tests/surfaces/test_serve_*.py) on a GGUF, plain HTTP calls, and the checks of an OpenAI
-error body."""
+"""Helpers for the server tests: a live `clover-cpp serve` (the patched llama-server: ``clover_serve``) on a GGUF,
+plain HTTP calls, and the checks of an error body."""
 
 from __future__ import annotations
 
 import json
-import re
-import resource
 import subprocess
 import time
 import urllib.error
@@ -17,9 +14,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import pytest
 
-from clover_dev.process import cli_command, free_port, serving, stop_process
+from clover_dev.process import cli_command, free_port, serving
 from tests.support.chat import child_env
 
 MODEL_ID = "tiny"  # the tiny checkpoint's GGUF, served under its file name (tests/surfaces/conftest.py)
@@ -37,40 +33,6 @@ def clover_serve(gguf: Path, *args: str, env: dict[str, str] | None = None, read
     with serving(argv, port, log_path=log_path, ready_s=ready_s, env=child_env() | (env or {}),
                  alive_at_end=alive_at_end) as (url, proc):
         yield url, proc, log_path
-
-
-@contextmanager
-def serve(gguf: Path, folder: Path, *args: str, alive_at_end: bool = True, files: tuple[int, int] | None = None
-          ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    """A live `clover-cpp serve-legacy` on any free port: (url, process, log path); SIGTERM at the end. ``files``: the
-    server starts with this (soft, hard) limit on open files (RLIMIT_NOFILE) instead of the test's."""
-    log_path = folder / f"server-{time.monotonic_ns()}.log"
-    limit = None if files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, files))
-    with open(log_path, "w") as log:
-        argv = cli_command("serve-legacy", "-m", str(gguf), "--port", "0", "--log-level", "warning", *args)
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(), preexec_fn=limit)
-    try:
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            found = re.search(r"listening on (http://\S+)", log_path.read_text())
-            if found:
-                url = found.group(1)
-            elif proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            else:
-                time.sleep(0.05)
-        assert url, "the server did not start in 120 s"
-        while True:  # listening is printed just before uvicorn starts serving
-            try:
-                get(url + "/health")
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield url, proc, log_path
-        assert proc.poll() is None or not alive_at_end, f"the server died:\n{log_path.read_text()[-3000:]}"
-    finally:
-        stop_process(proc)
 
 
 def address(url: str) -> tuple[str, int]:
@@ -124,19 +86,3 @@ def emitted_tokens(answer: dict[str, Any]) -> list[int]:
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def check_error_body(status: int, body: bytes, context: object = None) -> dict[str, Any]:
-    """An error answer's body is the OpenAI error object, its message one line; returns the inner object."""
-    try:
-        err = json.loads(body)
-    except ValueError:
-        pytest.fail(f"{status} answer is not JSON: {body[:300]!r} ({context})")
-    assert isinstance(err, dict) and set(err) == {"error"}, (status, err, context)
-    inner = err["error"]
-    assert set(inner) == {"message", "type", "param", "code"}, (status, err, context)
-    message = inner["message"]
-    assert isinstance(message, str) and message and len(message.splitlines()) == 1, (status, err, context)
-    assert isinstance(inner["type"], str) and (inner["param"] is None or isinstance(inner["param"], str)), \
-        (status, err, context)
-    return inner

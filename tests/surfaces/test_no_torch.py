@@ -53,7 +53,7 @@ def test_base_commands_run_without_torch(tmp_path: Path) -> None:
     assert '"tokens"' in done.stdout
     # chat and serve: their whole import graph, and their argument handling up to the model load
     missing = str(tmp_path / "missing.gguf")
-    code = ("import clover_cpp.chat, clover_cpp.serve.startup, clover_cpp.serve.worker\n"
+    code = ("import clover_cpp.chat, clover_cpp.launch\n"
             "from clover_cpp.cli import main\n"
             f"sys.exit(10 * main(['chat', '-m', {missing!r}]) + main(['serve', '-m', {missing!r}]))")
     done = subprocess.run([sys.executable, "-c", BLOCK_TORCH + code], capture_output=True, text=True, cwd=REPO_ROOT)
