@@ -1,13 +1,13 @@
-"""The options of ``clover-cpp generate``, ``chat`` and ``serve``, and what they open: the one home of the engine,
+"""The options of ``clover-cpp generate`` and ``chat``, and what they open: the one home of the engine,
 offload and generation arguments (llama.cpp's names and meanings where llama.cpp has the option).
 
 - ``add_model_args``: the GGUF, its sidecar, the context, threads and llama.cpp's offload flags;
-  ``add_engine_args`` adds what chat and serve keep across turns (largest block size, prefix cache, template).
+  ``add_engine_args`` adds what chat keeps across turns (largest block size, prefix cache, template).
 - ``add_generation_args``: mode, block settings and sampling; for generate and chat also llama.cpp's penalty and
   grammar flags (spec 4's distribution stage).
 - ``check_model_args`` / ``gen_params``: each value is checked once, here or by ``GenParams``, whose errors are
   turned into the option's name; ``check_grammar`` checks a grammar against the loaded vocabulary.
-- ``open_model``: the ``Model`` generate, chat and serve run on.
+- ``open_model``: the ``Model`` generate and chat run on.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ BD_HELP = ("block-diffusion sidecar (NAME.bd.gguf, from clover-convert --bd-side
 FLAGS = {name: spec.flag for name, spec in PARAMS.items() if spec.flags}
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model and where it runs (generate, chat, serve)."""
+    """The model and where it runs (generate, chat)."""
     p.add_argument("-m", "--model", required=True, help="Clover GGUF file")
     p.add_argument("--bd", metavar="FILE", default=None, help=BD_HELP)
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0 = min(n_ctx_train, 4096))")
@@ -48,31 +48,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """add_model_args, and what a chat or a server keeps across turns."""
+    """add_model_args, and what a chat keeps across turns."""
     add_model_args(p)
-    p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn/request may use "
+    p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn may use "
                    "(0 = the largest of the model's block size and calibrated sizes)")
     p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
     p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
                    help="host memory for the prefix-reuse checkpoints of the recurrent state "
                         f"(default {DEFAULT_CACHE_RAM_MIB}; 0 = only reuse a prompt that extends the history)")
-    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="with -np slots: prompt tokens per prefill pass while another slot generates (default 128; "
-                        "0 = the batch size), so that a long prompt does not stall the others (docs/serve.md, "
-                        "\"Slots\")")
     p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
                    help=f"also checkpoint every N prefilled tokens (default {DEFAULT_CHECKPOINT_EVERY}; 0 = only "
                         "where each prompt ends and where it left the previous history)")
 
 
 def add_generation_args(p: argparse.ArgumentParser, *, max_tokens: int | None, max_tokens_help: str,
-                        seed: int | None, draft_steps: bool = False, distribution: bool = False,
-                        penalties: bool = False) -> None:
+                        seed: int | None, draft_steps: bool = False, distribution: bool = False) -> None:
     """Mode, block settings and sampling, with llama.cpp's names for the common ones (--temp, -s/--seed,
     -n/--n-predict, --top-k, --top-p). ``max_tokens`` and ``seed`` are the command's defaults. ``distribution``:
-    llama.cpp's penalty and grammar flags too (add_distribution_args); ``penalties``: the penalty flags only (serve's
-    defaults for what a request leaves out)."""
+    llama.cpp's penalty and grammar flags too (add_distribution_args)."""
     add_param(p, "mode", choices=MODES)
     for name in ("block_size", "threshold", "coreset_top_p"):
         add_param(p, name, default=None)
@@ -84,8 +78,8 @@ def add_generation_args(p: argparse.ArgumentParser, *, max_tokens: int | None, m
     add_param(p, "top_k")
     add_param(p, "top_p")
     add_param(p, "seed", default=seed)
-    if distribution or penalties:
-        add_distribution_args(p, grammar=distribution)
+    if distribution:
+        add_distribution_args(p)
 
 
 def add_param(p: Any, name: str, **overrides: Any) -> None:
@@ -106,15 +100,13 @@ def add_param(p: Any, name: str, **overrides: Any) -> None:
     p.add_argument(*spec.flags, **(kwargs | overrides))
 
 
-def add_distribution_args(p: argparse.ArgumentParser, grammar: bool = True) -> None:
-    """llama.cpp's penalty and (with ``grammar``) grammar flags (common/arg.cpp's names): spec 4's distribution
+def add_distribution_args(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's penalty and grammar flags (common/arg.cpp's names): spec 4's distribution
     stage. The penalties count the answer's tokens only, with no last-n window (docs/decoding.md, "Constrained
     decoding")."""
     g = p.add_argument_group("penalties and constrained decoding (spec 4; docs/decoding.md, \"Constrained decoding\")")
     for name in ("repeat_penalty", "presence_penalty", "frequency_penalty"):
         add_param(g, name, default=None, metavar="N")
-    if not grammar:
-        return
     one = g.add_mutually_exclusive_group()
     one.add_argument("--grammar", default=None, metavar="GRAMMAR",
                      help="GBNF grammar the answer must match (llama.cpp's grammars/README.md)")
@@ -246,19 +238,17 @@ def gen_params(args: argparse.Namespace, **fields: Any) -> GenParams:
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's load arguments (``engine_params``): context, threads, offload (llama.cpp's flags), sidecar and,
-    for chat and serve, the largest block size."""
+    for chat, the largest block size."""
     kwargs: dict[str, Any] = {"n_ctx": args.ctx_size, "n_threads": args.threads, "n_gpu_layers": args.n_gpu_layers,
                               "offload": offload_from_args(args), "bd_path": args.bd, "graph_cache": args.graph_cache}
     if getattr(args, "max_block_size", 0):
         kwargs["max_block_size"] = args.max_block_size
-    if getattr(args, "prefill_chunk", None) is not None:
-        kwargs["prefill_chunk"] = args.prefill_chunk
     return kwargs
 
 
 def open_model(args: argparse.Namespace, **extra: Any) -> Model:
-    """The Model for generate, chat and serve: ``model_kwargs``, the prefix cache of chat and serve, and ``extra``
-    (slots). With --max-block-size (chat, serve), a --block-size above the engine's largest is refused here;
+    """The Model for generate and chat: ``model_kwargs``, the prefix cache of chat, and ``extra``. With
+    --max-block-size (chat), a --block-size above the engine's largest is refused here;
     generate leaves that to the engine."""
     kwargs = model_kwargs(args)
     if hasattr(args, "cache_ram"):
