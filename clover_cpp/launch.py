@@ -99,7 +99,6 @@ FLAGS: tuple[Flag, ...] = (
                                                "is cpp-httplib's)")),
     Flag(("--max-messages",), True, _refused("--max-messages", "no replacement yet")),
     Flag(("--max-prompt-chars",), True, _refused("--max-prompt-chars", "-c bounds a prompt's tokens")),
-    Flag(("--max-queue",), True, _refused("--max-queue", "no replacement yet (llama-server queues every request)")),
     Flag(("--template-timeout",), True, _refused("--template-timeout", "no replacement yet")),
 )
 _BY_NAME = {name: flag for flag in FLAGS for name in flag.names}

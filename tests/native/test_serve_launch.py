@@ -72,7 +72,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cli_command("serve", *args), capture_output=True, text=True, env=child_env(), timeout=60)
 
 
-@pytest.mark.parametrize("flag", ["--max-queue", "--bd", "--graph-cache", "--checkpoint-every", "--max-body-bytes",
+@pytest.mark.parametrize("flag", ["--bd", "--graph-cache", "--checkpoint-every", "--max-body-bytes",
                                   "--max-messages", "--max-prompt-chars", "--template-timeout"])
 def test_refused_flags_exit_2_naming_the_replacement(demo_gguf: Path, flag: str) -> None:
     done = _run("-m", str(demo_gguf), flag, "4")
