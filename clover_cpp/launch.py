@@ -97,7 +97,6 @@ FLAGS: tuple[Flag, ...] = (
                                                  "how many a slot keeps")),
     Flag(("--max-body-bytes",), True, _refused("--max-body-bytes", "no replacement yet (llama-server's body limit "
                                                "is cpp-httplib's)")),
-    Flag(("--max-messages",), True, _refused("--max-messages", "no replacement yet")),
     Flag(("--max-prompt-chars",), True, _refused("--max-prompt-chars", "-c bounds a prompt's tokens")),
     Flag(("--template-timeout",), True, _refused("--template-timeout", "no replacement yet")),
 )

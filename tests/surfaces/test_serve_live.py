@@ -827,14 +827,14 @@ KEYS = ["file-key-1", "file-key-2"]
 
 
 def _hardened_args(folder: Path) -> tuple[str, ...]:
-    """-c 64, API keys (the flag and a file, with a comment and blank lines), a hostile chat template; the files are
-    written once (servers of the background observations may be reading them)."""
+    """-c 64, API keys (the flag and a file, with a comment and blank lines), a hostile chat template, at most 1,024
+    messages; the files are written once (servers of the background observations may be reading them)."""
     for name, text in (("hostile.jinja", HOSTILE_TEMPLATE), ("keys.txt", f"\n{KEYS[0]}\n# a comment, not a key\n"
                                                                          f"{KEYS[1]}\n\n")):
         if not (folder / name).exists() or (folder / name).read_text() != text:
             (folder / name).write_text(text)
     return ("-c", "64", "-np", "1", "--api-key", "flag-key", "--api-key-file", str(folder / "keys.txt"),
-            "--chat-template-file", str(folder / "hostile.jinja"))
+            "--chat-template-file", str(folder / "hostile.jinja"), "--max-messages", "1024")
 
 
 @pytest.fixture(scope="module")
@@ -1035,23 +1035,13 @@ def forty_thousand(hardened: str) -> dict[str, Any]:
     return {"answer": answer, "slowest": slowest}
 
 
-def test_forty_thousand_messages_do_not_freeze_the_server(forty_thousand: dict[str, Any], ref: Reference) -> None:
-    """/health answers while the request is read and rendered; llama-server, with no cap on messages, answers it
-    (the template here renders the last message alone)."""
+def test_forty_thousand_messages_are_refused_and_do_not_freeze_the_server(forty_thousand: dict[str, Any]) -> None:
+    """/health answers while the request is read; --max-messages 1024 refuses it before the template renders it
+    (patch server-max-messages: with no cap, llama-server answered 40,000 messages, and with the checkpoint's own
+    template the request kept an HTTP thread busy 80 s before its 400 for the context)."""
     assert forty_thousand["slowest"] < 1.0, forty_thousand["slowest"]
     got, answer = forty_thousand["answer"]
-    last = ref.ids("<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n")
-    assert got == 200 and answer["usage"]["prompt_tokens"] == len(last), answer
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="llama-server has no cap on a request's messages (--max-messages is refused: "
-                   "no replacement): 40,000 messages are answered 200 here; with the checkpoint's own template the "
-                   "same request kept an HTTP thread busy 80 s rendering and tokenizing them before its 400 "
-                   "(exceed_context_size_error)")
-def test_forty_thousand_messages_are_refused(forty_thousand: dict[str, Any]) -> None:
-    got, answer = forty_thousand["answer"]
-    assert got == 400, answer
+    assert got == 400 and "more than the 1024" in answer["error"]["message"], answer
 
 
 def test_a_full_queue_is_a_429(tiny_gguf: Path) -> None:
