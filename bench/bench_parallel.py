@@ -104,12 +104,9 @@ class Server:
         return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
 
     def metrics(self) -> dict[str, float]:
-        """llama-server's /metrics counters and gauges by name (without the llamacpp: prefix)."""
-        import urllib.request
+        from clover_dev.process import server_metrics
 
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^llamacpp:(\w+) (\S+)$", text, re.M)}
+        return server_metrics(self.url)
 
     def stop(self) -> None:
         self._stack.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -74,3 +75,10 @@ def serving(argv: list[str], port: int, *, log_path: Path, ready_s: float = 120,
             raise RuntimeError(f"{Path(argv[0]).name} died:\n{log_path.read_text()[-3000:]}")
     finally:
         stop_process(proc)
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """llama-server's /metrics (``--metrics``): each ``llamacpp:`` counter and gauge by its name without the prefix."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {name: float(value) for name, value in re.findall(r"^llamacpp:(\w+) (\S+)$", text, re.M)}

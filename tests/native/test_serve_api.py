@@ -13,14 +13,13 @@ official `openai` client (docs/serve.md):
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from clover_dev.process import server_metrics
 from tests.support.serve import auth, clover_serve, get, http, post
 
 pytestmark = pytest.mark.native
@@ -114,15 +113,11 @@ def test_tokenize_props_slots_metrics(server: str) -> None:
     slots = get(server + "/slots")
     assert [s["id"] for s in slots] == [0, 1] and all(s["n_ctx"] == 1024 for s in slots)
 
-    def metrics() -> dict[str, float]:
-        with urllib.request.urlopen(server + "/metrics", timeout=30) as r:
-            return {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
-
     for mode in ("ar", "diffusion"):
-        before = metrics()
+        before = server_metrics(server)
         resp = _client(server).chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0.0,
                                                        extra_body={"mode": mode, **THINK_OFF})
-        after, timings = metrics(), resp.model_extra["timings"]
+        after, timings = server_metrics(server), resp.model_extra["timings"]
         assert after["tokens_predicted_total"] - before["tokens_predicted_total"] == resp.usage.completion_tokens
         assert after["gen_block_passes_total"] - before["gen_block_passes_total"] == timings["block_passes"]
         assert after["gen_causal_passes_total"] - before["gen_causal_passes_total"] == timings["causal_passes"]

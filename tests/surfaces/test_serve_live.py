@@ -21,7 +21,6 @@ read what they saw.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import subprocess
@@ -36,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from clover_dev.process import server_metrics
 from tests.support.chat import Reference
 from tests.support.engine import run_concurrently
 from tests.support.serve import (MODEL_ID, THINK_OFF, address, auth, clover_serve, emitted_tokens, get, http, post,
@@ -98,11 +98,6 @@ def _tokens(resp: Any) -> list[int]:
 
 def _timings(resp: Any) -> dict[str, Any]:
     return resp.model_extra["timings"]
-
-
-def _metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        return {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
 
 
 def _slots(url: str) -> list[dict[str, Any]]:
@@ -336,7 +331,7 @@ def test_echo_is_honoured_and_suffix_refused(client: Any, server: str, field: st
 def test_eight_concurrent_clients(client: Any, ref: Reference, server: str) -> None:
     """Eight threads at once on one slot (llama-server queues them), mixed modes and streaming: each answer equals
     the reference's, and /metrics counts every generated token."""
-    before = _metrics(server)
+    before = server_metrics(server)
     cases = []
     for i in range(8):
         mode = ("ar", "diffusion", "spec")[i % 3]
@@ -367,7 +362,7 @@ def test_eight_concurrent_clients(client: Any, ref: Reference, server: str) -> N
         assert n == len(want.tokens), f"client {i} ({mode})"
         if not stream:
             assert tokens == want.tokens, f"client {i} ({mode})"
-    after = _metrics(server)
+    after = server_metrics(server)
     assert after["tokens_predicted_total"] - before["tokens_predicted_total"] == sum(r[2] for r in results)
     assert after["requests_processing"] == 0 and after["requests_deferred"] == 0, after
 
@@ -403,7 +398,7 @@ def test_parallel_slots_serve_concurrent_clients(parallel: str, ref: Reference) 
         assert results[i][1] == want.tokens, f"client {i} ({mode})"
         assert results[i][0] == _content(want), f"client {i} ({mode})"
     assert sorted({r[2] for r in results}) == [0, 1, 2], results
-    assert _metrics(parallel)["n_busy_slots_per_decode"] > 1
+    assert server_metrics(parallel)["n_busy_slots_per_decode"] > 1
 
 
 def _idle(url: str, deadline_s: float) -> bool:
@@ -466,7 +461,7 @@ def test_multi_turn_chat_reuses_the_prefix_and_answers_as_without(client: Any, r
 def test_disconnect_mid_stream_frees_the_slot(client: Any, ref: Reference, server: str) -> None:
     """A long streamed generation (about a minute here) is dropped after its first chunks: llama-server cancels it,
     the slot is free at once, and the next request is answered at once and correctly."""
-    before = _metrics(server)
+    before = server_metrics(server)
     stream = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=4000, temperature=0,
                                             stream=True, extra_body={**LONG, **THINK_OFF})
     seen = 0
@@ -483,7 +478,7 @@ def test_disconnect_mid_stream_frees_the_slot(client: Any, ref: Reference, serve
     waited = time.monotonic() - start
     assert _tokens(resp) == want.tokens
     assert waited < 15, f"the next request waited {waited:.1f} s: the dropped generation kept the slot"
-    dropped = _metrics(server)["tokens_predicted_total"] - before["tokens_predicted_total"] - len(want.tokens)
+    dropped = server_metrics(server)["tokens_predicted_total"] - before["tokens_predicted_total"] - len(want.tokens)
     assert 2 <= dropped < 1000, dropped
 
 
@@ -513,7 +508,7 @@ def _abandoned(gguf: Path) -> dict[str, Any]:
                 break
         idle = _idle(url, 15)
         return {"decoding while polled": polled, "idle after quiet": idle,
-                "decoded": _metrics(url)["tokens_predicted_total"]}
+                "decoded": server_metrics(url)["tokens_predicted_total"]}
 
 
 def test_disconnect_while_waiting_for_a_full_answer(background: dict[str, Future[dict[str, Any]]]) -> None:
