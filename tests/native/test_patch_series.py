@@ -24,7 +24,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "server-malformed-requests-are-400", "server-logprobs-of-drafted-tokens",
                        "vendor-httplib-thread-pool-burst", "vendor-httplib-header-read-timeout",
                        "vendor-httplib-refuse-declared-oversize-body",
-                       "server-http-errors-have-a-body", "jinja-macro-call-depth"}
+                       "server-http-errors-have-a-body", "jinja-macro-call-depth",
+                       "jinja-parser-nesting-limit", "chat-template-parse-error-keeps-its-message"}
 
 
 @pytest.mark.native
