@@ -1,7 +1,7 @@
 """Chat-template rendering as transformers' ``apply_chat_template`` does it, without transformers: a sandboxed
-Jinja environment with its ``tojson`` filter and ``raise_exception`` global. A small module both sides import:
-chat and serve (clover_cpp/chat_template.py) and the reference's tokenizer module. It needs jinja2 only (no
-torch, no tokenizers).
+Jinja environment with its ``tojson`` filter and ``raise_exception`` global, for the reference's tokenizer module and
+the tests' expected prompts. chat and serve render with llama.cpp's common/chat (clover_cpp/chat_format.py); the
+tests check that both give the same text. It needs jinja2 only (no torch, no tokenizers).
 """
 
 from __future__ import annotations

@@ -194,8 +194,9 @@ def render_chat(
     add_generation_prompt: bool = True,
     template: str | None = None,
 ) -> str:
-    """Render a conversation with the chat template (the shipped one unless ``template`` is given): the renderer
-    chat and serve use (chat_render.py), the same text as transformers' ``apply_chat_template(..., tokenize=False)``."""
+    """Render a conversation with the chat template (the shipped one unless ``template`` is given; chat_render.py):
+    the same text as transformers' ``apply_chat_template(..., tokenize=False)``, and as llama.cpp's common/chat, which
+    chat and serve render with."""
     return chat_render.render_chat(messages, template if template is not None else chat_template(), tools=tools,
                   enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt)
 

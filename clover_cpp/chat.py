@@ -1,11 +1,12 @@
 """`clover-cpp chat`: an interactive multi-turn chat on the native engine.
 
-Each turn renders the whole conversation with the model's chat template, keeps what the engine's history
-already holds of it and prefills the rest (``Model.reuse_prefix``; the Qwen template drops earlier turns'
-reasoning, so the reuse goes back to the checkpoint where the previous answer started; docs/serve.md,
-"Prefix reuse"), then streams every committed block. Reasoning (``<think>``) is shown dimmed or
-hidden; ``--visual`` redraws the block canvas at every LowConfidence step, as llama-diffusion-cli's visual
-mode does. Ctrl-C stops the answer being generated; the chat goes on.
+Each turn renders the whole conversation with the model's chat template as llama-server does (common/chat,
+clover_cpp.chat_format), keeps what the engine's history already holds of it and prefills the rest
+(``Model.reuse_prefix``; the Qwen template drops earlier turns' reasoning, so the reuse goes back to the checkpoint
+where the previous answer started; docs/serve.md, "Prefix reuse"), then streams every committed block, split into
+reasoning and content by llama-server's parser for the template's format. Reasoning is shown dimmed or hidden;
+``--visual`` redraws the block canvas at every LowConfidence step, as llama-diffusion-cli's visual mode does.
+Ctrl-C stops the answer being generated; the chat goes on.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from typing import Any, TextIO
 from clover_common.errors import BadInput
 
 from . import options, session
-from .chat_template import ChatTemplate, TemplateError, load_template
+from .chat_format import AnswerParser, ChatTemplates, Rendered, TemplateError, TextEvent
 from .gen_params import MODES, PARAMS, GenParams
 from .model import EngineError, Generation, Model, Stats
 from clover_native.loader import NativeError
-from .output_parser import THINK_CLOSE, OutputParser, TextEvent, opens_reasoning, think_close_id
 from .text_stream import TextPipeline
 
 HELP = """commands:
@@ -137,7 +137,7 @@ class AnswerPrinter:
 
 
 class ChatApp:
-    def __init__(self, model: Model, template: ChatTemplate, settings: Settings, max_block_size: int,
+    def __init__(self, model: Model, template: ChatTemplates, settings: Settings, max_block_size: int,
                  out: TextIO = sys.stdout, style: Style | None = None, show_reasoning: bool = True,
                  visual: bool = False, system: str | None = None) -> None:
         self.model = model
@@ -281,7 +281,7 @@ class ChatApp:
             return []
         probe = self.messages + [{"role": "user", "content": "."}]  # any next message shares this much
         try:
-            ids = self.model.tokenize(self.template.render(probe, enable_thinking=self.settings.enable_thinking))
+            ids = self.model.tokenize(self.template.render(probe, enable_thinking=self.settings.enable_thinking).prompt)
         except (TemplateError, NativeError):
             return []
         return ids[:self.model.reuse_prefix(ids)]
@@ -367,8 +367,8 @@ class ChatApp:
         s = self.settings
         self.messages.append({"role": "user", "content": text})
         try:
-            prompt = self.template.render(self.messages, enable_thinking=s.enable_thinking)
-            ids = self.model.tokenize(prompt)
+            rendered = self.template.render(self.messages, enable_thinking=s.enable_thinking)
+            ids = self.model.tokenize(rendered.prompt)
         except (TemplateError, NativeError) as exc:
             self.messages.pop()
             self.fail(str(exc))
@@ -380,9 +380,7 @@ class ChatApp:
                       "/reset to start over")
             return
         try:
-            hint = self.template.generation_prompt_start(self.model.tokenize, self.messages, None,
-                                                         s.enable_thinking, prompt, ids)
-            turn = self._generate(text, ids, min(s.gen.max_tokens, room), opens_reasoning(prompt), hint)
+            turn = self._generate(text, ids, min(s.gen.max_tokens, room), rendered, self._answer_start(rendered, ids))
         except (ValueError, NativeError) as exc:
             self.messages.pop()
             self.fail(" ".join(str(exc).split()))
@@ -405,16 +403,27 @@ class ChatApp:
                 f"prefill {st.prompt_tokens} tokens{f' ({reused} reused)' if reused else ''}, "
                 f"{st.threads} thread{'s' * (st.threads != 1)}, stop: {stop}")
 
-    def _generate(self, user_text: str, ids: list[int], max_tokens: int, in_reasoning: bool,
+    def _answer_start(self, rendered: Rendered, ids: list[int]) -> int:
+        """Where the generation prompt starts in ``ids``: the conversation before it is what the next turn's prompt
+        shares with this one, since the answer is re-rendered with its reasoning dropped. 0 when that is not a token
+        prefix of ``ids``."""
+        head = rendered.head
+        if not head:
+            return 0
+        head_ids = self.model.tokenize(head)
+        n = len(head_ids)
+        return n if 0 < n < len(ids) and list(ids[:n]) == head_ids else 0
+
+    def _generate(self, user_text: str, ids: list[int], max_tokens: int, rendered: Rendered,
                   checkpoint_hint: int = 0) -> Turn:
         visual = self.visual and self.settings.gen.mode != "ar"
         # the previous turns' prompt, up to where their answer started
         reused = self.model.reuse_prefix(ids, checkpoint_at=[checkpoint_hint])
         run = self.model.generate(ids[reused:], self.settings.gen, max_tokens=max_tokens, steps=visual,
-                                  **self._grammar_after(in_reasoning))
+                                  **self._grammar_after(rendered))
         printer = AnswerPrinter(self.out, self.style, self.show_reasoning)
-        pipeline = TextPipeline(lambda t: self.model.detokenize(t, special=False),
-                                parser=OutputParser(in_reasoning, parse_tools=False))
+        parser = AnswerParser(rendered, parse_tools=False)
+        pipeline = TextPipeline(lambda t: self.model.detokenize(t, special=False), parser=parser)
         tokens: list[int] = []
         steps = 0
         error: BaseException | None = None
@@ -437,7 +446,6 @@ class ChatApp:
             run.close()  # the consumer stopped early (an exception in printing): stop the engine too
         if visual:  # the last frame: the answer as a normal turn
             self.out.write(CLEAR + self.style.bold("> ") + user_text + "\n")
-            parser = OutputParser(in_reasoning, parse_tools=False)
             tail = parser.feed(self.model.detokenize(tokens, special=False)) + parser.finish()
         else:
             tail = pipeline.finish()
@@ -449,17 +457,21 @@ class ChatApp:
         if error is not None:
             raise error
         assert run.stats is not None
-        return Turn(tokens, run.stats, run.cancelled, printer.reasoning, printer.content, reused)
+        answer = parser.answer
+        return Turn(tokens, run.stats, run.cancelled, answer.reasoning, answer.content, reused)
 
-    def _grammar_after(self, in_reasoning: bool) -> dict[str, Any]:
+    def _grammar_after(self, rendered: Rendered) -> dict[str, Any]:
         """With a grammar (--grammar, -j, ...) and an answer that opens with reasoning, the grammar applies after
-        ``</think>``: the reasoning stays free (as in serve; docs/decoding.md, "Constrained decoding")."""
-        if not self.settings.gen.grammar or not in_reasoning:
+        the end of the thinking block: the reasoning stays free (as in serve; docs/decoding.md, "Constrained
+        decoding")."""
+        if not self.settings.gen.grammar or not rendered.in_reasoning:
             return {}
-        token = think_close_id(self.model.tokenize)
-        if token is None:
-            raise BadInput(f"a grammar with thinking needs {THINK_CLOSE} as one token of the vocabulary; /think off")
-        return {"grammar_after_ids": (token,)}
+        end = rendered.thinking_end or ""
+        ids = self.model.tokenize(end) if end else []
+        if len(ids) != 1:
+            raise BadInput(f"a grammar with thinking needs the end of thinking ({end or 'none known'}) as one "
+                           "token of the vocabulary; /think off")
+        return {"grammar_after_ids": (ids[0],)}
 
     def _frame(self, user_text: str, tokens: list[int], canvas: list[int] | None, step: int) -> None:
         """One visual frame: the committed text, then the block canvas (masked targets as '_')."""
@@ -496,9 +508,7 @@ def run_chat(args: argparse.Namespace) -> int:
     model = options.open_model(args)  # with the prefix cache of --cache-ram (docs/serve.md)
     try:
         options.check_grammar(model, args, settings.gen)
-        template = load_template(model.llama_model, args.model, args.chat_template)
-        if template is None:
-            raise BadInput(f"{args.model} has no chat template (tokenizer.chat_template); pass --chat-template FILE")
+        template = ChatTemplates.load(model.llama_model, args.model, args.chat_template)
         try:
             import readline  # noqa: F401 - line editing and history for input()
         except ImportError:

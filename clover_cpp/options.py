@@ -53,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-block-size", type=int, default=0, help="largest block size a turn may use "
                    "(0 = the largest of the model's block size and calibrated sizes)")
     p.add_argument("--think", choices=["on", "off"], default="on", help="enable_thinking by default")
-    p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja template instead of the GGUF's")
+    p.add_argument("--chat-template", "--chat-template-file", dest="chat_template", default=None, metavar="FILE",
+                   help="Jinja template instead of the GGUF's")
     p.add_argument("--cache-ram", type=float, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
                    help="host memory for the prefix-reuse checkpoints of the recurrent state "
                         f"(default {DEFAULT_CACHE_RAM_MIB}; 0 = only reuse a prompt that extends the history)")

@@ -1,15 +1,23 @@
 """From committed token blocks to text pieces: incremental detokenization, stop strings, output parsing.
 
-``TextPipeline.feed(block)`` returns the events the block completes; ``finish()`` flushes. The server's
-streaming and non-streaming paths and the chat app all run generated blocks through it, so they produce
-the same text.
+``TextPipeline.feed(block)`` returns the events the block completes; ``finish()`` flushes. The chat app runs
+generated blocks through it, streamed or (``--visual``) all at once, and gets the same text either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from .output_parser import Event, OutputParser, TextEvent
+from .chat_format import TextEvent
+
+
+class Parser(Protocol):
+    """Splits the text into channels as it arrives (chat_format.AnswerParser)."""
+
+    def feed(self, text: str) -> list[TextEvent]: ...
+
+    def finish(self) -> list[TextEvent]: ...
 
 REPLACEMENT = "\ufffd"
 MAX_PENDING_TOKENS = 8  # a character never spans more tokens than this; beyond it the bytes are invalid
@@ -72,11 +80,11 @@ class StopMatcher:
 
 
 class TextPipeline:
-    """Detokenizer -> stop strings -> (optional) reasoning/tool-call parser. Without a parser every piece
+    """Detokenizer -> stop strings -> (optional) answer parser. Without a parser every piece
     is a ``content`` event (raw completions)."""
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str], stops: Sequence[str] = (),
-                 parser: OutputParser | None = None) -> None:
+                 parser: Parser | None = None) -> None:
         self.detok = Detokenizer(detokenize)
         self.stop = StopMatcher(stops)
         self.parser = parser
@@ -86,17 +94,17 @@ class TextPipeline:
         """A stop string was found: the caller should cancel the generation."""
         return self.stop.stopped
 
-    def _parse(self, text: str) -> list[Event]:
+    def _parse(self, text: str) -> list[TextEvent]:
         if self.parser is not None:
             return self.parser.feed(text)
         return [TextEvent("content", text)] if text else []
 
-    def feed(self, block: Sequence[int]) -> list[Event]:
+    def feed(self, block: Sequence[int]) -> list[TextEvent]:
         if self.stop.stopped:
             return []
         return self._parse(self.stop.feed(self.detok.feed(block)))
 
-    def finish(self) -> list[Event]:
+    def finish(self) -> list[TextEvent]:
         events = [] if self.stop.stopped else self._parse(self.stop.feed(self.detok.finish()))
         events += self._parse(self.stop.finish())
         if self.parser is not None:

@@ -243,6 +243,16 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_slot_checkpoint_hint": (None, [clover_slot_p, ctypes.c_int32]),
     "clover_slot_set_history": (ctypes.c_int32, [clover_slot_p, llama_token_p, ctypes.c_int32]),
     "clover_slot_measure_costs": (ctypes.c_int32, [clover_slot_p, ctypes.POINTER(clover_pass_costs)]),
+    # returned strings are malloc'd by libclover: c_void_p, so that ctypes hands back the pointer to free
+    "clover_chat_templates_init": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
+                                                     ctypes.c_size_t]),
+    "clover_chat_templates_free": (None, [ctypes.c_void_p]),
+    "clover_chat_templates_source": (ctypes.c_void_p, [ctypes.c_void_p]),
+    "clover_chat_templates_apply": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
+                                                      ctypes.c_size_t]),
+    "clover_chat_parse": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_bool, ctypes.c_char_p,
+                                            ctypes.c_size_t]),
+    "clover_chat_string_free": (None, [ctypes.c_void_p]),
 }
 
 _lib: ctypes.CDLL | None = None
@@ -329,6 +339,16 @@ def json_schema_to_grammar(schema_json: str) -> str:
         out = ctypes.create_string_buffer(n + 1)
         L.clover_json_schema_to_grammar(schema_json.encode(), out, len(out), err, len(err))
     return out.value.decode()
+
+
+def take_string(ptr: int | None) -> str | None:
+    """A string libclover returned (malloc'd), decoded and freed; None for NULL."""
+    if not ptr:
+        return None
+    try:
+        return ctypes.string_at(ptr).decode("utf-8", "replace")
+    finally:
+        lib().clover_chat_string_free(ptr)
 
 
 def describe_offload(path: str, params: clover_engine_params) -> dict[str, object]:

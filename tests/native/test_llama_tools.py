@@ -47,7 +47,7 @@ def test_llama_server_chat_equals_engine_ar(llama_server: str, demo_gguf: Path) 
     from openai import OpenAI
 
     from clover_cpp import Model
-    from clover_cpp.chat_template import ChatTemplate
+    from clover_cpp.chat_format import ChatTemplates
 
     client = OpenAI(base_url=llama_server + "/v1", api_key="none", max_retries=0, timeout=120)
     # thinking off (the template closes an empty <think> block), so the whole answer is the message content
@@ -57,12 +57,11 @@ def test_llama_server_chat_equals_engine_ar(llama_server: str, demo_gguf: Path) 
     served = resp.choices[0].message.content or ""
 
     with Model(str(demo_gguf), n_ctx=1024, n_threads=2) as model:
-        template = ChatTemplate.from_model(model._llama_model, str(demo_gguf))
-        assert template is not None, "the demo GGUF has no tokenizer.chat_template"
-        prompt = model.tokenize(template.render(MESSAGES, enable_thinking=False))
+        template = ChatTemplates.load(model._llama_model, str(demo_gguf), None)
+        prompt = model.tokenize(template.render(MESSAGES, enable_thinking=False).prompt)
         ours = model.run(prompt, mode="ar", max_tokens=CHAT_TOKENS)
         text = model.detokenize(ours.tokens, special=False)
-    # the same rendering (llama-server applies the GGUF's template with its own Jinja engine) ...
+    # the same rendering (both through common/chat) ...
     assert resp.usage.prompt_tokens == len(prompt), (resp.usage.prompt_tokens, len(prompt))
     # ... and the same greedy answer, stopping at the same place (the length limit or an end-of-generation token)
     assert resp.usage.completion_tokens == len(ours.tokens), (resp.usage.completion_tokens, len(ours.tokens))

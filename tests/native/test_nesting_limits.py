@@ -1,6 +1,7 @@
 """Recursive parsers fed user text, nested from below their limit to 1,000,000 deep (docs/decoding.md, "Limits of
 what is parsed"): llama.cpp's GBNF parser and left-recursion search (patch grammar-nesting-limit), the JSON-schema
-reader and converter (patch json-schema-depth-limit), and the Jinja chat templates.
+reader and converter (patch json-schema-depth-limit), and llama.cpp's Jinja parser for chat templates (patch
+jinja-parser-nesting-limit), which `clover-cpp chat` and `clover-cpp serve` both render with (common/chat).
 
 Each depth either works or is refused with an error naming the limit: never a signal, a hang or a traceback. The
 native cases run in one probe subprocess that announces each case before it starts, so a stack overflow fails the
@@ -31,6 +32,7 @@ TIMEOUT_S = 120
 PROBE = textwrap.dedent("""\
     import json, sys
     from clover_common.errors import BadInput
+    from clover_cpp.chat_format import ChatTemplates
     from clover_cpp.model import Model
     from clover_native import libclover
 
@@ -78,7 +80,17 @@ PROBE = textwrap.dedent("""\
                 out["after"] = len(model.run("x", max_tokens=2, mode="ar").tokens)  # the engine still answers
                 print(json.dumps({"name": case["name"], **out}), flush=True)
                 continue
-            if case["what"] == "gbnf":
+            if case["what"] == "template":
+                n = case["n"]
+                source = {"parens": "{{ " + "(" * n + "1" + ")" * n + " }}",
+                          "if": "{% if true %}" * n + "x" + "{% endif %}" * n,
+                          "for": "{% for i in [1] %}" * n + "x" + "{% endfor %}" * n,
+                          "list": "{{ " + "[" * n + "]" * n + " }}",
+                          "filter": "{{ 'a'" + "|upper" * n + " }}",
+                          "sum": "{{ 1" + " + 1" * n + " }}",
+                          "macro": "{% macro m() %}" * n + "x" + "{% endmacro %}" * n}[case["kind"]]
+                ChatTemplates(None, source, "nested.jinja").render([{"role": "user", "content": "hi"}])
+            elif case["what"] == "gbnf":
                 model.check_grammar(globals()["gbnf_" + case["kind"]](case["n"]))
             else:
                 libclover.json_schema_to_grammar(case.get("text") or schema(case["kind"], case["n"]))
@@ -209,20 +221,25 @@ def test_the_clis_refuse_a_deep_grammar_with_one_line(demo_gguf: Path, tmp_path:
         assert not done.stdout
 
 
-@pytest.mark.parametrize("kind", ["parens", "if", "for", "list", "filter", "macro"])
-def test_a_deeply_nested_chat_template_is_refused(kind: str) -> None:
-    """Jinja (clover_cpp.chat_template) on templates nested 10 to 100,000 deep: rendered, or a TemplateError
-    (one line; Python's recursion limit and compiler refuse the deep ones), never another exception."""
-    from clover_cpp.chat_template import ChatTemplate, TemplateError
+TEMPLATE_LIMIT = 256  # JINJA_MAX_NESTING (common/jinja/parser.h)
 
-    for n in (10, 100, 1000, 100_000):  # Jinja's lexer takes seconds per million levels; 100,000 is far past
-        source = {"parens": "{{ " + "(" * n + "1" + ")" * n + " }}",
-                  "if": "{% if true %}" * n + "x" + "{% endif %}" * n,
-                  "for": "{% for i in [1] %}" * n + "x" + "{% endfor %}" * n,
-                  "list": "{{ " + "[" * n + "]" * n + " }}",
-                  "filter": "{{ 'a'" + "|upper" * n + " }}",
-                  "macro": "{% macro m() %}" * n + "x" + "{% endmacro %}" * n}[kind]
-        try:
-            ChatTemplate(source, "nested.jinja").render([{"role": "user", "content": "hi"}])
-        except TemplateError as exc:
-            assert "\n" not in str(exc), str(exc)
+
+@pytest.mark.native
+def test_a_deeply_nested_chat_template_is_refused(demo_gguf: Path) -> None:
+    """Chat templates nested 10 to 100,000 deep in seven ways (brackets, blocks, loops, lists, a chain of filters or
+    of additions, macro definitions), rendered through common/chat as chat and serve do: the shallow ones render,
+    the deep ones are refused with one line naming the limit; none crashes the process (they overflowed the stack
+    before the limit)."""
+    kinds = ("parens", "if", "for", "list", "filter", "sum", "macro")
+    depths = (10, 100, 1000, 100_000)
+    results = _probe(demo_gguf, [{"name": f"{k}-{n}", "what": "template", "kind": k, "n": n}
+                                 for k in kinds for n in depths])
+    for k in kinds:
+        for n in depths:
+            res = results.get(f"{k}-{n}")
+            assert res is not None and "died" not in res, (k, n, res)
+            if n < TEMPLATE_LIMIT:
+                assert res["ok"], (k, n, res)
+            else:
+                assert not res["ok"] and f"nests deeper than {TEMPLATE_LIMIT} levels" in res["error"], (k, n, res)
+                assert "\n" not in res["error"] and len(res["error"]) < 1000, res["error"]

@@ -1,9 +1,11 @@
 """Helpers for the chat and server tests: the reference's answer to a conversation.
 
-The expected answer is built without the native runtime: the chat template shipped in the checkpoint,
-rendered by clover_common.tokenizer.render_chat, tokenized by the checkpoint's tokenizer.json, and decoded
-greedily by clover_ref.decode on a fresh history (the mask token banned, the config's end-of-generation
-ids as stops), then detokenized without special tokens and split by the output parser.
+The expected answer is built without the engine: the chat template shipped in the checkpoint, rendered by
+clover_common.tokenizer.render_chat (Jinja configured as transformers' apply_chat_template), tokenized by the
+checkpoint's tokenizer.json, and decoded greedily by clover_ref.decode on a fresh history (the mask token banned,
+the config's end-of-generation ids as stops), then detokenized without special tokens and split into reasoning,
+content and tool calls by llama-server's parser for the template (common/chat through libclover,
+clover_cpp.chat_format), which also renders the prompt: the two renderings must agree.
 """
 
 from __future__ import annotations
@@ -16,11 +18,19 @@ from typing import Any
 
 import pexpect  # a test dependency (pyproject [test]): missing, the suite fails instead of skipping
 
-from clover_cpp.output_parser import ParsedOutput, opens_reasoning, parse_output
 from clover_common.tokenizer import load_tokenizer, render_chat
 from clover_dev.process import cli_command
 
 N_CTX = 4096
+
+
+@dataclass
+class Parsed:
+    """An answer's parts as llama-server's message has them (reasoning None when there is none)."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list[dict[str, Any]]
 
 
 @dataclass
@@ -29,7 +39,7 @@ class Expected:
     prompt_ids: list[int]
     tokens: list[int]
     text: str
-    parsed: ParsedOutput
+    parsed: Parsed
     stats: Any
 
 
@@ -38,6 +48,24 @@ class Reference:
         self.model = model
         self.tokenizer = load_tokenizer(checkpoint)
         self.template = (checkpoint / "chat_template.jinja").read_text(encoding="utf-8")
+        self._common: Any = None  # common/chat's templates for the same text, made on first use
+
+    def common_chat(self) -> Any:
+        from clover_cpp.chat_format import ChatTemplates
+
+        if self._common is None:
+            self._common = ChatTemplates(None, self.template, "chat_template.jinja")
+        return self._common
+
+    def parse(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, thinking: bool,
+              prompt_text: str, out: str, parse_tools: bool) -> Parsed:
+        """``out`` read by llama-server's parser for this rendering; common/chat's prompt must be ``prompt_text``."""
+        from clover_cpp.chat_format import parse_answer
+
+        rendered = self.common_chat().render(messages, tools=tools, enable_thinking=thinking)
+        assert rendered.prompt == prompt_text, "common/chat and the reference render the conversation differently"
+        answer = parse_answer(rendered, out, parse_tools=parse_tools)
+        return Parsed(answer.reasoning or None, answer.content, answer.tool_calls)
 
     def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                thinking: bool = True) -> str:
@@ -71,13 +99,13 @@ class Reference:
         ids = self.ids(text)
         tokens, stats = self.greedy(ids, mode, max_tokens, **opts)
         out = self.decode(tokens)
-        return Expected(text, ids, tokens, out, parse_output(out, opens_reasoning(text), parse_tools), stats)
+        return Expected(text, ids, tokens, out, self.parse(messages, tools, thinking, text, out, parse_tools), stats)
 
     def completion(self, prompt: str, mode: str, max_tokens: int, **opts: Any) -> Expected:
         ids = self.ids(prompt)
         tokens, stats = self.greedy(ids, mode, max_tokens, **opts)
         out = self.decode(tokens)
-        return Expected(prompt, ids, tokens, out, parse_output(out, False, False), stats)
+        return Expected(prompt, ids, tokens, out, Parsed(None, out, []), stats)
 
 
 def child_env() -> dict[str, str]:

@@ -48,7 +48,7 @@ class App:
         from clover_cpp import Model
         from clover_cpp.chat import ChatApp, Settings
         from clover_cpp.gen_params import GenParams
-        from clover_cpp.chat_template import load_template
+        from clover_cpp.chat_format import ChatTemplates
 
         self.model = Model(gguf, n_ctx=n_ctx, n_threads=1, cache_ram_mib=64)
         self.out = io.StringIO()
@@ -61,7 +61,7 @@ class App:
                 recorder.turns.append(turn)
                 return turn
 
-        self.app = Recording(self.model, load_template(self.model.llama_model, str(gguf), None),
+        self.app = Recording(self.model, ChatTemplates.load(self.model.llama_model, str(gguf), None),
                              Settings(GenParams(mode="ar", max_tokens=12)), self.model.max_block_size, self.out)
 
     def said(self, line: str) -> str:

@@ -107,8 +107,8 @@ def _slots(url: str) -> list[dict[str, Any]]:
 
 def _content(want: Any) -> str:
     """The message content llama-server gives for an answer without reasoning or tool calls: the decoded text as it
-    is. The earlier server's parser (the reference's parsed content) also trimmed its trailing whitespace."""
-    assert want.parsed.reasoning is None and not want.parsed.tool_calls and want.parsed.content == want.text.rstrip()
+    is (the reference's answer read by common/chat's parser)."""
+    assert want.parsed.reasoning is None and not want.parsed.tool_calls and want.parsed.content == want.text
     return want.text
 
 

@@ -238,6 +238,7 @@ typedef bool (*clover_step_cb)(const llama_token * canvas, int32_t n_canvas, voi
 
 struct clover_engine;  // a model, its context and its slots: clover_engine_load, clover_engine_free
 struct clover_slot;    // one history on the engine's context: clover_engine_slot; owned by the engine
+struct clover_chat_templates;  // a model's chat templates (common/chat): clover_chat_templates_init, _free
 
 //
 // the GGUF's settings, no engine needed
@@ -343,6 +344,35 @@ CLOVER_API int32_t clover_engine_check_grammar(const struct clover_engine * engi
 // more than 1024 keys (common_json's objects find a key by a linear search).
 CLOVER_API int32_t clover_json_schema_to_grammar(const char * schema_json, char * out, size_t out_size,
                                                  char * err, size_t err_size);
+
+//
+// chat: llama-server's chat templates (common/chat), for clients that render and parse as the server does
+//
+
+// A model's chat templates: the GGUF's (tokenizer.chat_template, and .tool_use when there is one), or
+// template_override when it is non-empty (a built-in name such as "chatml", or a Jinja template's text, as
+// llama-server's --chat-template). NULL with a message in err when the template does not parse.
+CLOVER_API struct clover_chat_templates * clover_chat_templates_init(const struct llama_model * model,
+                                                                     const char * template_override,
+                                                                     char * err, size_t err_size);
+CLOVER_API void clover_chat_templates_free(struct clover_chat_templates * tmpls);
+// The default template's text (free with clover_chat_string_free).
+CLOVER_API char * clover_chat_templates_source(const struct clover_chat_templates * tmpls);
+// Render a chat request (JSON: "messages", "tools", "tool_choice" (a string), "parallel_tool_calls",
+// "enable_thinking", "add_generation_prompt", "reasoning_format", "json_schema", "chat_template_kwargs", with
+// llama-server's meanings) with common_chat_templates_apply. Returns JSON (free with clover_chat_string_free):
+// "prompt", "format" (and "format_name"), "generation_prompt", "parser", "grammar", "grammar_lazy",
+// "grammar_triggers", "preserved_tokens", "additional_stops", "supports_thinking", "thinking_start_tag",
+// "thinking_end_tags"; or NULL with a message in err.
+CLOVER_API char * clover_chat_templates_apply(const struct clover_chat_templates * tmpls, const char * request_json,
+                                              char * err, size_t err_size);
+// Parse generated text (the answer after the prompt) with common_chat_parse. params_json: an apply result (its
+// "format", "generation_prompt" and "parser" are read), with "reasoning_format" and "parse_tool_calls" optional.
+// is_partial: the text may stop mid-answer (streaming). Returns the message as llama-server's OpenAI JSON ("role",
+// "content", "reasoning_content", "tool_calls"; free with clover_chat_string_free), or NULL with a message in err.
+CLOVER_API char * clover_chat_parse(const char * params_json, const char * text, bool is_partial,
+                                    char * err, size_t err_size);
+CLOVER_API void clover_chat_string_free(char * s);
 
 //
 // a slot: one history on the engine's context
