@@ -98,7 +98,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--max-body-bytes",), True, _refused("--max-body-bytes", "no replacement yet (llama-server's body limit "
                                                "is cpp-httplib's)")),
     Flag(("--max-prompt-chars",), True, _refused("--max-prompt-chars", "-c bounds a prompt's tokens")),
-    Flag(("--template-timeout",), True, _refused("--template-timeout", "no replacement yet")),
 )
 _BY_NAME = {name: flag for flag in FLAGS for name in flag.names}
 MODEL_FLAGS = ("-m", "--model")

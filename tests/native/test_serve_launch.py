@@ -73,7 +73,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("flag", ["--bd", "--graph-cache", "--checkpoint-every", "--max-body-bytes",
-                                  "--max-prompt-chars", "--template-timeout"])
+                                  "--max-prompt-chars"])
 def test_refused_flags_exit_2_naming_the_replacement(demo_gguf: Path, flag: str) -> None:
     done = _run("-m", str(demo_gguf), flag, "4")
     lines = done.stderr.strip().splitlines()
