@@ -8,6 +8,8 @@ Written against HTTP alone (raw sockets and urllib).
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import selectors
 import socket
@@ -194,3 +196,94 @@ def test_timeout_closes_connections_that_never_finish_a_request(tiny_gguf: Path)
                 if sock is not None:
                     sock.close()
         assert get(url + "/health")["status"] == "ok"
+
+
+FLOOD = 2000  # connections of the flood below: twice the open files the server may have
+SERVER_FILES = 1024  # the server's open-file limit there (a common default); --max-connections -1 makes it 960
+
+
+def _set_soft_file_limit(n: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < n:
+        skip_or_fail(f"the test needs {n} open files, but the hard limit is {hard} (ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+
+
+def _server_closed(sock: socket.socket) -> bool:
+    """True when the server has closed ``sock`` (a read gives EOF or an error at once)."""
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_flood_past_the_open_files_closes_the_oldest_idle_connections(tiny_gguf: Path) -> None:
+    """FLOOD connections that send no head or half of one, against a server limited to SERVER_FILES open files:
+    past its cap (the default, the open files less 64) each new connection closes the oldest that carries no
+    request, so /health answers within 1 s all along and a completion gets through (patches
+    vendor-httplib-connection-cap, server-max-connections; before them /health waited while the flood was held)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = SERVER_FILES - 64
+    try:
+        _set_soft_file_limit(SERVER_FILES)  # the server inherits it
+        with clover_serve(tiny_gguf, "-c", "512", "-t", "2", "--no-warmup") as (url, proc, log):
+            _set_soft_file_limit(FLOOD + 512)
+            held = _flood(address(url), FLOOD)
+            try:
+                slowest, asked = 0.0, 0
+                deadline = time.monotonic() + HOLD_S
+                while time.monotonic() < deadline:
+                    slowest = max(slowest, _health_s(url))
+                    asked += 1
+                    time.sleep(0.05)
+                status, _, body = http(url + "/v1/completions",
+                                       {"model": MODEL_ID, "prompt": "hi", "max_tokens": 1}, timeout=30)
+                assert status == 200, body[:300]
+                closed = sum(_server_closed(s) for s in held)
+                server_files = len(os.listdir(f"/proc/{proc.pid}/fd"))  # clover-cpp serve execs llama-server
+            finally:
+                for sock in held:
+                    sock.close()
+            assert f"at most {cap} open connections" in log.read_text(errors="replace")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while {FLOOD} connections were held"
+    assert asked >= 10
+    assert closed >= FLOOD - SERVER_FILES, f"the server closed {closed} of the flood's {FLOOD} connections"
+    assert server_files < SERVER_FILES, f"the server holds {server_files} files, its limit is {SERVER_FILES}"
+
+
+def test_past_the_cap_an_idle_connection_goes_first_and_then_a_503(tiny_gguf: Path) -> None:
+    """--max-connections 3: with two connections carrying a request (their heads read, their bodies pending) and one
+    silent, a fourth connection gets its answer and the silent one is closed; with three carrying requests, a new
+    connection is answered 503 with a JSON error body."""
+    with clover_serve(tiny_gguf, "-c", "512", "-t", "2", "--no-warmup", "--max-connections", "3", "--timeout", "30"
+                      ) as (url, _, _):
+        where = address(url)
+        busy = [_connect(where, _no_body(where)) for _ in range(2)]
+        time.sleep(0.3)  # their heads are read
+        silent = _connect(where)
+        try:
+            assert all(busy) and silent
+            time.sleep(0.3)
+            assert get(url + "/health")["status"] == "ok"  # the oldest idle connection made room: the silent one
+            assert _closed_after(silent, 5) is not None, "the idle connection is still open"
+            busy.append(_connect(where, _no_body(where)))
+            time.sleep(0.3)
+            refused = _connect(where)  # answered at once, before it sends anything
+            assert refused is not None
+            answer = b""
+            while chunk := refused.recv(4096):
+                answer += chunk
+            refused.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 ") and b"Content-Type: application/json" in head, answer
+            assert json.loads(body)["error"]["message"] == "too many open connections"
+        finally:
+            for sock in (*busy, silent):
+                if sock is not None:
+                    sock.close()
+        time.sleep(0.3)
+        assert get(url + "/health")["status"] == "ok"  # their requests ended with their connections
