@@ -643,6 +643,7 @@ def test_cli_chat_with_a_json_schema(tiny: Engine, tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from clover_cpp.chat import ChatApp
+    from clover_cpp.chat_format import ChatTemplates
     from clover_cpp.gen_params import GenParams
     from tests.support.chat import ChatProcess
     from tests.support.schema import validate
@@ -656,11 +657,16 @@ def test_cli_chat_with_a_json_schema(tiny: Engine, tmp_path: Path) -> None:
     finally:
         chat.kill()
     (think_close,) = tiny.model.tokenize("</think>")
+    templates = ChatTemplates.load(tiny.model.llama_model, str(tiny.gguf), None)
+    thinking, not_thinking = (templates.render([{"role": "user", "content": "hi"}], enable_thinking=on)
+                              for on in (True, False))
+    assert thinking.in_reasoning and not not_thinking.in_reasoning and thinking.thinking_end == "</think>"
     constrained = SimpleNamespace(model=tiny.model, settings=SimpleNamespace(gen=GenParams(grammar='root ::= "a"')))
-    assert ChatApp._grammar_after(constrained, True) == {"grammar_after_ids": (think_close,)}  # type: ignore[arg-type]
-    assert ChatApp._grammar_after(constrained, False) == {}  # type: ignore[arg-type]
+    assert ChatApp._grammar_after(constrained, thinking) == {  # type: ignore[arg-type]
+        "grammar_after_ids": (think_close,)}
+    assert ChatApp._grammar_after(constrained, not_thinking) == {}  # type: ignore[arg-type]
     free = SimpleNamespace(model=tiny.model, settings=SimpleNamespace(gen=GenParams()))
-    assert ChatApp._grammar_after(free, True) == {}  # type: ignore[arg-type]
+    assert ChatApp._grammar_after(free, thinking) == {}  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------ last: the budget
