@@ -25,7 +25,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "vendor-httplib-thread-pool-burst", "vendor-httplib-header-read-timeout",
                        "vendor-httplib-refuse-declared-oversize-body",
                        "server-http-errors-have-a-body", "jinja-macro-call-depth",
-                       "jinja-parser-nesting-limit", "chat-template-parse-error-keeps-its-message"}
+                       "jinja-parser-nesting-limit", "chat-template-parse-error-keeps-its-message",
+                       "server-bad-command-line-exits-2"}
 
 
 @pytest.mark.native

@@ -173,8 +173,12 @@ def test_its_exit_status_and_errors_are_llama_servers(demo_gguf: Path) -> None:
     ours = _run("-m", str(demo_gguf), "--no-such-flag")
     theirs = subprocess.run([str(native_tool("llama-server")), "-m", str(demo_gguf), "--no-such-flag"],
                             capture_output=True, text=True, timeout=60)
-    assert ours.returncode == theirs.returncode != 0
+    assert ours.returncode == theirs.returncode == 2  # a usage error (patch server-bad-command-line-exits-2)
     assert theirs.stderr.strip().splitlines()[-1] in ours.stderr
+    assert "--no-such-flag" in theirs.stderr.strip().splitlines()[-1]
+    bad_value = _run("-m", str(demo_gguf), "--max-connections", "-5")
+    assert bad_value.returncode == 2  # llama-server's message: the option, the error, and the option's usage
+    assert 'error while handling argument "--max-connections": --max-connections must be' in bad_value.stderr
 
 
 def test_help_is_llama_servers(demo_gguf: Path) -> None:
