@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint demo clean native bench browser agents
+.PHONY: setup test test-fast lint demo clean native bench browser agents wllama
 
-setup: $(STAMP) native browser agents
+setup: $(STAMP) native browser agents wllama
 
 # The agent CLIs the agent tests drive against `clover-cpp serve` (tests/native/test_agents.py), pinned, from npm
 # into build/agents (node_modules/.bin/claude, codex); installed once, when missing or at another version.
@@ -18,6 +18,16 @@ agents:
 		command -v npm >/dev/null || { echo "make agents: npm is missing (Debian: apt-get install npm)" >&2; exit 1; }; \
 		mkdir -p build/agents && npm install --prefix build/agents --no-save --no-audit --no-fund --silent $(AGENTS) && \
 		echo "$(AGENTS)" > build/agents/.pinned; }
+
+# Upstream llama.cpp as wasm (the npm package @wllama/wllama, llama.cpp b12211) for the interop test
+# (tests/native/test_upstream_wllama.py: our trunk files in upstream's build, in headless Chromium), pinned, from npm
+# into build/wllama; installed once, when missing or at another version.
+WLLAMA := @wllama/wllama@3.13.0
+wllama:
+	@test "$$(cat build/wllama/.pinned 2>/dev/null)" = "$(WLLAMA)" || { \
+		command -v npm >/dev/null || { echo "make wllama: npm is missing (Debian: apt-get install npm)" >&2; exit 1; }; \
+		mkdir -p build/wllama && npm install --prefix build/wllama --no-save --no-audit --no-fund --silent $(WLLAMA) && \
+		echo "$(WLLAMA)" > build/wllama/.pinned; }
 
 # The web chat's browser tests (tests/surfaces/test_webui.py) drive Debian's chromium and chromedriver through
 # selenium (pyproject [test]); installed once when missing, with sudo unless we are root.
