@@ -23,19 +23,10 @@ import pytest
 from clover_common import chat_render
 from clover_common import tokenizer as ctok
 from clover_dev.convert import vendored_tree
+from tests.support.tools import ASK, TOOLS
 
 pytestmark = pytest.mark.native
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "The weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "Add two integers",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a", "b"]}}},
-]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
     "one_turn": ASK,

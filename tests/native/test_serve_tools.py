@@ -21,21 +21,12 @@ import pytest
 
 from clover_dev.convert import vendored_tree
 from tests.support.serve import clover_serve, http
+from tests.support.tools import ASK, TOOLS
 
 pytestmark = pytest.mark.native
 
 MODEL = "demo"
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "The weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "Add two integers",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a", "b"]}}},
-]
 REQUIRED = {t["function"]["name"]: t["function"]["parameters"]["required"] for t in TOOLS}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "add"}}}
 GREEDY = {"temperature": 0.0, "parallel_tool_calls": False}
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import pytest
 
 from clover_dev import REPO_ROOT, VENV_PYTHON
 from clover_dev.convert import clover_convert
+from tests.support.browser import headless_chromium
 from tests.support.native import skip_or_fail
 
 pytestmark = pytest.mark.native
@@ -84,23 +84,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[s
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        skip_or_fail("chromium and chromedriver are not installed (`make setup` installs Debian's chromium and "
-                     "chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(arg)
-    drv = webdriver.Chrome(options=options, service=Service(executable_path=driver))
-    drv.set_script_timeout(TIMEOUT_S)
-    try:
+    with headless_chromium(TIMEOUT_S) as drv:
         yield drv
-    finally:
-        drv.quit()
 
 
 def _upstream(browser: Any, url: str, model: str) -> list[dict[str, Any]]:

@@ -101,6 +101,20 @@ def _flood(where: tuple[str, int], n: int) -> list[socket.socket]:
     return socks
 
 
+def _held_while_asking(url: str) -> tuple[float, int]:
+    """/health asked every 0.05 s for HOLD_S, then a completion (which must get through): (the slowest /health, how
+    many were asked)."""
+    slowest, asked = 0.0, 0
+    deadline = time.monotonic() + HOLD_S
+    while time.monotonic() < deadline:
+        slowest = max(slowest, _health_s(url))
+        asked += 1
+        time.sleep(0.05)
+    status, _, body = http(url + "/v1/completions", {"model": MODEL_ID, "prompt": "hi", "max_tokens": 1}, timeout=30)
+    assert status == 200, body[:300]
+    return slowest, asked
+
+
 def test_health_answers_while_hundreds_of_connections_send_no_head(tiny_gguf: Path, many_files: None) -> None:
     """The attack of a client without an API key: HALF_OPEN connections, half of them with part of a head, held
     for HOLD_S (within the head's deadline and the keep-alive wait, so the server closes none of them meanwhile).
@@ -109,15 +123,7 @@ def test_health_answers_while_hundreds_of_connections_send_no_head(tiny_gguf: Pa
         logged = log.stat().st_size
         held = _flood(address(url), HALF_OPEN)
         try:
-            slowest, asked = 0.0, 0
-            deadline = time.monotonic() + HOLD_S
-            while time.monotonic() < deadline:
-                slowest = max(slowest, _health_s(url))
-                asked += 1
-                time.sleep(0.05)
-            status, _, body = http(url + "/v1/completions", {"model": MODEL_ID, "prompt": "hi", "max_tokens": 1},
-                                   timeout=30)
-            assert status == 200, body[:300]
+            slowest, asked = _held_while_asking(url)
         finally:
             for sock in held:
                 sock.close()
@@ -232,15 +238,7 @@ def test_a_flood_past_the_open_files_closes_the_oldest_idle_connections(tiny_ggu
             _set_soft_file_limit(FLOOD + 512)
             held = _flood(address(url), FLOOD)
             try:
-                slowest, asked = 0.0, 0
-                deadline = time.monotonic() + HOLD_S
-                while time.monotonic() < deadline:
-                    slowest = max(slowest, _health_s(url))
-                    asked += 1
-                    time.sleep(0.05)
-                status, _, body = http(url + "/v1/completions",
-                                       {"model": MODEL_ID, "prompt": "hi", "max_tokens": 1}, timeout=30)
-                assert status == 200, body[:300]
+                slowest, asked = _held_while_asking(url)
                 closed = sum(_server_closed(s) for s in held)
                 server_files = len(os.listdir(f"/proc/{proc.pid}/fd"))  # clover-cpp serve execs llama-server
             finally:

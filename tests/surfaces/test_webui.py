@@ -19,15 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from selenium import webdriver  # a test dependency (pyproject [test]): missing, the suite fails instead of skipping
-from selenium.webdriver.chrome.service import Service
-from selenium.webdriver.common.by import By
+from selenium.webdriver.common.by import By  # a test dependency (pyproject [test]): missing, the suite fails
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
-from tests.support.native import skip_or_fail
+from tests.support.browser import headless_chromium
 from tests.support.serve import clover_serve, http, sse_chunks
 
 pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)
@@ -106,21 +104,8 @@ def server(demo_gguf: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        skip_or_fail("chromium and chromedriver are not installed (`make setup` installs Debian's chromium and "
-                     "chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1280,900", "--force-device-scale-factor=1"):
-        options.add_argument(arg)
-    drv = webdriver.Chrome(options=options, service=Service(executable_path=driver))  # no selenium-manager download
-    drv.set_script_timeout(TIMEOUT_S)
-    try:
+    with headless_chromium(TIMEOUT_S, "--window-size=1280,900", "--force-device-scale-factor=1") as drv:
         yield drv
-    finally:
-        drv.quit()
 
 
 def _screenshot(driver: Any, tmp_path: Path, name: str) -> None:
