@@ -26,7 +26,7 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "vendor-httplib-refuse-declared-oversize-body",
                        "server-http-errors-have-a-body", "jinja-macro-call-depth",
                        "jinja-parser-nesting-limit", "chat-template-parse-error-keeps-its-message",
-                       "server-bad-command-line-exits-2"}
+                       "server-bad-command-line-exits-2", "server-process-start-time-is-unix-time"}
 
 
 @pytest.mark.native
