@@ -26,7 +26,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "vendor-httplib-refuse-declared-oversize-body",
                        "server-http-errors-have-a-body", "jinja-macro-call-depth",
                        "jinja-parser-nesting-limit", "chat-template-parse-error-keeps-its-message",
-                       "server-bad-command-line-exits-2", "server-process-start-time-is-unix-time"}
+                       "server-bad-command-line-exits-2", "server-process-start-time-is-unix-time",
+                       "server-max-tokens-0-generates-nothing"}
 
 
 @pytest.mark.native

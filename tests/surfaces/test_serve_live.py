@@ -652,14 +652,23 @@ def test_bad_chat_requests_llama_server_gets_wrong(server: str, name: str, body:
     assert got == 400 and err["error"]["type"] == "invalid_request_error", (observed, got, err)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="max_tokens 0 is documented (tools/server/README.md, n_predict) as 'no tokens "
-                   "will be generated but the prompt is evaluated into the cache'; llama-server generates one token "
-                   "(usage.completion_tokens 1, finish_reason length) on /v1/chat/completions, /v1/completions and "
-                   "/completion")
-def test_max_tokens_0_generates_nothing(server: str) -> None:
-    got, answer = post(server + "/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 0})
+@pytest.mark.parametrize("mode", ["ar", "auto", "diffusion"])
+def test_max_tokens_0_generates_nothing(server: str, mode: str) -> None:
+    """max_tokens 0 is documented (tools/server/README.md, n_predict) as 'no tokens will be generated but the prompt
+    is evaluated into the cache' (patch server-max-tokens-0-generates-nothing; llama-server generated one token)."""
+    prompt = f"def count_{mode}(items):\n    total = 0\n    for item in items:\n"
+    got, answer = post(server + "/v1/completions", {"model": MODEL_ID, "prompt": prompt, "max_tokens": 0,
+                                                    "mode": mode})
     assert got == 200 and answer["usage"]["completion_tokens"] == 0 and answer["choices"][0]["text"] == "", answer
+    assert answer["choices"][0]["finish_reason"] == "length", answer
+    # the prompt went into the cache: the same prompt again reuses it
+    got, again = post(server + "/v1/completions", {"model": MODEL_ID, "prompt": prompt, "max_tokens": 1,
+                                                   "mode": mode})
+    assert got == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again
+    got, answer = post(server + "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 0, "mode": mode,
+                                                         "messages": [{"role": "user", "content": prompt}]})
+    assert got == 200 and answer["usage"]["completion_tokens"] == 0, answer
+    assert not answer["choices"][0]["message"].get("content"), answer
 
 
 # (name, fields, status, message fragment or the check of a 200 answer): llama-server's own rules for the prompt
