@@ -27,7 +27,7 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "server-http-errors-have-a-body", "jinja-macro-call-depth",
                        "jinja-parser-nesting-limit", "chat-template-parse-error-keeps-its-message",
                        "server-bad-command-line-exits-2", "server-process-start-time-is-unix-time",
-                       "server-max-tokens-0-generates-nothing"}
+                       "server-max-tokens-0-generates-nothing", "server-finished-stream-keeps-connection"}
 
 
 @pytest.mark.native

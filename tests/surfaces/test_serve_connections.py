@@ -286,3 +286,24 @@ def test_past_the_cap_an_idle_connection_goes_first_and_then_a_503(tiny_gguf: Pa
                     sock.close()
         time.sleep(0.3)
         assert get(url + "/health")["status"] == "ok"  # their requests ended with their connections
+
+
+def test_a_streamed_answer_leaves_its_connection_open(tiny_gguf: Path) -> None:
+    """A streamed answer ends with its last chunk and keeps the connection it offered keep-alive on, so the next
+    request on it is answered (patch server-finished-stream-keeps-connection: llama-server closed it, and a client
+    that pools connections, as the openai and anthropic SDKs do, got 'Server disconnected' on its next request)."""
+    with clover_serve(tiny_gguf, "-c", "512", "-t", "2", "--no-warmup") as (url, _, _):
+        conn = HTTPConnection(*address(url), timeout=30)
+        try:
+            body = json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 4, "stream": True})
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            streamed = conn.getresponse()
+            assert streamed.status == 200 and streamed.getheader("Connection") != "close"
+            assert b"data: [DONE]" in streamed.read()
+            sock = conn.sock
+            time.sleep(0.5)  # the server's close, if it came, has arrived
+            conn.request("GET", "/health")
+            answer = conn.getresponse()
+            assert answer.status == 200 and answer.read() and conn.sock is sock
+        finally:
+            conn.close()
