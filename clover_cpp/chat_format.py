@@ -65,15 +65,15 @@ class Rendered:
 
     @property
     def thinking_end(self) -> str | None:
+        """The template's end of thinking (its first end tag, without whitespace), or None when it has none."""
         tags = self.params.get("thinking_end_tags") or []
-        return str(tags[0]).strip() or None if tags else None
+        return (str(tags[0]).strip() or None) if tags else None
 
 
 class ChatTemplates:
     """A model's chat templates through common/chat (one native handle; ``close()`` frees it)."""
 
     def __init__(self, llama_model: Any, template_text: str | None, origin: str) -> None:
-        self.origin = origin
         err = ctypes.create_string_buffer(ERR_SIZE)
         override = template_text.encode("utf-8", "surrogatepass") if template_text else None
         handle = libclover.lib().clover_chat_templates_init(llama_model, override, err, len(err))
@@ -89,11 +89,6 @@ class ChatTemplates:
             return cls(llama_model, read_input_text(template_file, CHAT_TEMPLATE, "--chat-template"), template_file)
         return cls(llama_model, None, f"{model_path}: tokenizer.chat_template")
 
-    @property
-    def source(self) -> str:
-        """The default template's text."""
-        return libclover.take_string(libclover.lib().clover_chat_templates_source(self._live())) or ""
-
     def _live(self) -> int:
         if self._handle is None:
             raise ValueError("the chat templates are closed")
@@ -101,10 +96,10 @@ class ChatTemplates:
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                enable_thinking: bool = True, add_generation_prompt: bool = True,
-               tool_choice: str | None = None, **fields: Any) -> Rendered:
+               tool_choice: str | None = None) -> Rendered:
         """The prompt for ``messages`` (OpenAI's chat shapes), as llama-server renders the same request."""
         request: dict[str, Any] = {"messages": list(messages), "enable_thinking": enable_thinking,
-                                   "add_generation_prompt": add_generation_prompt, **fields}
+                                   "add_generation_prompt": add_generation_prompt}
         if tools:
             request["tools"] = list(tools)
         if tool_choice is not None:

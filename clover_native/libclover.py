@@ -247,7 +247,6 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "clover_chat_templates_init": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
                                                      ctypes.c_size_t]),
     "clover_chat_templates_free": (None, [ctypes.c_void_p]),
-    "clover_chat_templates_source": (ctypes.c_void_p, [ctypes.c_void_p]),
     "clover_chat_templates_apply": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
                                                       ctypes.c_size_t]),
     "clover_chat_parse": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_bool, ctypes.c_char_p,

@@ -3,6 +3,7 @@
 // `clover-cpp serve` does. The request and the results are JSON text, in the shapes llama-server uses.
 
 #include "clover.h"
+#include "clover-log.h"
 
 #include "chat.h"
 #include "common.h"
@@ -16,12 +17,6 @@
 struct clover_chat_templates {
     common_chat_templates_ptr tmpls;
 };
-
-static void clover_chat_set_err(char * err, size_t err_size, const std::string & msg) {
-    if (err && err_size > 0) {
-        snprintf(err, err_size, "%s", msg.c_str());
-    }
-}
 
 static char * clover_chat_strdup(const std::string & s) {
     char * out = static_cast<char *>(std::malloc(s.size() + 1));
@@ -102,17 +97,13 @@ struct clover_chat_templates * clover_chat_templates_init(const struct llama_mod
         auto tmpls = common_chat_templates_init(model, template_override ? template_override : "");
         return new clover_chat_templates{std::move(tmpls)};
     } catch (const std::exception & e) {
-        clover_chat_set_err(err, err_size, std::string("chat template: ") + e.what());
+        clover_set_err(err, err_size, std::string("chat template: ") + e.what());
     }
     return nullptr;
 }
 
 void clover_chat_templates_free(struct clover_chat_templates * tmpls) {
     delete tmpls;
-}
-
-char * clover_chat_templates_source(const struct clover_chat_templates * tmpls) {
-    return tmpls ? clover_chat_strdup(common_chat_templates_source(tmpls->tmpls.get())) : nullptr;
 }
 
 char * clover_chat_templates_apply(const struct clover_chat_templates * tmpls, const char * request_json,
@@ -125,7 +116,7 @@ char * clover_chat_templates_apply(const struct clover_chat_templates * tmpls, c
         const auto params = common_chat_templates_apply(tmpls->tmpls.get(), inputs);
         return clover_chat_strdup(clover_chat_params_json(params).dump());
     } catch (const std::exception & e) {
-        clover_chat_set_err(err, err_size, e.what());
+        clover_set_err(err, err_size, e.what());
     }
     return nullptr;
 }
@@ -148,7 +139,7 @@ char * clover_chat_parse(const char * params_json, const char * text, bool is_pa
         const common_chat_msg msg = common_chat_parse(text, is_partial, params);
         return clover_chat_strdup(msg.to_json_oaicompat().dump());
     } catch (const std::exception & e) {
-        clover_chat_set_err(err, err_size, e.what());
+        clover_set_err(err, err_size, e.what());
     }
     return nullptr;
 }

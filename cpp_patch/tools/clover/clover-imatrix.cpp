@@ -262,9 +262,7 @@ int32_t clover_imatrix_save(
         char                        * err,
         size_t                        err_size) {
     auto set_err = [&](const std::string & msg) {
-        if (err && err_size > 0) {
-            snprintf(err, err_size, "%s", msg.c_str());
-        }
+        clover_set_err(err, err_size, msg);
         return -1;
     };
     if (im == nullptr || path == nullptr || path[0] == '\0') {

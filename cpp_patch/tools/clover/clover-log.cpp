@@ -22,6 +22,12 @@ std::string clover_format(const char * fmt, ...) {
     return out;
 }
 
+void clover_set_err(char * err, size_t err_size, const std::string & msg) {
+    if (err && err_size > 0) {
+        snprintf(err, err_size, "%s", msg.c_str());
+    }
+}
+
 void clover_log(ggml_log_level level, const char * fmt, ...) {
     va_list args;
     va_start(args, fmt);

@@ -50,12 +50,6 @@
 #include <string>
 #include <vector>
 
-static void clover_set_err(char * err, size_t err_size, const std::string & msg) {
-    if (err && err_size > 0) {
-        snprintf(err, err_size, "%s", msg.c_str());
-    }
-}
-
 static const clover_slot * clover_first_slot(const clover_engine * engine) {
     return engine && !engine->slots.empty() ? engine->slots[0].get() : nullptr;
 }

@@ -356,8 +356,6 @@ CLOVER_API struct clover_chat_templates * clover_chat_templates_init(const struc
                                                                      const char * template_override,
                                                                      char * err, size_t err_size);
 CLOVER_API void clover_chat_templates_free(struct clover_chat_templates * tmpls);
-// The default template's text (free with clover_chat_string_free).
-CLOVER_API char * clover_chat_templates_source(const struct clover_chat_templates * tmpls);
 // Render a chat request (JSON: "messages", "tools", "tool_choice" (a string), "parallel_tool_calls",
 // "enable_thinking", "add_generation_prompt", "reasoning_format", "json_schema", "chat_template_kwargs", with
 // llama-server's meanings) with common_chat_templates_apply. Returns JSON (free with clover_chat_string_free):
