@@ -27,7 +27,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "server-http-errors-have-a-body", "jinja-macro-call-depth",
                        "jinja-parser-nesting-limit", "chat-template-parse-error-keeps-its-message",
                        "server-bad-command-line-exits-2", "server-process-start-time-is-unix-time",
-                       "server-max-tokens-0-generates-nothing", "server-finished-stream-keeps-connection"}
+                       "server-max-tokens-0-generates-nothing", "server-finished-stream-keeps-connection",
+                       "grammar-utf8-well-formed"}
 
 
 @pytest.mark.native

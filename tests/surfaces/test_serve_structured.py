@@ -8,15 +8,14 @@ logit_bias that reach the engine, n answers on n slots, and llama-server's 400 f
 llama-server's logprobs are the model's distribution before the sampler chain (penalties, bias, grammar), as its
 README says of ``n_probs``; its error body is ``{"error": {"code", "message", "type"}}``. The xfail tests are what
 the earlier server did and llama-server does not (strict: each fails as its reason says, or the mark must go):
-strings of valid UTF-8 under a grammar (llama.cpp's grammar takes bytes that are not UTF-8 as characters, and
-the chat parser then fails with a 500; the sampled tests ban the bytes that are never UTF-8), a logprobs entry for
-every token, echo and OpenAI's form of logprobs on /v1/completions, the usage of n answers, llama.cpp's reason for
-a grammar it does not parse, and a 400, not a 500, for a grammar that allows nothing."""
+a logprobs entry for every token, echo and OpenAI's form of logprobs on /v1/completions, the usage of n answers, and
+llama.cpp's reason for a grammar it does not parse. Strings under a grammar are UTF-8 (patch
+grammar-utf8-well-formed), and a grammar that allows nothing is a 400 (sampling-no-candidate-is-a-bad-request)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,84 +93,82 @@ def _post_chat(server: str, content: str, **fields: Any) -> tuple[int, dict[str,
                                                   "messages": [{"role": "user", "content": content}]})
 
 
-def _without_bad_bytes(value: Any) -> Any:
-    """``value`` with each string that carries U+FFFD (bytes that are not UTF-8 in the answer) emptied."""
-    if isinstance(value, dict):
-        return {k: _without_bad_bytes(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_without_bad_bytes(v) for v in value]
-    return "" if isinstance(value, str) and "\ufffd" in value else value
-
-
 def _json_answer(choice: Any, schema: dict[str, Any]) -> bool:
-    """Schema-valid JSON, unless the answer was cut by max_tokens (never invalid otherwise); whether a string of it
-    carries bytes that are not UTF-8, which llama.cpp's grammar counts as characters of their own (the gap of
-    test_a_json_schema_string_is_utf8), so that only such a string may break its maxLength."""
+    """Whether the answer stopped: then it is schema-valid JSON whose strings are UTF-8 (the grammar refuses bytes
+    that are not: patch grammar-utf8-well-formed); an answer cut by max_tokens is not checked."""
     if choice.finish_reason == "length":
         return False
     assert choice.finish_reason == "stop", choice
-    value = json.loads(choice.message.content)
-    errors = validate(_without_bad_bytes(value), schema)
+    assert "\ufffd" not in choice.message.content, choice.message.content
+    errors = validate(json.loads(choice.message.content), schema)
     assert not errors, (choice.message.content, errors)
-    return _without_bad_bytes(value) != value
-
-
-def _not_utf8(ref: Reference) -> dict[str, int]:
-    """A logit bias that bans the byte tokens f5 .. ff, which never occur in UTF-8: llama.cpp's grammar lets them
-    into a string, and f8 .. ff make the chat parser refuse the answer (test_a_json_schema_answer_is_parsed)."""
-    # byte-level BPE: bytes ae .. ff are the characters U+00AE .. U+00FF
-    return {str(ref.tokenizer.token_to_id(chr(b))): -100 for b in range(0xF5, 0x100)}
+    return True
 
 
 # ------------------------------------------------------------------------------------------ structured output
 @pytest.mark.parametrize("mode", MODES)
-def test_json_schema_at_temperature(client: Any, ref: Reference, mode: str,
-                                    record_property: Callable[[str, object], None]) -> None:
-    """20 distinct prompt/seed pairs at temperature 0.8: every answer valid or cut by length (with the bytes that are
-    never UTF-8 banned, and a maxLength broken only by other bytes that are not UTF-8: llama.cpp's gaps, the xfail
-    tests below). No answer has a block pass: diffusion decodes a constrained request as auto, and a drafter's own
-    passes are not counted."""
-    finished = not_utf8 = 0
+def test_json_schema_at_temperature(client: Any, mode: str) -> None:
+    """20 distinct prompt/seed pairs at temperature 0.8: every answer valid UTF-8 JSON for its schema, or cut by
+    length. No answer has a block pass: diffusion decodes a constrained request as auto, and a drafter's own passes
+    are not counted."""
+    finished = 0
     for i in range(20):
         schema = TICKET if i % 2 == 0 else EDIT
         fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
         r = _chat(client, f"request {i}: file a ticket", response_format=fmt, temperature=0.8, seed=100 + i,
-                  max_tokens=160, logit_bias=_not_utf8(ref), extra_body={"mode": mode})
-        not_utf8 += _json_answer(r.choices[0], schema)
-        finished += r.choices[0].finish_reason == "stop"
+                  max_tokens=160, extra_body={"mode": mode})
+        finished += _json_answer(r.choices[0], schema)
         timings = r.model_extra["timings"]
         assert timings["block_passes"] == 0 and timings["causal_passes"] > 0, timings
         assert mode != "ar" or "draft_n" not in timings, timings  # ar never drafts
     assert finished >= 10, f"only {finished} of 20 answers finished within 160 tokens: the test checks too little"
-    if not_utf8:
-        record_property("note", f"json_schema in {mode}: {not_utf8} of 20 answers had bytes that are not UTF-8")
 
 
-def _bounded_string(server: str, byte_token: int) -> tuple[int, dict[str, Any]]:
-    """A greedy answer to a schema of one string of at most 2 characters, biased towards ``byte_token``."""
+def _bounded_string(server: str, ref: Reference, biased: str) -> tuple[int, dict[str, Any]]:
+    """A greedy answer to a schema of one string of at most 2 characters, biased towards the byte tokens of
+    ``biased`` (byte-level BPE letters), the first the most."""
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2}}, "required": ["a"],
               "additionalProperties": False}
-    return _post_chat(server, "x", max_tokens=40, temperature=0, mode="ar", logit_bias={str(byte_token): 100},
+    bias = {str(ref.tokenizer.token_to_id(letter)): 100 - 10 * i for i, letter in enumerate(biased)}
+    return _post_chat(server, "x", max_tokens=40, temperature=0, mode="ar", logit_bias=bias,
                       response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
 
 
-@pytest.mark.xfail(strict=True, reason="llama.cpp's grammar reads byte f5, which never begins a UTF-8 character, "
-                   "as the lead of a 4-byte one: biased, f5 and three continuation bytes pass as one character of a "
-                   "string of maxLength 2; the answer is {\"a\": \":\" and four U+FFFD}, 5 characters (overlong "
-                   "forms, such as e0 96 a6 at temperature, pass too)")
-def test_a_json_schema_string_is_utf8(server: str, ref: Reference) -> None:
-    status, body = _bounded_string(server, ref.tokenizer.token_to_id("\u00f5"))  # byte f5
+# Bytes that begin no UTF-8 character (f5; c0, an overlong lead), and well-led sequences that are not UTF-8: overlong
+# (e0 96, f0 8f), a surrogate (ed a0), above U+10FFFF (f4 90). Byte-level BPE writes byte 0xNN as a letter: f5 is
+# "\u00f5"; 80-a0 are "\u0100" + (byte - 0x80) ... and so on, through the tokenizer's byte map.
+def _bytes_to_letters() -> dict[int, str]:
+    """GPT-2's byte-to-unicode map, which byte-level BPE vocabularies use."""
+    keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    letters, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            letters[b] = chr(b)
+        else:
+            letters[b] = chr(0x100 + extra)
+            extra += 1
+    return letters
+
+
+_BYTE_TO_LETTER = _bytes_to_letters()
+NOT_UTF8 = {"f5": (0xF5,), "c0": (0xC0,), "overlong e0 96": (0xE0, 0x96), "overlong f0 8f": (0xF0, 0x8F),
+            "surrogate ed a0": (0xED, 0xA0), "above U+10FFFF f4 90": (0xF4, 0x90)}
+
+
+@pytest.mark.parametrize("data", NOT_UTF8.values(), ids=NOT_UTF8.keys())
+def test_a_json_schema_string_is_utf8(server: str, ref: Reference, data: tuple[int, ...]) -> None:
+    """Biased towards bytes that make no UTF-8, the grammar refuses them (patch grammar-utf8-well-formed): they
+    passed as a character of the string (f5 and three continuation bytes as one; the answer had 4 or 5 U+FFFD)."""
+    status, body = _bounded_string(server, ref, "".join(_BYTE_TO_LETTER[b] for b in data))
     assert status == 200 and body["choices"][0]["finish_reason"] == "stop", body
     content = body["choices"][0]["message"]["content"]
     assert "\ufffd" not in content and len(json.loads(content)["a"]) <= 2, content
 
 
-@pytest.mark.xfail(strict=True, reason="llama.cpp's grammar takes a byte f8 .. ff as the lead of a 4-byte character "
-                   "in a string, and the chat parser then refuses the answer: biased towards byte fd, the request is a "
-                   "500, 'The model produced output that does not match the expected peg-native format' "
-                   "(server_error; at temperature, 1 of test_json_schema_at_temperature's 20 answers without the ban)")
 def test_a_json_schema_answer_is_parsed(server: str, ref: Reference) -> None:
-    status, body = _bounded_string(server, ref.tokenizer.token_to_id("\u00fd"))  # byte fd
+    """A byte f8 .. ff was the lead of a 4-byte character in a string; the chat parser then refused the answer with a
+    500 ('does not match the expected peg-native format')."""
+    status, body = _bounded_string(server, ref, _BYTE_TO_LETTER[0xFD])
     assert status == 200, body
 
 
@@ -186,22 +183,20 @@ def test_json_object_and_llama_server_fields(client: Any, server: str, ref: Refe
     for body in ({"json_schema": EDIT}, {"grammar": 'root ::= "yes" | "no"'}):
         status, out = post(server + "/v1/completions", {"model": MODEL_ID, "prompt": "answer:", "max_tokens": 200,
                                                         "temperature": 0.8, "seed": 5, "mode": "ar",
-                                                        "logit_bias": _not_utf8(ref), **body})
+                                                        **body})
         assert status == 200, out
         choice = out["choices"][0]
         assert choice["finish_reason"] == "stop", out
         if "grammar" in body:
             assert choice["text"] in ("yes", "no")
         else:
-            assert not validate(_without_bad_bytes(json.loads(choice["text"])), EDIT)
+            assert not validate(json.loads(choice["text"]), EDIT)
 
 
 def test_grammar_applies_after_think(server: str, ref: Reference) -> None:
     """With thinking on, the reasoning is free and the answer after </think> matches the schema. Unbiased, the tiny
     model reasons past max_tokens (its reasoning is no JSON); a bias on </think> makes it close the reasoning at
-    once, and the answer after it is the schema's JSON (the grammar allows </think>'s text inside a string). The
-    bytes that are never UTF-8 banned, as in test_json_schema_at_temperature (without the ban, 4 of seeds 0 .. 11
-    got test_a_json_schema_answer_is_parsed's 500)."""
+    once, and the answer after it is the schema's JSON (the grammar allows </think>'s text inside a string)."""
     status, tokenized = post(server + "/tokenize", {"content": "</think>"})
     assert status == 200 and len(tokenized["tokens"]) == 1, tokenized
     think_close = tokenized["tokens"][0]
@@ -213,17 +208,17 @@ def test_grammar_applies_after_think(server: str, ref: Reference) -> None:
     message = free["choices"][0]["message"]
     assert message["content"] == "" and message["reasoning_content"][:1] not in ("", "{"), message
     status, body = _post_chat(server, "a ticket", **request, max_tokens=200,
-                              logit_bias={**_not_utf8(ref), str(think_close): 60})
+                              logit_bias={str(think_close): 60})
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["logprobs"]["content"][0]["id"] == think_close and choice["finish_reason"] == "stop", choice
     assert not choice["message"].get("reasoning_content"), choice
-    assert not validate(_without_bad_bytes(json.loads(choice["message"]["content"])), TICKET)
+    assert not validate(json.loads(choice["message"]["content"]), TICKET)
 
 
 def _check_call(call: Any) -> None:
     tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
-    assert not validate(_without_bad_bytes(json.loads(call.function.arguments)), tool["function"]["parameters"]), \
+    assert not validate(json.loads(call.function.arguments), tool["function"]["parameters"]), \
         call
 
 
@@ -233,7 +228,7 @@ def test_forced_tool_call(client: Any, ref: Reference, tool_choice: Any) -> None
     its arguments valid for the tool's schema (as in test_json_schema_at_temperature), to the named function if one
     is. In ar, where a seed gives one answer."""
     choice = _chat(client, "what is the weather in Paris?", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
-                   parallel_tool_calls=False, max_tokens=160, temperature=0.8, seed=7, logit_bias=_not_utf8(ref),
+                   parallel_tool_calls=False, max_tokens=160, temperature=0.8, seed=7,
                    extra_body={"mode": "ar"}).choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
     (call,) = choice.message.tool_calls
@@ -370,10 +365,9 @@ def test_n_answers_on_slots(server: str) -> None:
     assert (status, body) == (400, {"error": {"code": 400, "type": "invalid_request_error", "message": message}})
 
 
-@pytest.mark.xfail(strict=True, reason="llama-server's usage of n answers is the first answer's: n = 2 answers of "
-                   "16 tokens each report completion_tokens 16, and streamed, each answer sends a usage chunk of its "
-                   "own 16 tokens")
 def test_n_answers_usage_counts_every_answer(server: str) -> None:
+    """One usage for n answers, as OpenAI's: every answer's completion tokens, the prompt once; streamed, one usage
+    chunk (patch server-n-answers-share-one-usage: each answer reported its own 16 tokens)."""
     ask = dict(n=2, temperature=1.0, seed=11, mode="ar", max_tokens=16, ignore_eos=True)
     status, body = _post_chat(server, "two answers", **ask)
     assert status == 200 and all(c["finish_reason"] == "length" for c in body["choices"]), body
@@ -381,6 +375,13 @@ def test_n_answers_usage_counts_every_answer(server: str) -> None:
     status, _, raw = http(server + "/v1/chat/completions", {
         "model": MODEL_ID, **THINK_OFF, **ask, "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "two answers"}]}, timeout=120)
+    chunks = sse_chunks(raw)
+    assert [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")] == [32]
+    assert chunks[-1]["usage"]["total_tokens"] == 32 + body["usage"]["prompt_tokens"], chunks[-1]
+    completion = {"model": MODEL_ID, "prompt": "two answers", **ask}
+    status, body = post(server + "/v1/completions", completion)
+    assert status == 200 and len(body["choices"]) == 2 and body["usage"]["completion_tokens"] == 32, body
+    status, _, raw = http(server + "/v1/completions", {**completion, "stream": True}, timeout=120)
     assert [c["usage"]["completion_tokens"] for c in sse_chunks(raw) if c.get("usage")] == [32]
 
 
@@ -416,9 +417,6 @@ def test_a_grammar_error_gives_llama_cpps_reason(server: str, grammar: str, reas
     assert status == 400 and reason in body["error"]["message"], body
 
 
-@pytest.mark.xfail(strict=True, reason="a grammar whose only token is the (always banned) mask token is a 500 "
-                   "(server_error), 'got exception: Unexpected empty grammar stack after accepting piece: ' and a "
-                   "token the grammar does not allow (greedy: '? (30)'); the server lives on")
 def test_grammar_that_allows_nothing(server: str, ref: Reference) -> None:
     """A grammar whose only token is the mask token (always banned), or that dead-ends on it after its first token,
     is a 400 that names the grammar, never a 500 or a hang."""
