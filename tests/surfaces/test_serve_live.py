@@ -513,18 +513,14 @@ def _abandoned(gguf: Path) -> dict[str, Any]:
 
 def test_disconnect_while_waiting_for_a_full_answer(background: dict[str, Future[dict[str, Any]]]) -> None:
     """A client that stops waiting for an answer that is not streamed: llama-server cancels the request (within a
-    second of quiet, see the xfail below), long before its 4000 tokens."""
+    second), long before its 4000 tokens."""
     abandoned = background["abandoned"].result()
     assert abandoned["idle after quiet"] and 0 < abandoned["decoded"] < 3000, abandoned
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="llama-server notices that the client of a request that is not streamed has "
-                   "gone only when its HTTP thread's wait for a result times out (1 s, server_response_reader::next); "
-                   "every result sent to any request (a /slots or /metrics answer, another client's answer) restarts "
-                   "that wait, so on a server asked more than once a second the abandoned request decodes on (here: "
-                   "still decoding after 1.5 s of /slots asked back to back; cancelled 1 s after the polling stopped)")
 def test_disconnect_while_waiting_is_noticed_on_a_busy_server(background: dict[str, Future[dict[str, Any]]]) -> None:
+    """Noticed while others are answered (patch server-result-wait-has-a-deadline): every result sent to any request
+    restarted the HTTP thread's one-second wait, so with /slots asked back to back the abandoned answer decoded on."""
     abandoned = background["abandoned"].result()
     assert not abandoned["decoding while polled"], abandoned
 
