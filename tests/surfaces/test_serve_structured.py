@@ -290,15 +290,17 @@ def test_logprobs_streamed_and_completions(client: Any) -> None:
         assert len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][1]["logprob"]
 
 
-@pytest.mark.xfail(strict=True, reason="llama-server sends no logprobs entry for a token whose text ends in an "
-                   "incomplete UTF-8 character (process_token skips add_token while the text is incomplete): greedy "
-                   "ar 'hello' emits 12 tokens, the second a lone byte (id 131), and gets 11 entries, streamed or not")
 def test_every_token_has_a_logprobs_entry(client: Any) -> None:
+    """A token whose text ends inside a character has its entry too, streamed or not (patch
+    server-logprobs-of-split-characters: greedy ar 'hello' emits 12 tokens, the second a lone byte, and got 11)."""
     ask = dict(logprobs=True, top_logprobs=1, max_tokens=12, temperature=0, extra_body={"mode": "ar"})
     whole = _chat(client, "hello", **ask)
-    n_streamed = sum(len(c.logprobs.content or []) for chunk in _chat(client, "hello", stream=True, **ask)
-                     for c in chunk.choices if c.logprobs)
-    assert len(whole.choices[0].logprobs.content) == n_streamed == whole.usage.completion_tokens == 12
+    streamed = [e for chunk in _chat(client, "hello", stream=True, **ask)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content or []]
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == len(streamed) == whole.usage.completion_tokens == 12
+    assert [e.bytes for e in entries] == [e.bytes for e in streamed]
+    assert "".join(e.token for e in entries) == whole.choices[0].message.content
 
 
 @pytest.mark.xfail(strict=True, reason="llama-server's /v1/completions accepts echo: true and ignores it (the "
