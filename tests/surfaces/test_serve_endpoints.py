@@ -6,9 +6,8 @@ Each answer is checked key by key against what llama-server's tools/server/serve
 server_slot::to_json) and server-task.cpp (task_params::to_json, server_task_result_metrics::to_metrics) send, with
 Clover's fields (the decoding settings, ``gen_*`` metrics), and its values against the truth: the command line, the
 model's template and vocabulary, and the usage and ``timings`` of the requests just made. A second server without
-the switches (--no-slots, no --metrics, no --props) and with an API key gives llama-server's 501s and 401s. The
-xfail test is what llama-server gets wrong (strict: it fails as described, or the mark must go): Process-Start-Time-Unix
-is no Unix time.
+the switches (--no-slots, no --metrics, no --props) and with an API key gives llama-server's 501s and 401s.
+Process-Start-Time-Unix is Unix time (patch server-process-start-time-is-unix-time; a strict xfail held it before).
 """
 
 from __future__ import annotations

