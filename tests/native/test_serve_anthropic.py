@@ -84,9 +84,10 @@ def _check_order(kinds: list[str]) -> None:
         body = body[end + 1:]
 
 
-@pytest.mark.parametrize("thinking", [False, True])
-def test_messages_stream_gives_every_event_in_order(server: str, thinking: bool) -> None:
-    extra = {"mode": "auto"} if thinking else {"mode": "auto", **THINK_OFF}
+@pytest.mark.parametrize(("mode", "thinking"), [(mode, False) for mode in MODES] + [("auto", True)])
+def test_messages_stream_gives_every_event_in_order(server: str, mode: str, thinking: bool) -> None:
+    """In every mode, the stream's events in order, and its message the same as create's."""
+    extra = {"mode": mode} if thinking else {"mode": mode, **THINK_OFF}
     with _anthropic(server).messages.stream(model=MODEL, system=SYSTEM, messages=ASK, max_tokens=MAX_TOKENS,
                                             extra_body={"temperature": 0.0, **extra}) as stream:
         kinds = [e.type for e in stream]

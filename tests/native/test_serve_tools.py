@@ -90,16 +90,26 @@ def test_chat_completions_required_and_named_yield_one_call(server: str, choice:
         assert _chat_call(server, CHOICES[choice], False, mode=mode) == calls[False], mode
 
 
-def test_responses_api_function_calls(server: str) -> None:
+def _responses_call(client: Any, choice: Any, **kwargs: Any) -> tuple[str, dict[str, Any]]:
+    resp = client.responses.create(**kwargs)
+    calls = [item for item in resp.output if item.type == "function_call"]
+    assert len(calls) == 1, resp.output
+    return _check_call(calls[0].name, calls[0].arguments, choice)
+
+
+@pytest.mark.parametrize("mode", ["ar", "auto", "spec", "diffusion"])
+def test_responses_api_function_calls(server: str, mode: str) -> None:
+    """One call, streamed and not, in every lossless mode and in diffusion (a request with tools decodes as auto):
+    the same call in each."""
     client = _openai(server)
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     for choice in ("required", {"type": "function", "name": "add"}):
         kwargs = {"model": MODEL, "input": ASK[0]["content"], "tools": tools, "tool_choice": choice,
-                  "max_output_tokens": 256, "temperature": 0.0, "parallel_tool_calls": False}
-        resp = client.responses.create(**kwargs)
-        calls = [item for item in resp.output if item.type == "function_call"]
-        assert len(calls) == 1, resp.output
-        want = _check_call(calls[0].name, calls[0].arguments, choice)
+                  "max_output_tokens": 256, "temperature": 0.0, "parallel_tool_calls": False,
+                  "extra_body": {"mode": mode}}
+        want = _responses_call(client, choice, **kwargs)
+        if mode != "ar":
+            assert want == _responses_call(client, choice, **{**kwargs, "extra_body": {"mode": "ar"}}), mode
         events = list(client.responses.create(stream=True, **kwargs))
         kinds = [e.type for e in events]
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
@@ -108,7 +118,17 @@ def test_responses_api_function_calls(server: str) -> None:
         assert len(done) == 1 and (done[0].item.name, json.loads(done[0].item.arguments)) == want
 
 
-def test_anthropic_messages_tool_use(server: str) -> None:
+def _anthropic_tool_use(client: Any, choice: dict[str, Any], **kwargs: Any) -> tuple[str, dict[str, Any]]:
+    msg = client.messages.create(**kwargs)
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and len(uses) == 1, msg
+    return _check_call(uses[0].name, uses[0].input, {"name": choice.get("name")} if "name" in choice else None)
+
+
+@pytest.mark.parametrize("mode", ["ar", "auto", "spec", "diffusion"])
+def test_anthropic_messages_tool_use(server: str, mode: str) -> None:
+    """One tool_use, streamed (input_json_delta) and not, in every lossless mode and in diffusion: the same call in
+    each."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=120)
@@ -117,11 +137,11 @@ def test_anthropic_messages_tool_use(server: str) -> None:
     for choice in ({"type": "any", "disable_parallel_tool_use": True},
                    {"type": "tool", "name": "add", "disable_parallel_tool_use": True}):
         kwargs = {"model": MODEL, "max_tokens": 256, "messages": ASK, "tools": tools, "tool_choice": choice,
-                  "extra_body": {"temperature": 0.0}}  # this SDK has no temperature argument
-        msg = client.messages.create(**kwargs)
-        uses = [b for b in msg.content if b.type == "tool_use"]
-        assert msg.stop_reason == "tool_use" and len(uses) == 1, msg
-        want = _check_call(uses[0].name, uses[0].input, {"name": choice.get("name")} if "name" in choice else None)
+                  "extra_body": {"temperature": 0.0, "mode": mode}}  # this SDK has no temperature argument
+        want = _anthropic_tool_use(client, choice, **kwargs)
+        if mode != "ar":
+            assert want == _anthropic_tool_use(client, choice, **{**kwargs, "extra_body": {"temperature": 0.0,
+                                                                                         "mode": "ar"}}), mode
         with client.messages.stream(**kwargs) as stream:
             kinds = [e.type for e in stream]
             final = stream.get_final_message()
