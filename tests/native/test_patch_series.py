@@ -28,7 +28,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "jinja-parser-nesting-limit", "chat-template-parse-error-keeps-its-message",
                        "server-bad-command-line-exits-2", "server-process-start-time-is-unix-time",
                        "server-max-tokens-0-generates-nothing", "server-finished-stream-keeps-connection",
-                       "grammar-utf8-well-formed", "server-result-wait-has-a-deadline"}
+                       "grammar-utf8-well-formed", "server-result-wait-has-a-deadline",
+                       "server-anthropic-error-body"}
 
 
 @pytest.mark.native

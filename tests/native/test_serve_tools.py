@@ -167,9 +167,18 @@ def test_bad_tool_choice_is_a_400(server: str, choice: Any, fragment: str) -> No
 
 
 def test_anthropic_named_tool_that_is_not_listed_is_a_400(server: str) -> None:
+    """A 400 in Anthropic's error shape, {"type": "error", "error": {"type", "message"}} (patch
+    server-anthropic-error-body; llama-server's body had no "type": "error"), on create and count_tokens."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=60)
-    with pytest.raises(anthropic.BadRequestError, match="'nope', which 'tools' does not list"):
+    with pytest.raises(anthropic.BadRequestError, match="'nope', which 'tools' does not list") as raised:
         client.messages.create(model=MODEL, max_tokens=8, messages=ASK, tool_choice={"type": "tool", "name": "nope"},
                                tools=[{"name": "add", "input_schema": {"type": "object"}}])
+    body = raised.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        status, _, answer = http(server + path, {"model": MODEL, "max_tokens": 8}, timeout=60)
+        body = json.loads(answer)
+        assert status == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        assert "messages" in body["error"]["message"], body
