@@ -110,3 +110,23 @@ def test_count_tokens_counts_the_prompt(server: str) -> None:
         counted = _anthropic(server).messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK,
                                                           extra_body=extra)
         assert counted.input_tokens == _chat(server, mode="ar", **extra).usage.prompt_tokens
+
+
+def test_thinking_field_switches_the_templates_thinking(server: str) -> None:
+    """Anthropic's `thinking` switches the template's thinking on a server whose default is on: `disabled` answers
+    as chat_template_kwargs.enable_thinking false does (text, no thinking block), `enabled` as true does (patch
+    server-anthropic-thinking-switch: `disabled` was ignored); chat_template_kwargs wins when both are given."""
+    client = _anthropic(server)
+
+    def create(**fields: Any) -> Any:
+        return client.messages.create(model=MODEL, system=SYSTEM, messages=ASK, max_tokens=MAX_TOKENS,
+                                      extra_body={"temperature": 0.0}, **fields)
+
+    off = create(thinking={"type": "disabled"})
+    assert _blocks(off) == _blocks(_create(server, **THINK_OFF)) and off.content[0].type == "text", off
+    on = create(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert on.content[0].type == "thinking", on
+    both = client.messages.create(model=MODEL, system=SYSTEM, messages=ASK, max_tokens=MAX_TOKENS,
+                                  thinking={"type": "disabled"},
+                                  extra_body={"temperature": 0.0, "chat_template_kwargs": {"enable_thinking": True}})
+    assert both.content[0].type == "thinking", both
