@@ -21,6 +21,7 @@ from typing import Any
 
 import openai  # a test dependency (pyproject [test]): missing, the suite fails instead of skipping
 import pytest
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tests.support.chat import Reference
 from tests.support.schema import validate
@@ -135,22 +136,9 @@ def _bounded_string(server: str, ref: Reference, biased: str) -> tuple[int, dict
 
 
 # Bytes that begin no UTF-8 character (f5; c0, an overlong lead), and well-led sequences that are not UTF-8: overlong
-# (e0 96, f0 8f), a surrogate (ed a0), above U+10FFFF (f4 90). Byte-level BPE writes byte 0xNN as a letter: f5 is
-# "\u00f5"; 80-a0 are "\u0100" + (byte - 0x80) ... and so on, through the tokenizer's byte map.
-def _bytes_to_letters() -> dict[int, str]:
-    """GPT-2's byte-to-unicode map, which byte-level BPE vocabularies use."""
-    keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    letters, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            letters[b] = chr(b)
-        else:
-            letters[b] = chr(0x100 + extra)
-            extra += 1
-    return letters
-
-
-_BYTE_TO_LETTER = _bytes_to_letters()
+# (e0 96, f0 8f), a surrogate (ed a0), above U+10FFFF (f4 90). Byte-level BPE writes each byte as a letter of
+# GPT-2's byte-to-unicode map.
+_BYTE_TO_LETTER = bytes_to_unicode()
 NOT_UTF8 = {"f5": (0xF5,), "c0": (0xC0,), "overlong e0 96": (0xE0, 0x96), "overlong f0 8f": (0xF0, 0x8F),
             "surrogate ed a0": (0xED, 0xA0), "above U+10FFFF f4 90": (0xF4, 0x90)}
 
