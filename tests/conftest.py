@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,12 +11,20 @@ import pytest
 from clover_ref.factory import init_checkpoint
 from tests.support.handmade import write_handmade
 from tests.support.native import require_native
+from tests.support.tmp import MkTemp, scratch_dirs
 
 # Tests send SIGINT to child processes (Ctrl-C in the chat, interrupted conversions). A shell without job
 # control starts a background job (`make test &`, nohup) with SIGINT ignored, every child would inherit that,
 # and CPython then never turns SIGINT into KeyboardInterrupt. Restore the default here (children get SIG_DFL).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MkTemp]:
+    """``module_tmp(name)``: a scratch directory removed when this module's tests are done (tests/support/tmp.py)."""
+    with scratch_dirs(tmp_path_factory) as mktemp:
+        yield mktemp
 
 
 @pytest.fixture(scope="session")

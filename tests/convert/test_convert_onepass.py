@@ -25,6 +25,7 @@ from clover_convert.converter import ConvertOptions, convert
 from clover_quantize.run import QUANTIZED_BY, QuantizeOptions, quantize
 from clover_quantize.file_types import file_type
 from clover_ref.factory import init_checkpoint
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -42,13 +43,13 @@ def _two_step_base(model_dir: Path, folder: Path, precision: str) -> tuple[Path,
 
 
 @pytest.fixture(scope="module")
-def tiny_base(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    return (tiny_checkpoint, *_two_step_base(tiny_checkpoint, tmp_path_factory.mktemp("op-tiny"), "bf16"))
+def tiny_base(tiny_checkpoint: Path, module_tmp: MkTemp) -> tuple[Path, Path, Path]:
+    return (tiny_checkpoint, *_two_step_base(tiny_checkpoint, module_tmp("op-tiny"), "bf16"))
 
 
 @pytest.fixture(scope="module")
-def demo_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    return (DEMO, *_two_step_base(DEMO, tmp_path_factory.mktemp("op-demo"), "bf16"))
+def demo_base(module_tmp: MkTemp) -> tuple[Path, Path, Path]:
+    return (DEMO, *_two_step_base(DEMO, module_tmp("op-demo"), "bf16"))
 
 
 def _assert_identical(model_dir: Path, base: Path, imatrix: Path | None, name: str, folder: Path,

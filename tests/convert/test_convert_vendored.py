@@ -17,25 +17,26 @@ import pytest
 
 from clover_dev.convert import make_qwen_twin, vendored_convert
 from tests.support.convert import CLOVER_KEYS, convert, fields, llama_cpp_clover_file
+from tests.support.tmp import MkTemp
 
 CLOVER_TENSOR_SUFFIXES = ("bd_conv_right.weight", "bd_logit_scale", "bd_history_bias", "bd_history_c")
 # general.size_label counts parameters, and ours has the Clover tensors too
 DIFFERENT_VALUES = {"general.architecture", "general.size_label"}
 
 
-def twin_of(checkpoint: Path, factory: pytest.TempPathFactory) -> Path:
+def twin_of(checkpoint: Path, mktemp: MkTemp) -> Path:
     """The Qwen3.5-MoE twin, in a directory with the same name (general.name derives from it)."""
-    return make_qwen_twin(checkpoint, factory.mktemp("twin") / checkpoint.name)
+    return make_qwen_twin(checkpoint, mktemp("twin") / checkpoint.name)
 
 
 @pytest.fixture(scope="module")
-def tiny_twin(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return twin_of(tiny_checkpoint, tmp_path_factory)
+def tiny_twin(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return twin_of(tiny_checkpoint, module_tmp)
 
 
 @pytest.fixture(scope="module")
-def mid_twin(mid_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return twin_of(mid_checkpoint, tmp_path_factory)
+def mid_twin(mid_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return twin_of(mid_checkpoint, module_tmp)
 
 
 def assert_same_as_vendored(ours: Path, theirs: Path, their_arch: str = "qwen35moe") -> None:

@@ -13,15 +13,16 @@ import transformers
 from clover_common.config import CloverConfig
 from clover_common.tokenizer import NON_SPECIAL_TOKENS, SPECIAL_TOKENS
 from tests.support.convert import copy_checkpoint, fields, run_convert
+from tests.support.tmp import MkTemp
 
 T = gguf.TokenType
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf_fields(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def tiny_gguf_fields(tiny_checkpoint: Path, module_tmp: MkTemp) -> dict:
     from clover_convert.cli import main
 
-    out = tmp_path_factory.mktemp("vocab") / "tiny.gguf"
+    out = module_tmp("vocab") / "tiny.gguf"
     assert main([str(tiny_checkpoint), "--outfile", str(out), "--outtype", "bf16"]) == 0
     return fields(out, "clover_moe")
 

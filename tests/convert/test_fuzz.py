@@ -31,6 +31,7 @@ from tests.support import fuzz_checkpoint
 from tests.support import fuzz_files
 from tests.support import fuzz_gguf
 from clover_dev.convert import clover_convert
+from tests.support.tmp import MkTemp
 
 FULL = os.environ.get("CLOVER_FUZZ") == "full"
 SEEDS = (0, 1, 2) if FULL else (0,)
@@ -96,8 +97,8 @@ def _report(kind: str, items: list[tuple[str, tuple[str, ...], bool, str]], resu
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("fuzz-base") / "tiny-f32.gguf", "f32")
+def tiny_gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("fuzz-base") / "tiny-f32.gguf", "f32")
 
 
 def _gguf_mutants(base: Path, root: Path) -> tuple[list[tuple[str, tuple[str, ...], bool, str]], dict[str, str]]:
@@ -200,9 +201,9 @@ SPECIAL_MAX_DATA = 4 * 2**30  # the runner's RLIMIT_DATA: /dev/zero read to its 
 
 
 @pytest.fixture(scope="module")
-def special_bases(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def special_bases(tiny_checkpoint: Path, module_tmp: MkTemp) -> dict[str, Path]:
     """The checkpoints whose files the cases replace: tiny, and tiny in five shards with an index."""
-    sharded = tmp_path_factory.mktemp("fuzz-files-sharded")
+    sharded = module_tmp("fuzz-files-sharded")
     init_checkpoint(sharded, "tiny", seed=0, max_shard_bytes=300_000)
     assert (sharded / "model-00002-of-00005.safetensors").is_file()
     return {"tiny": tiny_checkpoint, "sharded": sharded}

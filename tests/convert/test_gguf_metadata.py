@@ -13,6 +13,7 @@ import pytest
 from gguf import GGUFReader, Keys
 
 from clover_dev.convert import clover_convert
+from tests.support.tmp import MkTemp
 
 CARD = """---
 license: apache-2.0
@@ -32,9 +33,9 @@ def general(path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def carded(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def carded(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
     """The tiny checkpoint with a Hugging Face model card (README.md front matter)."""
-    out = tmp_path_factory.mktemp("card") / "Clover-Tiny"
+    out = module_tmp("card") / "Clover-Tiny"
     shutil.copytree(tiny_checkpoint, out)
     (out / "README.md").write_text(CARD, encoding="utf-8")
     return out

@@ -20,6 +20,7 @@ from tests.support.convert import interrupt, wait_for_temp
 from clover_dev import VENV_PYTHON
 from clover_dev.convert import clover_convert
 from tests.support.convert import copy_checkpoint, run_convert, slowed_convert_script
+from tests.support.tmp import MkTemp
 
 
 def _digest(path: Path) -> str:
@@ -36,8 +37,8 @@ def model(tiny_checkpoint: Path, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def f32_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("q") / "tiny-f32.gguf", "f32")
+def f32_gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("q") / "tiny-f32.gguf", "f32")
 
 
 def _one_error_line(stderr: str, prog: str, *fragments: str) -> str:

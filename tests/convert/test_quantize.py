@@ -27,6 +27,7 @@ from tests.support.native import dump_results, record
 from clover_quantize.run import QuantizeOptions, default_output, plan_quantization, quantize
 from clover_quantize.gguf_input import read_input
 from clover_quantize.file_types import FILE_TYPES, file_type
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -49,8 +50,8 @@ def _types(path: Path) -> dict[str, T]:
 
 
 @pytest.fixture(scope="module")
-def tiny_f16(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("q-tiny") / "tiny-f16.gguf", "f16")
+def tiny_f16(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("q-tiny") / "tiny-f16.gguf", "f16")
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +191,8 @@ def test_quantized_files_generate_in_all_modes(name: str, tiny_quantized: dict[s
 
 
 @pytest.fixture(scope="module")
-def mid_f16(mid_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(mid_checkpoint, tmp_path_factory.mktemp("q-mid") / "mid-f16.gguf", "f16")
+def mid_f16(mid_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(mid_checkpoint, module_tmp("q-mid") / "mid-f16.gguf", "f16")
 
 
 WINDOW = 16

@@ -19,14 +19,15 @@ import pytest
 from clover_dev.convert import clover_convert, make_qwen_twin, vendored_convert
 from tests.support.convert import copy_checkpoint, llama_cpp_clover_file, rewrite_weights
 from tests.support.native import rewrite_gguf
+from tests.support.tmp import MkTemp
 
 PROMPT = list(range(40, 72))
 BD_SUFFIXES = ("bd_conv_right.weight", "bd_logit_scale", "bd_history_bias", "bd_history_c")
 
 
 @pytest.fixture(scope="module")
-def released(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = copy_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("released") / "Clover-Tiny-Preview")
+def released(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    model = copy_checkpoint(tiny_checkpoint, module_tmp("released") / "Clover-Tiny-Preview")
     path = model / "config.json"
     config = json.loads(path.read_text())
     del config["mask_token_id"]
@@ -43,8 +44,8 @@ def released(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="module")
-def released_files(released: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("released-gguf")
+def released_files(released: Path, module_tmp: MkTemp) -> dict[str, Path]:
+    out = module_tmp("released-gguf")
     return {t: clover_convert(released, out / f"released-{t}.gguf", t) for t in ("f16", "Q8_0", "Q4_K_M")}
 
 
@@ -79,9 +80,9 @@ def test_released_format_runs_every_mode(released_files: dict[str, Path], outtyp
 
 
 @pytest.fixture(scope="module")
-def llama_cpp_file(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def llama_cpp_file(tiny_checkpoint: Path, module_tmp: MkTemp) -> tuple[Path, Path]:
     """(llama.cpp's qwen35moe file of the trunk, the same as llama.cpp's Clover converter would write it)."""
-    out = tmp_path_factory.mktemp("llama-cpp-clover")
+    out = module_tmp("llama-cpp-clover")
     twin = make_qwen_twin(tiny_checkpoint, out / "twin" / tiny_checkpoint.name)
     stock = vendored_convert(twin, out / "stock.gguf", "f32")
     return stock, llama_cpp_clover_file(stock, out / "clover_moe-trunk.gguf")
@@ -118,8 +119,8 @@ def test_llama_cpp_clover_file_runs_ar_and_auto(llama_cpp_file: tuple[Path, Path
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("tiny-f32") / "tiny.gguf", "f32")
+def tiny(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("tiny-f32") / "tiny.gguf", "f32")
 
 
 @pytest.mark.native

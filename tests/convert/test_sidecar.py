@@ -23,6 +23,7 @@ from clover_dev.convert import clover_convert, make_qwen_twin, vendored_convert
 from clover_dev.native import causal_and_block_logits
 from tests.support.convert import copy_checkpoint, fields, llama_cpp_clover_file, rewrite_weights, run_convert
 from tests.support.native import rewrite_gguf
+from tests.support.tmp import MkTemp
 
 PROMPT = list(range(40, 72))
 MODES = ("ar", "diffusion", "spec", "auto")
@@ -31,10 +32,10 @@ DIFFERENT_VALUES = {"general.size_label"}
 
 
 @pytest.fixture(scope="module")
-def files(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def files(tiny_checkpoint: Path, module_tmp: MkTemp) -> dict[str, Path]:
     """Our single file, our trunk + sidecar (--bd-sidecar), a --bd-only sidecar, and llama.cpp's Clover file of the
     same trunk; all F32."""
-    out = tmp_path_factory.mktemp("sidecar")
+    out = module_tmp("sidecar")
     single = clover_convert(tiny_checkpoint, out / "single.gguf", "f32")
     trunk = clover_convert(tiny_checkpoint, out / "trunk.gguf", "f32", "--bd-sidecar")
     done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(tiny_checkpoint), "--bd-only",
@@ -142,11 +143,11 @@ def test_trunk_and_sidecar_equal_the_single_file(files: dict[str, Path], trunk: 
 
 
 @pytest.fixture(scope="module")
-def other_sidecar(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def other_sidecar(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
     """The sidecar of a trunk with 8 layers (another L and other GDN layers, the same vocabulary)."""
     from clover_ref.factory import init_checkpoint
 
-    out = tmp_path_factory.mktemp("other")
+    out = module_tmp("other")
     init_checkpoint(out / "ckpt", "tiny", seed=1, layers=8)
     done = subprocess.run([str(VENV_PYTHON), "-m", "clover_convert", str(out / "ckpt"), "--bd-only",
                            str(out / "other.bd.gguf")], capture_output=True, text=True)

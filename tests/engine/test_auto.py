@@ -26,21 +26,22 @@ from tests.support.homogeneity import homogeneity
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.native import dump_results, record
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint: Path, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    return Case(tiny_model, clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("auto") / "tiny-f32.gguf", "f32"))
+def tiny(tiny_checkpoint: Path, tiny_model: Any, module_tmp: MkTemp) -> Case:
+    return Case(tiny_model, clover_convert(tiny_checkpoint, module_tmp("auto") / "tiny-f32.gguf", "f32"))
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Case:
+def demo(module_tmp: MkTemp) -> Case:
     from clover_ref.checkpoint import load_model
 
     src = REPO_ROOT / "models" / "clover-demo"
-    return Case(load_model(src), clover_convert(src, tmp_path_factory.mktemp("auto") / "demo-f32.gguf", "f32"))
+    return Case(load_model(src), clover_convert(src, module_tmp("auto") / "demo-f32.gguf", "f32"))
 
 
 def _prompt(rng: np.random.Generator, case: int) -> list[int]:

@@ -28,6 +28,7 @@ from tests.support.engine import REF_TOL, Case, Ledger, causal_gap, penalised_lo
 from clover_dev.convert import clover_convert
 from tests.support.native import dump_results, record
 from tests.support.schema import validate
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -85,8 +86,8 @@ class Tiny(Case):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint: Path, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    return Tiny(tiny_model, clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("dist") / "tiny-f32.gguf", "f32"))
+def tiny(tiny_checkpoint: Path, tiny_model: Any, module_tmp: MkTemp) -> Tiny:
+    return Tiny(tiny_model, clover_convert(tiny_checkpoint, module_tmp("dist") / "tiny-f32.gguf", "f32"))
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

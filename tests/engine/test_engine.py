@@ -22,6 +22,7 @@ from tests.support.engine import FLASH_ATTN_TOL, REF_TOL, Ledger, reference_run
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.native import dump_results, record
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -67,14 +68,14 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint: Path, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    out = tmp_path_factory.mktemp("engine-tiny") / "tiny-f32.gguf"
+def tiny(tiny_checkpoint: Path, tiny_model: Any, module_tmp: MkTemp) -> Engine:
+    out = module_tmp("engine-tiny") / "tiny-f32.gguf"
     return Engine("tiny", tiny_model, clover_convert(tiny_checkpoint, out, "f32"))
 
 
 @pytest.fixture(scope="module")
-def mid(mid_checkpoint: Path, mid_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    out = tmp_path_factory.mktemp("engine-mid") / "mid-f32.gguf"
+def mid(mid_checkpoint: Path, mid_model: Any, module_tmp: MkTemp) -> Engine:
+    out = module_tmp("engine-mid") / "mid-f32.gguf"
     return Engine("mid", mid_model, clover_convert(mid_checkpoint, out, "f32"))
 
 
@@ -246,11 +247,11 @@ def test_fused_spec_equals_ar(tiny: Engine) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def demo(module_tmp: MkTemp) -> Engine:
     from clover_ref.checkpoint import load_model
 
     source = REPO_ROOT / "models" / "clover-demo"
-    out = tmp_path_factory.mktemp("engine-demo") / "demo-f32.gguf"
+    out = module_tmp("engine-demo") / "demo-f32.gguf"
     return Engine("demo", load_model(source), clover_convert(source, out, "f32"))
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from clover_dev.convert import clover_convert
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -18,8 +19,8 @@ MODES = [("ar", {}), ("spec", {"block_size": 4}), ("diffusion", {"block_size": 8
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("graph-cache") / "tiny-f32.gguf", "f32")
+def tiny_gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("graph-cache") / "tiny-f32.gguf", "f32")
 
 
 @pytest.mark.parametrize("mode, opts", MODES)

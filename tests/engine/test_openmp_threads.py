@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from clover_dev.convert import clover_convert, quantize
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -28,9 +29,9 @@ def os_threads() -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny_q8(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_q8(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
     """Q8_0: on CPUs with AMX its weights are converted in an OpenMP loop at load time."""
-    folder = tmp_path_factory.mktemp("openmp")
+    folder = module_tmp("openmp")
     return quantize(clover_convert(tiny_checkpoint, folder / "tiny-f32.gguf", "f32"), folder / "tiny-q8_0.gguf")
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.engine import Ledger, run_concurrently
 from clover_dev.convert import clover_convert
+from tests.support.tmp import MkTemp
 
 # (mode, options): every decoding mode, two slots in ar so that same-size passes meet in a round
 CASES = [("ar", {}), ("ar", {}), ("diffusion", {"block_size": 8, "threshold": 0.006}), ("spec", {"block_size": 8}),
@@ -45,8 +46,8 @@ class Overlap:
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("slots") / "tiny-f32.gguf", "f32")
+def tiny_gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("slots") / "tiny-f32.gguf", "f32")
 
 
 def _conversation(model: Any, i: int) -> list[tuple[list[int], list[int]]]:
@@ -153,8 +154,8 @@ def test_slots_that_do_not_fit_host_memory_are_refused_with_the_numbers(tiny_ggu
 
 
 @pytest.fixture(scope="module")
-def coreset_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("coreset") / "tiny-core05.gguf", "f32",
+def coreset_gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("coreset") / "tiny-core05.gguf", "f32",
                           "--coreset-top-p", "0.5")
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.engine import Ledger
 from clover_dev.convert import clover_convert
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -23,8 +24,8 @@ LEDGER = Ledger()
 
 
 @pytest.fixture(scope="module")
-def gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("reuse") / "tiny-f32.gguf", "f32")
+def gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("reuse") / "tiny-f32.gguf", "f32")
 
 
 @pytest.fixture()

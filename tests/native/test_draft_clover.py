@@ -32,6 +32,7 @@ from tests.support.engine import FLASH_ATTN_TOL, REF_TOL, Ledger, causal_gap
 from tests.support.homogeneity import homogeneity
 from tests.support.native import llama_server, native_tool
 from tests.support.serve import post
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native
 
@@ -99,8 +100,8 @@ def check_lossless(name: str, answers: dict[str, list[dict[str, Any]]], ref: Any
 
 
 @pytest.fixture(scope="module")
-def tiny_f32(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("draft-clover") / "tiny.gguf", "f32")
+def tiny_f32(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("draft-clover") / "tiny.gguf", "f32")
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ from tests.support.native import dump_results, record
 from tests.support.routing import NEAR_TIE
 
 from clover_native import cpu
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -61,8 +62,8 @@ TYPES = ["Q8_0", "Q4_0", "Q4_K_M", "IQ4_XS"]
 
 
 @pytest.fixture(scope="module")
-def f16_models(tmp_path_factory: pytest.TempPathFactory, mid_checkpoint: Path) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("bufts")
+def f16_models(module_tmp: MkTemp, mid_checkpoint: Path) -> dict[str, Path]:
+    d = module_tmp("bufts")
     return {"demo": clover_convert(REPO_ROOT / "models" / "clover-demo", d / "demo-f16.gguf", "f16"),
             "mid": clover_convert(mid_checkpoint, d / "mid-f16.gguf", "f16")}
 

@@ -20,6 +20,7 @@ import pytest
 
 from clover_dev.convert import clover_convert
 from tests.support.native import dump_results, record
+from tests.support.tmp import MkTemp
 
 CHUNK = 100  # not a multiple of B = 8: every chunk ends with a 4-token window
 SEED = 3
@@ -60,9 +61,9 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+def tiny(tiny_checkpoint: Path, module_tmp: MkTemp) -> SimpleNamespace:
     from clover_native import bindings
-    d = tmp_path_factory.mktemp("imatrix")
+    d = module_tmp("imatrix")
     gguf = clover_convert(tiny_checkpoint, d / "tiny-f32.gguf", "f32")
     calib = d / "calib.txt"
     calib.write_text(_calibration_text())

@@ -21,6 +21,7 @@ import pytest
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.native import skip_or_fail
+from tests.support.tmp import MkTemp
 
 SCRIPT = REPO_ROOT / "scripts" / "install_lib_path.py"
 PTH_NAME = "clover_llama_lib_path.pth"
@@ -72,8 +73,8 @@ def env_after_pth(site_dir: Path, **env: str) -> dict[str, str | None]:
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("llama-import") / "tiny-f32.gguf", "f32")
+def tiny_gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("llama-import") / "tiny-f32.gguf", "f32")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from clover_dev.native import block_window
 from tests.support.native import assert_parity, dump_results, load_in_subprocess, record, rewrite_gguf
 from tests.support.routing import (NEAR_TIE, NativeRouterMargins, assert_parity_routed, routing_margins,
                              routing_near_ties)
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -91,13 +92,13 @@ class Bundle:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint: Path, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Bundle:
-    return Bundle("tiny", tiny_checkpoint, tiny_model, tmp_path_factory.mktemp("native-tiny"))
+def tiny(tiny_checkpoint: Path, tiny_model: Any, module_tmp: MkTemp) -> Bundle:
+    return Bundle("tiny", tiny_checkpoint, tiny_model, module_tmp("native-tiny"))
 
 
 @pytest.fixture(scope="module")
-def mid(mid_checkpoint: Path, mid_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Bundle:
-    return Bundle("mid", mid_checkpoint, mid_model, tmp_path_factory.mktemp("native-mid"))
+def mid(mid_checkpoint: Path, mid_model: Any, module_tmp: MkTemp) -> Bundle:
+    return Bundle("mid", mid_checkpoint, mid_model, module_tmp("native-mid"))
 
 
 @pytest.fixture(scope="module", params=["tiny", "mid"])
@@ -407,10 +408,10 @@ def test_native_router_margins_equal_the_reference(mid: Bundle) -> None:
 
 # ------------------------------------------------------------------------------------------ stock qwen35moe
 @pytest.fixture(scope="module")
-def stock_tiny(tiny: Bundle, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def stock_tiny(tiny: Bundle, module_tmp: MkTemp) -> Path:
     from clover_dev.convert import make_qwen_twin, vendored_convert
 
-    tmp = tmp_path_factory.mktemp("stock")
+    tmp = module_tmp("stock")
     twin = make_qwen_twin(tiny.checkpoint, tmp / tiny.checkpoint.name)
     return vendored_convert(twin, tmp / "qwen35moe-f32.gguf", "f32")
 

@@ -23,14 +23,15 @@ from clover_native import libclover
 from clover_cpp.cli import build_parser
 from clover_cpp.options import model_kwargs
 from clover_cpp.offload import LLM_FFN_EXPS_REGEX, Offload, device_bytes, ffn_exps_block_regex
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
     """tiny f32: 4 layers (3 GDN + 1 attention), 8 experts top-2."""
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("offload") / "tiny-f32.gguf", "f32")
+    return clover_convert(tiny_checkpoint, module_tmp("offload") / "tiny-f32.gguf", "f32")
 
 
 def _describe(path: Path, **model_args: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from clover_dev.convert import clover_convert
 from tests.support.engine import FLASH_ATTN_TOL, Ledger, penalised_logprobs
 from tests.support.native import llama_server
 from tests.support.serve import emitted_tokens, get, post
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native
 
@@ -35,9 +36,9 @@ SERVER_ARGS = ("-c", "1024", "-np", "1", "-t", "2", "--no-warmup")
 
 
 @pytest.fixture(scope="module")
-def penalised_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def penalised_demo(module_tmp: MkTemp) -> Path:
     """The demo model with a generation_config.json that sets all three penalties, as an f32 GGUF."""
-    where = tmp_path_factory.mktemp("penalised")
+    where = module_tmp("penalised")
     model = Path(shutil.copytree(DEMO, where / "model"))
     (model / "generation_config.json").write_text(json.dumps(PENALTIES))
     return clover_convert(model, where / "demo-penalised.gguf", "f32")

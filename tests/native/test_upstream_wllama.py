@@ -25,6 +25,7 @@ from clover_dev import REPO_ROOT, VENV_PYTHON
 from clover_dev.convert import clover_convert
 from tests.support.browser import headless_chromium
 from tests.support.native import skip_or_fail
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native
 
@@ -61,11 +62,11 @@ class _Files(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Path]]]:
+def site(module_tmp: MkTemp) -> Iterator[tuple[str, dict[str, Path]]]:
     """A local web server for the page, upstream's wasm build and the trunk files: (its URL, trunk files by type)."""
     if not (WLLAMA / "esm" / "wasm" / "wllama.wasm").is_file():
         skip_or_fail(f"{WLLAMA} is missing (`make setup` installs @wllama/wllama)")
-    root = tmp_path_factory.mktemp("wllama-site")
+    root = module_tmp("wllama-site")
     f16 = clover_convert(REPO_ROOT / "models" / "clover-demo", root / "demo-f16.gguf", "f16", "--bd-sidecar")
     q4 = root / "demo-Q4_K_M.gguf"
     subprocess.run([str(VENV_PYTHON.parent / "clover-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,

@@ -19,6 +19,7 @@ from clover_ref.cli import main
 from clover_common.config import CloverConfig
 from clover_ref.factory import init_checkpoint
 from clover_common.tokenizer import SHIPPED_FILES
+from tests.support.tmp import MkTemp
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):"
@@ -67,8 +68,8 @@ def broken(tiny_checkpoint: Path, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("sharded")
+def sharded_checkpoint(module_tmp: MkTemp) -> Path:
+    out = module_tmp("sharded")
     init_checkpoint(out, "tiny", seed=0, max_shard_bytes=150_000)
     return out
 
@@ -406,8 +407,8 @@ def test_init_is_deterministic(tmp_path: Path, tiny_checkpoint: Path, capsys) ->
 
 # --------------------------------------------------------------------------------------------- generate
 @pytest.fixture(scope="module")
-def cli_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cli")
+def cli_checkpoint(module_tmp: MkTemp) -> Path:
+    out = module_tmp("cli")
     assert main(["init", str(out), "--preset", "tiny", "--seed", "0"]) == 0
     return out
 

@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.chat import ChatProcess, Reference
 from clover_dev.convert import clover_convert
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -23,8 +24,8 @@ STATS = r"TPF [0-9.]+, prefill \d+ tokens, stop: \w+"
 
 
 @pytest.fixture(scope="module")
-def gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("chat") / "tiny.gguf", "f32")
+def gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("chat") / "tiny.gguf", "f32")
 
 
 @pytest.fixture(scope="module")

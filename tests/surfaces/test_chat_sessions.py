@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.chat import ChatProcess
 from clover_dev.convert import clover_convert
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # every test here runs the native build (skipped without it; a failure in CI)
 
@@ -27,18 +28,18 @@ TURNS = ("hello", "again", "and a third one")
 
 
 @pytest.fixture(scope="module")
-def gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("sessions") / "tiny.gguf", "f32")
+def gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("sessions") / "tiny.gguf", "f32")
 
 
 @pytest.fixture(scope="module")
-def other_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def other_gguf(module_tmp: MkTemp) -> Path:
     """The same preset and vocabulary with other weights (seed 1): a session from it must be refused."""
     from clover_ref.factory import init_checkpoint
 
-    ck = tmp_path_factory.mktemp("tiny-seed1")
+    ck = module_tmp("tiny-seed1")
     init_checkpoint(ck, "tiny", seed=1)
-    return clover_convert(ck, tmp_path_factory.mktemp("sessions-other") / "tiny.gguf", "f32")
+    return clover_convert(ck, module_tmp("sessions-other") / "tiny.gguf", "f32")
 
 
 class App:

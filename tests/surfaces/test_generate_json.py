@@ -18,6 +18,7 @@ import pytest
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.schema import load_schema, validate
+from tests.support.tmp import MkTemp
 
 SCHEMA = REPO_ROOT / "docs" / "generate-output.schema.json"
 PROMPT = "def fibonacci(n):"
@@ -25,8 +26,8 @@ N = 8
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(tiny_checkpoint, tmp_path_factory.mktemp("json") / "tiny-f32.gguf", "f32")
+def tiny_gguf(tiny_checkpoint: Path, module_tmp: MkTemp) -> Path:
+    return clover_convert(tiny_checkpoint, module_tmp("json") / "tiny-f32.gguf", "f32")
 
 
 def _llama_clover() -> Path:

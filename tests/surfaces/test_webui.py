@@ -27,6 +27,7 @@ from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.browser import headless_chromium
 from tests.support.serve import clover_serve, http, sse_chunks
+from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)
 
@@ -89,8 +90,8 @@ window.fetch = async (...args) => {
 
 # ------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def demo_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clover_convert(DEMO, tmp_path_factory.mktemp("webui") / f"{MODEL_ID}.gguf", "f16")
+def demo_gguf(module_tmp: MkTemp) -> Path:
+    return clover_convert(DEMO, module_tmp("webui") / f"{MODEL_ID}.gguf", "f16")
 
 
 SERVER_ARGS = ("-c", "4096", "-np", "1", "-t", "2", "--no-warmup", "--alias", MODEL_ID)
