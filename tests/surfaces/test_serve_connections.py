@@ -8,6 +8,7 @@ Written against HTTP alone (raw sockets and urllib).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -254,6 +255,29 @@ def test_a_flood_past_the_open_files_closes_the_oldest_idle_connections(tiny_ggu
     assert server_files < SERVER_FILES, f"the server holds {server_files} files, its limit is {SERVER_FILES}"
 
 
+def _refusal_at_the_cap(where: tuple[str, int], busy: list[socket.socket | None]) -> bytes:
+    """With two connections carrying requests and room for one more: a third that carries one, then a fourth, which
+    is answered at once, before it sends anything. The third counts as carrying a request once the server has read
+    its head: until then it is idle, and the fourth makes room by closing it. On a loaded machine that can take
+    longer than the wait, so each try waits longer, and a try whose third connection was closed is one more try."""
+    for wait_s in (0.3, 1.0, 3.0):
+        third = _connect(where, _no_body(where))
+        assert third is not None
+        busy.append(third)
+        time.sleep(wait_s)
+        refused = _connect(where)
+        assert refused is not None
+        answer = b""
+        with contextlib.suppress(TimeoutError):  # no answer: the server closed the third instead (checked below)
+            while chunk := refused.recv(4096):
+                answer += chunk
+        refused.close()
+        if answer:
+            return answer
+        assert _closed_after(third, 5) is not None, "neither a 503 nor the idle third connection closed"
+    raise AssertionError("the third connection's head was never read before the fourth arrived")
+
+
 def test_past_the_cap_an_idle_connection_goes_first_and_then_a_503(tiny_gguf: Path) -> None:
     """--max-connections 3: with two connections carrying a request (their heads read, their bodies pending) and one
     silent, a fourth connection gets its answer and the silent one is closed; with three carrying requests, a new
@@ -269,14 +293,7 @@ def test_past_the_cap_an_idle_connection_goes_first_and_then_a_503(tiny_gguf: Pa
             time.sleep(0.3)
             assert get(url + "/health")["status"] == "ok"  # the oldest idle connection made room: the silent one
             assert _closed_after(silent, 5) is not None, "the idle connection is still open"
-            busy.append(_connect(where, _no_body(where)))
-            time.sleep(0.3)
-            refused = _connect(where)  # answered at once, before it sends anything
-            assert refused is not None
-            answer = b""
-            while chunk := refused.recv(4096):
-                answer += chunk
-            refused.close()
+            answer = _refusal_at_the_cap(where, busy)
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 503 ") and b"Content-Type: application/json" in head, answer
             assert json.loads(body)["error"]["message"] == "too many open connections"
