@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from clover_ref.factory import init_checkpoint
 from tests.support.handmade import write_handmade
 from tests.support.native import require_native
-from tests.support.tmp import MkTemp, scratch_dirs
+from tests.support.tmp import MkTemp
 
 # Tests send SIGINT to child processes (Ctrl-C in the chat, interrupted conversions). A shell without job
 # control starts a background job (`make test &`, nohup) with SIGINT ignored, every child would inherit that,
@@ -22,9 +23,17 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MkTemp]:
-    """``module_tmp(name)``: a scratch directory removed when this module's tests are done (tests/support/tmp.py)."""
-    with scratch_dirs(tmp_path_factory) as mktemp:
-        yield mktemp
+    """``module_tmp(name)``: a numbered scratch directory under the session's base, removed when this module's tests
+    are done (tests/support/tmp.py)."""
+    made: list[Path] = []
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
