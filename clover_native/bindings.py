@@ -253,11 +253,46 @@ class Context(NativeHandle):
         self.rollback(pos0 + len(tokens) if keep is None else keep)
         return out[:len(tokens)], out[len(tokens):]
 
-    def rollback(self, keep: int) -> None:
-        """Keep history positions [0, keep); needs n_rs_seq >= the number of removed positions."""
-        ok = llama().llama_memory_seq_rm(self.mem, HISTORY_SEQ, keep, -1)
+    def causal_seqs(self, parts: Sequence[tuple[int, Sequence[int]]]) -> list[np.ndarray]:
+        """One causal batch of several sequences, in the order given: each (seq, tokens) appended to its sequence;
+        the float32 logits of every row, per part. llama.cpp splits the batch into ubatches as it would a server's."""
+        L = llama()
+        n = sum(len(tokens) for _, tokens in parts)
+        if n == 0 or any(len(tokens) == 0 for _, tokens in parts):
+            raise ValueError("every part needs at least one token")
+        batch = L.llama_batch_init(n, 0, 1)
+        try:
+            i = 0
+            for seq, tokens in parts:
+                pos0 = self.pos_max(seq) + 1
+                for k, t in enumerate(tokens):
+                    batch.token[i] = int(t)
+                    batch.pos[i] = pos0 + k
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = seq
+                    batch.logits[i] = 1
+                    i += 1
+            batch.n_tokens = n
+            rc = L.llama_decode(self.ptr, batch)
+            if rc != 0:
+                raise NativeError(f"llama_decode returned {rc}")
+            out, i = [], 0
+            for _, tokens in parts:
+                rows = np.empty((len(tokens), self.model.n_vocab), dtype=np.float32)
+                for k in range(len(tokens)):
+                    ptr = L.llama_get_logits_ith(self.ptr, i)
+                    rows[k] = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+                    i += 1
+                out.append(rows)
+            return out
+        finally:
+            L.llama_batch_free(batch)
+
+    def rollback(self, keep: int, seq: int = HISTORY_SEQ) -> None:
+        """Keep positions [0, keep) of ``seq``; needs n_rs_seq >= the number of removed positions."""
+        ok = llama().llama_memory_seq_rm(self.mem, seq, keep, -1)
         if not ok:
-            raise NativeError(f"seq_rm(0, {keep}, -1) refused (n_rs_seq={self.n_rs_seq})")
+            raise NativeError(f"seq_rm({seq}, {keep}, -1) refused (n_rs_seq={self.n_rs_seq})")
 
     def clear(self) -> None:
         llama().llama_memory_clear(self.mem, True)

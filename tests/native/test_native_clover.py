@@ -483,6 +483,32 @@ def test_rollback_exact(bundle: Bundle) -> None:
     np.testing.assert_array_equal(got, want)
 
 
+def _moved_then_rolled_back(bundle: Bundle, drafts: int) -> np.ndarray:
+    """Sequences 0, 1, 2 laid out in cells 1, 2, 0; sequence 0 appends 1 + ``drafts`` tokens in a batch with one
+    token each of sequences 1 and 2 (a server's verification beside two ar slots), keeps the first and decodes the
+    next two: sequence 0's logits of those. The batch's second ubatch (sequences 1 and 2) gathers their cells into
+    0 .. 1, which moves sequence 0's state to cell 2 while its rollback still needs the snapshots of cell 1."""
+    ids = bundle.ids
+    ctx = bundle.context(n_rs_seq=8, n_seq_max=3)
+    ctx.causal_seqs([(2, ids[100:110])])
+    ctx.causal_seqs([(0, ids[:10]), (1, ids[50:60])])
+    ctx.causal_seqs([(0, ids[10:11 + drafts]), (1, ids[60:61]), (2, ids[110:111])])
+    ctx.rollback(11, seq=0)
+    return ctx.causal_seqs([(0, ids[11:13])])[0]
+
+
+def test_rollback_of_a_state_another_ubatch_moved(bundle: Bundle) -> None:
+    """A rollback reads the snapshots of the state it rolls back even when another ubatch of the same batch moved
+    that state to another cell (the snapshots move with it). Equal to the same batches without the drafts, up to
+    the rounding of a row computed in a ubatch of 8 rows rather than 1 (1e-6 of the logits here; a state read from
+    the wrong cell moves them by a tenth or more)."""
+    got = _moved_then_rolled_back(bundle, drafts=7)
+    want = _moved_then_rolled_back(bundle, drafts=0)
+    diff = float(np.abs(got - want).max())
+    record(f"exact/{bundle.name}/moved_rollback_max_abs_diff", diff)
+    assert diff <= 1e-4 * float(np.abs(want).max()), diff
+
+
 @pytest.mark.parametrize("canvas", ["masked", "filled"])
 def test_rollback_then_block_pass_exact(bundle: Bundle, canvas: str) -> None:
     """The scratch copy made right after a rollback reads the kept state (the seq_cp fix)."""

@@ -29,7 +29,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "server-bad-command-line-exits-2", "server-process-start-time-is-unix-time",
                        "server-max-tokens-0-generates-nothing", "server-finished-stream-keeps-connection",
                        "grammar-utf8-well-formed", "server-result-wait-has-a-deadline",
-                       "server-anthropic-error-body", "server-anthropic-thinking-switch"}
+                       "server-anthropic-error-body", "server-anthropic-thinking-switch",
+                       "memory-recurrent-snapshots-follow-moved-state"}
 
 
 @pytest.mark.native
