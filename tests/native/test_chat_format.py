@@ -1,11 +1,11 @@
 """llama-server's chat templates (common/chat) as `clover-cpp chat` uses them (clover_cpp.chat_format, libclover's
 clover_chat_*): the prompt it renders and the answers it parses.
 
-- Rendering: for the demo's template and the Qwen3.5 family's (models/templates/Qwen3.5-4B.jinja in the pinned
-  tree), common/chat's prompt equals the reference's (clover_common.chat_render, Jinja configured as transformers'
-  apply_chat_template) on conversations with a system prompt, earlier turns, reasoning, tools, tool calls and tool
-  results, thinking on and off. Every template the pinned tree ships parses (the Jinja nesting limit leaves real
-  templates alone) and renders a turn.
+- Rendering: for the demo's template (the Qwen3.5 family's, models/templates/Qwen3.5-4B.jinja in the pinned tree)
+  and Qwen3's with Hermes JSON calls (models/templates/Qwen-Qwen3-0.6B.jinja), common/chat's prompt equals the
+  reference's (clover_common.chat_render, Jinja configured as transformers' apply_chat_template) on conversations
+  with a system prompt, earlier turns, reasoning, tools, tool calls and tool results, thinking on and off. Every
+  template the pinned tree ships parses (the Jinja nesting limit leaves real templates alone) and renders a turn.
 - Parsing with `tool_choice` `auto` (the grammar leaves the model free to answer or call), on recorded model text:
   the demo model's own tool calls in each template's format, recorded from `clover-cpp serve` with `tool_choice`
   `required` (greedy, demo GGUF; the model calls no tool unprompted yet), alone and after prose. Each becomes the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +24,8 @@ import pytest
 from clover_common import chat_render
 from clover_common import tokenizer as ctok
 from clover_dev.convert import vendored_tree
-from tests.support.tools import ASK, TOOLS
+from tests.support.chat import transformers_shape
+from tests.support.tools import ASK, TOOLS, pinned_template
 
 pytestmark = pytest.mark.native
 
@@ -63,27 +65,11 @@ RECORDED = {
 PROSE = "Let me look that up.\n\n"
 
 
-def qwen35_template() -> str:
-    return (vendored_tree() / "models" / "templates" / "Qwen3.5-4B.jinja").read_text(encoding="utf-8")
-
-
 @pytest.fixture(scope="module", params=["hermes", "qwen3.5"])
 def template(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    """(name, template text): the demo's own (Hermes JSON calls) and the Qwen3.5 family's (XML calls)."""
-    yield request.param, ctok.chat_template() if request.param == "hermes" else qwen35_template()
-
-
-def _transformers_shape(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool-call arguments as objects, as transformers' templates take them (OpenAI sends JSON text, which
-    common/chat turns into objects for templates that iterate them, such as the Qwen3.5 family's)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**c["function"],
-                                                         "arguments": json.loads(c["function"]["arguments"])}}
-                                     for c in m["tool_calls"]]}
-        out.append(m)
-    return out
+    """(name, template text): the demo's own, the Qwen3.5 family's (XML calls), and Qwen3's (Hermes JSON calls)."""
+    yield request.param, ctok.chat_template() if request.param == "qwen3.5" else \
+        pinned_template(request.param).read_text(encoding="utf-8")
 
 
 def _templates(text: str) -> Any:
@@ -95,14 +81,15 @@ def _templates(text: str) -> Any:
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 @pytest.mark.parametrize("thinking", [True, False])
 def test_common_chat_renders_as_the_reference(template: tuple[str, str], name: str, thinking: bool) -> None:
-    _, text = template
+    family, text = template
     messages = CONVERSATIONS[name]
     tools = TOOLS if name.startswith("tool") else None
     ours = _templates(text).render(messages, tools=tools, enable_thinking=thinking)
-    theirs = chat_render.render_chat(_transformers_shape(messages), text, tools=tools, enable_thinking=thinking)
+    theirs = chat_render.render_chat(transformers_shape(messages), text, tools=tools, enable_thinking=thinking)
     assert ours.prompt == theirs
     assert theirs.endswith(ours.generation_prompt) and ours.generation_prompt.startswith("<|im_start|>assistant")
-    assert ours.in_reasoning == thinking
+    # The Qwen3.5 family's generation prompt opens <think> when thinking is on; Qwen3's leaves it to the model.
+    assert ours.in_reasoning == (thinking and family == "qwen3.5")
 
 
 def test_every_shipped_template_parses_and_renders() -> None:
@@ -133,6 +120,36 @@ def test_the_format_is_detected(template: tuple[str, str]) -> None:
     assert any("<tool_call>" in t["value"] for t in params["grammar_triggers"]), params["grammar_triggers"]
     if name == "qwen3.5":
         assert "<function=" in params["grammar"] and "<parameter=" in params["grammar"]
+
+
+def test_later_system_messages_join_the_first() -> None:
+    """The Qwen3.5 family's template raises on a system message after the first, which agents send (Codex's developer
+    messages, Claude Code's): common/chat moves their text into the first system message, or makes one (patch
+    chat-merge-later-system-messages). Qwen3's template renders them itself, and is left alone."""
+    user = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "And now?"}]
+    later = [{"role": "system", "content": "Be brief."}, user[0], {"role": "system", "content": "Answer in French."},
+             {"role": "developer", "content": "No code."}, user[1]]
+    merged = [{"role": "system", "content": "Be brief.\n\nAnswer in French.\n\nNo code."}, *user]
+    qwen35 = ctok.chat_template()
+    assert _templates(qwen35).render(later, enable_thinking=False).prompt == \
+        chat_render.render_chat(merged, qwen35, enable_thinking=False)
+    no_first = [user[0], {"role": "system", "content": "Answer in French."}, user[1]]
+    assert _templates(qwen35).render(no_first, enable_thinking=False).prompt == \
+        chat_render.render_chat([{"role": "system", "content": "Answer in French."}, *user], qwen35,
+                                enable_thinking=False)
+    qwen3 = pinned_template("hermes").read_text(encoding="utf-8")
+    as_system = [{**m, "role": "system"} if m["role"] == "developer" else m for m in later]
+    assert _templates(qwen3).render(later, enable_thinking=False).prompt == \
+        chat_render.render_chat(as_system, qwen3, enable_thinking=False)
+
+
+def test_the_demo_gguf_carries_the_qwen35_template(demo_gguf: Path) -> None:
+    """The demo's GGUF holds the Qwen3.5 family's template byte for byte (the pinned tree's Qwen3.5-4B.jinja), so
+    llama-server renders and parses the released model's format with it."""
+    from tests.support.convert import fields
+
+    template = fields(demo_gguf, "clover_moe")["tokenizer.chat_template"][1]
+    assert template == pinned_template("qwen3.5").read_text(encoding="utf-8")
 
 
 def _auto(text: str) -> Any:

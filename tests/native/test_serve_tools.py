@@ -1,6 +1,6 @@
 """Tool calls through `clover-cpp serve` (llama-server's common/chat), with the official SDKs, on the demo model under
-two templates: its own (Hermes JSON in `<tool_call>`) and the Qwen3.5 family's (XML `<function=...>` calls,
-models/templates/Qwen3.5-4B.jinja in the pinned tree):
+two templates: its own, the Qwen3.5 family's (XML `<function=...>` calls, models/templates/Qwen3.5-4B.jinja in the
+pinned tree), and Qwen3's (Hermes JSON in `<tool_call>`, models/templates/Qwen-Qwen3-0.6B.jinja):
 
 - `tool_choice` `required` or a named function yields exactly one call to a listed (the named) function, with its
   required arguments, even from the demo model, which writes code whatever it is asked: the grammar leaves no room
@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 
-from clover_dev.convert import vendored_tree
 from tests.support.serve import clover_serve, http
-from tests.support.tools import ASK, TOOLS
+from tests.support.tools import ASK, TOOLS, pinned_template
 
 pytestmark = pytest.mark.native
 
@@ -33,8 +32,7 @@ GREEDY = {"temperature": 0.0, "parallel_tool_calls": False}
 
 @pytest.fixture(scope="module", params=["hermes", "qwen3.5"])
 def server(request: pytest.FixtureRequest, demo_gguf: Path) -> Iterator[str]:
-    template = [] if request.param == "hermes" else \
-        ["--chat-template-file", str(vendored_tree() / "models" / "templates" / "Qwen3.5-4B.jinja")]
+    template = [] if request.param == "qwen3.5" else ["--chat-template-file", str(pinned_template(request.param))]
     with clover_serve(demo_gguf, "-c", "4096", "-np", "1", "-t", "2", "--no-warmup", "--think", "off",
                       "--alias", MODEL, *template) as (url, _, _):
         yield url

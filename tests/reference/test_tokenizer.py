@@ -156,10 +156,13 @@ def test_chat_template_shapes() -> None:
     )
     history = ctok.render_chat(CHATS["history_with_thinking"])
     assert "<|im_start|>assistant\n4<|im_end|>" in history  # old reasoning is dropped
+    # The Qwen3.5 family's tool format: the tool list first, the system prompt after it, XML calls.
     tools = ctok.render_chat(CHATS["tools"], tools=TOOLS)
-    assert tools.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert tools.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n")
     assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>" in tools
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}\n</tool_call>' in tools
+    assert "</IMPORTANT>\n\nBe brief.<|im_end|>\n" in tools
+    assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
+            "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>") in tools
     assert "<|im_start|>user\n<tool_response>\n{\"temp\": 21}\n</tool_response>\n<tool_response>\nsunny" in tools
 
 

@@ -10,6 +10,7 @@ clover_cpp.chat_format), which also renders the prompt: the two renderings must 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,20 @@ from clover_common.tokenizer import load_tokenizer, render_chat
 from clover_dev.process import cli_command
 
 N_CTX = 4096
+
+
+def transformers_shape(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool-call arguments as objects, as transformers' templates take them (OpenAI sends JSON text, which
+    common/chat turns into objects for templates that iterate them, such as the Qwen3.5 family's)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                         "arguments": json.loads(c["function"]["arguments"])}}
+                                     if isinstance(c["function"].get("arguments"), str) else c
+                                     for c in m["tool_calls"]]}
+        out.append(m)
+    return out
 
 
 @dataclass
@@ -69,7 +84,7 @@ class Reference:
 
     def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                thinking: bool = True) -> str:
-        return render_chat(messages, tools=tools, enable_thinking=thinking, template=self.template)
+        return render_chat(transformers_shape(messages), tools=tools, enable_thinking=thinking, template=self.template)
 
     def ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
