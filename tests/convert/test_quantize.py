@@ -261,21 +261,22 @@ def test_quality_mid(mid_f16: Path) -> None:
 def test_quality_trained_demo(tmp_path: Path) -> None:
     """The same on the shipped trained model (models/clover-demo), whose peaked distributions make top-1
     meaningful. Its hidden size of 128 is below the K-quants' 256-wide blocks, so llama.cpp falls back to
-    Q5_0/Q5_1/Q8_0 (and IQ4_NL for IQ4_XS) for most tensors. Measured on the spec v2 model: causal / block KL
-    Q8_0 1.3e-3 / 1.7e-3, Q4_K_M 1.7e-2 / 2.0e-2, Q4_0 6.6e-2 / 5.6e-2; top-1 (causal / block) 0.98 / 0.96,
-    0.91 / 0.91, 0.82 / 0.72. Bounds are about 2-3x the KL and a few points below the top-1."""
+    Q5_0/Q5_1/Q8_0 (and IQ4_NL for IQ4_XS) for most tensors. Measured on the chat-trained model: causal / block
+    KL Q8_0 2.1e-3 / 1.6e-3, Q4_K_M 2.0e-2 / 2.7e-2, Q4_0 0.10 / 0.12, IQ4_NL 4.8e-2 / 6.0e-2; top-1 (causal /
+    block) 0.95 / 0.95, 0.88 / 0.91, 0.67 / 0.72, 0.85 / 0.65. Bounds are above the KL and a few points below the
+    top-1; the block top-1 counts 57 positions, so one position is 1.75 points."""
     f16 = clover_convert(REPO_ROOT / "models" / "clover-demo", tmp_path / "demo-f16.gguf", "f16")
     imatrix = write_imatrix(tmp_path / "demo-imatrix.gguf", f16)
     r = _quality(f16, "demo", ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS"], imatrix)
     for kind in ("causal", "block"):
         kl = {n: r[n][f"kl_{kind}"] for n in r}
         for n in r:  # every type of the issue: a bound at Q4_0's level
-            assert kl[n] < 1.5e-1 and r[n][f"top1_{kind}"] >= 0.65, (kind, n, r[n])
+            assert kl[n] < 1.5e-1 and r[n][f"top1_{kind}"] >= 0.6, (kind, n, r[n])
         assert kl["Q8_0"] < kl["Q4_K_M"] < kl["Q4_0"], (kind, kl)
         assert kl["Q8_0"] < 3e-3 and kl["Q4_K_M"] < 3e-2 and kl["Q4_0"] < 1.5e-1, (kind, kl)
         assert r["Q8_0"][f"top1_{kind}"] >= 0.9, (kind, r["Q8_0"])
         assert r["Q4_K_M"][f"top1_{kind}"] >= 0.85, (kind, r["Q4_K_M"])
-        assert r["Q4_0"][f"top1_{kind}"] >= 0.65, (kind, r["Q4_0"])
+        assert r["Q4_0"][f"top1_{kind}"] >= 0.62, (kind, r["Q4_0"])
 
 
 # ------------------------------------------------------------------------------------------ errors

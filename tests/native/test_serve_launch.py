@@ -199,5 +199,5 @@ def test_the_context_line_reads_the_model_once_and_every_form_of_c(demo_gguf: Pa
         assert _context_line(launch_line(["-m", str(demo_gguf), *c], {}, read_info), {}).startswith(
             "context 768 tokens (-c)"), c
     line = launch_line(["-m", str(demo_gguf)], {}, read_info)
-    assert "trained context of 4096 tokens (-c 0)" in _context_line(line, {})
+    assert "trained context of 32768 tokens (-c 0)" in _context_line(line, {})
     assert reads == [str(demo_gguf)] * 4
