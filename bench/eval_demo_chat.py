@@ -19,12 +19,10 @@ import argparse
 import contextlib
 import json
 import math
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from clover_convert.cli import main as convert_main
+from bench.eval_demo_model import f32_gguf
 from clover_ref.chat_data import Example, examples
 
 EVAL_SEED = 1
@@ -120,10 +118,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--modes", default="ar", help="comma-separated modes (ar, auto, spec, diffusion)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = Path(tmp) / "model-f32.gguf"
-        with contextlib.redirect_stdout(sys.stderr):  # keep stdout pure JSON
-            convert_main([str(args.model_dir), str(gguf), "--outtype", "f32"])
+    with f32_gguf(args.model_dir) as gguf:
         figures = evaluate(gguf, args.cases, args.temperature, args.max_tokens, args.modes.split(","))
     print(json.dumps(figures, indent=2))
 

@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,16 @@ def decode_figures(gguf: Path, prompts: list[list[int]], tokens: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def f32_gguf(model_dir: Path) -> Iterator[Path]:
+    """``model_dir`` converted to an f32 GGUF in a temporary folder (the converter's output kept off stdout)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = Path(tmp) / "model-f32.gguf"
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout pure JSON
+            convert_main([str(model_dir), str(gguf), "--outtype", "f32"])
+        yield gguf
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", type=Path)
@@ -116,10 +127,7 @@ def main() -> None:
     starts = np.linspace(0, len(stream) - args.prompt_tokens - 1, args.prompts).astype(int)
     prompts = [stream[s: s + args.prompt_tokens].tolist() for s in starts]
     figures = {"held_out_tokens": int(len(stream)), "causal_perplexity": perplexity(args.model_dir, stream)}
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = Path(tmp) / "model-f32.gguf"
-        with contextlib.redirect_stdout(sys.stderr):  # keep stdout pure JSON
-            convert_main([str(args.model_dir), str(gguf), "--outtype", "f32"])
+    with f32_gguf(args.model_dir) as gguf:
         figures.update(decode_figures(gguf, prompts, args.tokens))
     print(json.dumps(figures, indent=2))
 

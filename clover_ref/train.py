@@ -183,6 +183,24 @@ class SelfGeneratedPool:
         return block_loss(model, ids, histories, block, self.prompt, rng, suffix_share=DISTILL_SUFFIX_SHARE)
 
 
+def optimizer_step(model, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """One optimizer step on ``loss``, the gradient clipped to norm 1."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def log_step(log, bar: tqdm, record: dict, last: bool, **postfix: str) -> None:
+    """Every 25th step's record (and the last's) to the log file; the progress bar shows the ``postfix`` keys
+    (label=key) of it."""
+    if record["step"] % 25 == 0 or last:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        bar.set_postfix(**{label: record[key] for label, key in postfix.items()})
+    bar.update()
+
+
 def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -224,21 +242,14 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, leng
                     pool.refresh(model, stream, rng)
                 self_block = pool.loss(model, DISTILL_BATCH, rng)
                 loss = loss + self_block
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            optimizer_step(model, optimizer, loss)
             elapsed = time.perf_counter() - start
             record = {"step": step, "seconds": round(elapsed, 1), "causal_loss": round(causal.item(), 4),
                       "block_loss": round(diffusion.item(), 4), "lr": optimizer.param_groups[0]["lr"]}
             if self_block is not None:
                 record["self_block_loss"] = round(self_block.item(), 4)
             history.append(record)
-            if step % 25 == 0 or step == steps - 1:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                bar.set_postfix(causal=record["causal_loss"], block=record["block_loss"])
-            bar.update()
+            log_step(log, bar, record, step == steps - 1, causal="causal_loss", block="block_loss")
             if elapsed > minutes * 60:
                 break
     model.requires_grad_(False)

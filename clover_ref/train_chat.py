@@ -30,7 +30,8 @@ from clover_common.tokenizer import copy_tokenizer, load_tokenizer, render_chat,
 from .chat_data import examples
 from .checkpoint import load_model, save_model
 from .train import (DISTILL_BATCH, POOL_CONTINUATION, POOL_PROMPT, POOL_REFRESH, SelfGeneratedPool, block_loss,
-                    corpus_files, encode_files, joint_loss, learning_rate, pick_block_size, sample_batch)
+                    corpus_files, encode_files, joint_loss, learning_rate, log_step, optimizer_step, pick_block_size,
+                    sample_batch)
 from .windowed import CHUNK, causal_with_window_states
 
 CONVERSATIONS = 24_000  # drawn once; 1,000 steps of 4 rows (about 2 conversations each) see each about once
@@ -123,10 +124,7 @@ def train_chat(base: Path, out_dir: Path, steps: int, minutes: float, seed: int,
                 pool.refresh(model, code, rng)
             self_block = pool.loss(model, DISTILL_BATCH // 2, rng)
             loss = chat_causal + answer_weight * chat_answers + chat_block + code_causal + code_block + self_block
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            optimizer_step(model, optimizer, loss)
             elapsed = time.perf_counter() - start
             record = {"step": step, "seconds": round(elapsed, 1), "chat_causal_loss": round(chat_causal.item(), 4),
                       "chat_answer_loss": round(chat_answers.item(), 4),
@@ -134,11 +132,7 @@ def train_chat(base: Path, out_dir: Path, steps: int, minutes: float, seed: int,
                       "code_block_loss": round(code_block.item(), 4), "self_block_loss": round(self_block.item(), 4),
                       "lr": optimizer.param_groups[0]["lr"]}
             history.append(record)
-            if step % 25 == 0 or step == steps - 1:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                bar.set_postfix(chat=record["chat_causal_loss"], code=record["code_causal_loss"])
-            bar.update()
+            log_step(log, bar, record, step == steps - 1, chat="chat_answer_loss", code="code_causal_loss")
             if elapsed > minutes * 60:
                 break
     model.requires_grad_(False)
