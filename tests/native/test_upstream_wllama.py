@@ -111,7 +111,10 @@ def _ours(path: Path) -> list[dict[str, Any]]:
         for prompt in PROMPTS:
             run = model.run(prompt, mode="ar", max_tokens=N_TOKENS)
             assert mask not in run.tokens, "our greedy answer holds the mask token"
-            out.append({"text": model.detokenize(run.tokens, special=False), "tokens": len(run.tokens)})
+            # llama.cpp's completion_tokens also counts the end-of-generation token an answer stops at, which our
+            # tokens leave out
+            ended = len(run.tokens) < N_TOKENS
+            out.append({"text": model.detokenize(run.tokens, special=False), "tokens": len(run.tokens) + ended})
             model.reset()
     return out
 

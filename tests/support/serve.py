@@ -35,6 +35,16 @@ def clover_serve(gguf: Path, *args: str, env: dict[str, str] | None = None, read
         yield url, proc, log_path
 
 
+def no_end_of_thinking() -> tuple[str, str]:
+    """llama-server arguments that keep a model from closing its reasoning: the shipped tokenizer's `</think>` at
+    -inf. The chat-trained demo closes it at once when thinking is on; tests of reasoning output want some."""
+    from clover_common.tokenizer import TOKENIZER_DIR, load_tokenizer
+
+    think_close = load_tokenizer(TOKENIZER_DIR).token_to_id("</think>")
+    assert think_close is not None, "the shipped tokenizer has no </think> token"
+    return ("--logit-bias", f"{think_close}-inf")
+
+
 def address(url: str) -> tuple[str, int]:
     """The (host, port) a server's URL names, for raw sockets."""
     parts = urlsplit(url)

@@ -130,10 +130,11 @@ def test_props_as_llama_server(server: str, tiny_gguf: Path, ref: Reference) -> 
     assert props["total_slots"] == 2
     assert props["model_alias"] == props["model_path"] == str(tiny_gguf) and props["model_ftype"] == "all F32"
     assert props["chat_template"] == ref.template.removesuffix("\n")  # as Jinja reads it: less the final newline
-    assert props["chat_template_caps"] == {  # the template takes tools, calls, a system turn and string content
+    assert props["chat_template_caps"] == {  # the Qwen3.5 family's: tools, calls, typed content, one system turn first
         "supports_object_arguments": True, "supports_parallel_tool_calls": True, "supports_preserve_reasoning": False,
         "supports_reasoning_effort": False, "supports_string_content": True, "supports_system_role": True,
-        "supports_tool_calls": True, "supports_tools": True, "supports_typed_content": False}
+        "supports_tool_calls": True, "supports_tools": True, "supports_typed_content": True,
+        "supports_later_system_messages": False}
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert re.fullmatch(r"<__media_\w+__>", props["media_marker"]), props["media_marker"]
     assert props["is_sleeping"] is False and props["cors_proxy_enabled"] is False and props["ui_settings"] == {}

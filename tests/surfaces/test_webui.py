@@ -26,7 +26,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
 from tests.support.browser import headless_chromium
-from tests.support.serve import clover_serve, http, sse_chunks
+from tests.support.serve import clover_serve, http, no_end_of_thinking, sse_chunks
 from tests.support.tmp import MkTemp
 
 pytestmark = pytest.mark.native  # a live server (skipped without the build; a failure in CI)
@@ -94,7 +94,10 @@ def demo_gguf(module_tmp: MkTemp) -> Path:
     return clover_convert(DEMO, module_tmp("webui") / f"{MODEL_ID}.gguf", "f16")
 
 
-SERVER_ARGS = ("-c", "4096", "-np", "1", "-t", "2", "--no-warmup", "--alias", MODEL_ID)
+# the chat-trained demo answers briefly and closes its reasoning at once: the page's tests want answers that run to
+# max_tokens (a diffusion answer longer than a block) and reasoning when thinking is on
+SERVER_ARGS = ("-c", "4096", "-np", "1", "-t", "2", "--no-warmup", "--alias", MODEL_ID, "--ignore-eos",
+               *no_end_of_thinking())
 
 
 @pytest.fixture(scope="module")
