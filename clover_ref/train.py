@@ -201,6 +201,15 @@ def log_step(log, bar: tqdm, record: dict, last: bool, **postfix: str) -> None:
     bar.update()
 
 
+def save_stage(model, out_dir: Path, summary_file: str, summary: dict) -> dict:
+    """The trained model (bf16) and the tokenizer in ``out_dir``, and the run's ``summary`` in ``summary_file``."""
+    model.requires_grad_(False)
+    save_model(model, out_dir, dtype="bfloat16")
+    copy_tokenizer(out_dir)
+    (out_dir / summary_file).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -252,15 +261,11 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch: int, leng
             log_step(log, bar, record, step == steps - 1, causal="causal_loss", block="block_loss")
             if elapsed > minutes * 60:
                 break
-    model.requires_grad_(False)
-    save_model(model, out_dir, dtype="bfloat16")
-    copy_tokenizer(out_dir)
     summary = {"steps": len(history), "seconds": round(time.perf_counter() - start, 1), "seed": seed,
                "batch": batch, "length": length, "peak_lr": lr, "train_tokens": int(len(stream)),
                "self_distill_from_step": distill_start,
                "held_out_files": len(held_files), "final": history[-1]}
-    (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return save_stage(model, out_dir, "train_summary.json", summary)
 
 
 def main(argv: list[str] | None = None) -> int:

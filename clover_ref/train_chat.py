@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from clover_common.tokenizer import copy_tokenizer, load_tokenizer, render_chat, special_token_ids, TOKENIZER_DIR
+from clover_common.tokenizer import load_tokenizer, render_chat, special_token_ids, TOKENIZER_DIR
 from .chat_data import examples
-from .checkpoint import load_model, save_model
+from .checkpoint import load_model
 from .train import (DISTILL_BATCH, POOL_CONTINUATION, POOL_PROMPT, POOL_REFRESH, SelfGeneratedPool, block_loss,
                     corpus_files, encode_files, joint_loss, learning_rate, log_step, optimizer_step, pick_block_size,
-                    sample_batch)
+                    sample_batch, save_stage)
 from .windowed import CHUNK, causal_with_window_states
 
 CONVERSATIONS = 24_000  # drawn once; 1,000 steps of 4 rows (about 2 conversations each) see each about once
@@ -135,15 +135,11 @@ def train_chat(base: Path, out_dir: Path, steps: int, minutes: float, seed: int,
             log_step(log, bar, record, step == steps - 1, chat="chat_answer_loss", code="code_causal_loss")
             if elapsed > minutes * 60:
                 break
-    model.requires_grad_(False)
-    save_model(model, out_dir, dtype="bfloat16")
-    copy_tokenizer(out_dir)
     summary = {"base": str(base), "steps": len(history), "seconds": round(time.perf_counter() - start, 1),
                "seed": seed, "chat_rows": chat_rows, "code_rows": code_rows, "length": length, "peak_lr": lr,
                "answer_weight": answer_weight,
                "conversations": len(rows.conversations), "context": context, "final": history[-1]}
-    (out_dir / "train_chat_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return save_stage(model, out_dir, "train_chat_summary.json", summary)
 
 
 def main(argv: list[str] | None = None) -> int:
