@@ -118,6 +118,15 @@ class LlamaModel(NativeHandle):
         llama().llama_model_free(ptr)
 
 
+def _put(batch: Any, i: int, token: int, pos: int, seq: int, output: bool) -> None:
+    """Row ``i`` of a llama_batch: ``token`` at ``pos`` of sequence ``seq``, its logits kept when ``output``."""
+    batch.token[i] = int(token)
+    batch.pos[i] = pos
+    batch.n_seq_id[i] = 1
+    batch.seq_id[i][0] = seq
+    batch.logits[i] = 1 if output else 0
+
+
 class Context(NativeHandle):
     """A context on ``LlamaModel`` with two sequences (0 = history, 1 = scratch) and a unified KV cache."""
 
@@ -169,22 +178,23 @@ class Context(NativeHandle):
         batch = L.llama_batch_init(n, 0, 1)
         try:
             for i, t in enumerate(tokens):
-                batch.token[i] = int(t)
-                batch.pos[i] = pos0 + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = seq
-                batch.logits[i] = 1 if i in want else 0
+                _put(batch, i, t, pos0 + i, seq, i in want)
             batch.n_tokens = n
             rc = L.llama_decode(self.ptr, batch) if decode is None else decode(self.ptr, ctypes.addressof(batch))
             if rc != 0:
                 raise NativeError(f"llama_decode returned {rc}")
-            out = np.empty((len(rows), self.model.n_vocab), dtype=np.float32)
-            for k, r in enumerate(rows):
-                ptr = L.llama_get_logits_ith(self.ptr, int(r))
-                out[k] = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
-            return out
+            return self._logits(rows)
         finally:
             L.llama_batch_free(batch)
+
+    def _logits(self, rows: Sequence[int]) -> np.ndarray:
+        """The float32 logits of the last decoded batch's ``rows``."""
+        L = llama()
+        out = np.empty((len(rows), self.model.n_vocab), dtype=np.float32)
+        for k, r in enumerate(rows):
+            ptr = L.llama_get_logits_ith(self.ptr, int(r))
+            out[k] = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+        return out
 
     def pos_max(self, seq: int = HISTORY_SEQ) -> int:
         return int(llama().llama_memory_seq_pos_max(self.mem, seq))
@@ -262,29 +272,18 @@ class Context(NativeHandle):
             raise ValueError("every part needs at least one token")
         batch = L.llama_batch_init(n, 0, 1)
         try:
-            i = 0
+            rows: list[range] = []  # each part's rows of the batch
             for seq, tokens in parts:
+                start = rows[-1].stop if rows else 0
+                rows.append(range(start, start + len(tokens)))
                 pos0 = self.pos_max(seq) + 1
                 for k, t in enumerate(tokens):
-                    batch.token[i] = int(t)
-                    batch.pos[i] = pos0 + k
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = seq
-                    batch.logits[i] = 1
-                    i += 1
+                    _put(batch, start + k, t, pos0 + k, seq, True)
             batch.n_tokens = n
             rc = L.llama_decode(self.ptr, batch)
             if rc != 0:
                 raise NativeError(f"llama_decode returned {rc}")
-            out, i = [], 0
-            for _, tokens in parts:
-                rows = np.empty((len(tokens), self.model.n_vocab), dtype=np.float32)
-                for k in range(len(tokens)):
-                    ptr = L.llama_get_logits_ith(self.ptr, i)
-                    rows[k] = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
-                    i += 1
-                out.append(rows)
-            return out
+            return [self._logits(r) for r in rows]
         finally:
             L.llama_batch_free(batch)
 
