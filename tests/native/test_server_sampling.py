@@ -2,13 +2,17 @@
 
 - the GGUF's penalties are llama-server's defaults and count the response only, all of it, as the engine's do
   (spec 4), so a request that sets none gets the engine's greedy tokens; a request can turn that off;
-- the mask token is never sampled, whatever a request's logit_bias says.
+- the mask token is never sampled, whatever a request's logit_bias says;
+- the engine draws with the same chain (common_sampler), so a seed gives `clover-cpp generate`, the Python `Model`
+  and llama-server the same sampled tokens wherever their passes have the same shapes.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +131,74 @@ def test_bad_penalty_fields_get_a_400_naming_the_field(demo_gguf: Path, fields: 
         status, answer = post(url + "/completion", {"prompt": "def f(x):\n", "n_predict": 4, "repeat_last_n": -1,
                                                     "penalty_response_only": True})
         assert status == 200, answer
+
+
+# the chain spec 4.5 describes, in llama-server's request form: the penalties, then temperature, top-k and top-p (no
+# min-p; a chain without "penalties" has no penalties sampler)
+SAMPLED = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+SAMPLED_REQUEST = {**SAMPLED, "min_p": 0.0, "samplers": ["penalties", "temperature", "top_k", "top_p"]}
+SEEDS = (1, 2, 3)
+
+
+def sampled_engine(gguf: Path, mode: str, prompts: list[str], n: int) -> dict[tuple[int, int], list[int]]:
+    """The engine's sampled tokens through the Python API, (prompt index, seed) -> tokens."""
+    from clover_cpp import Model
+
+    out = {}
+    with Model(gguf, n_ctx=1024) as m:
+        for k, prompt in enumerate(prompts):
+            for seed in SEEDS:
+                m.reset()
+                out[(k, seed)] = m.run(m.tokenize(prompt), mode=mode, max_tokens=n, seed=seed, **SAMPLED).tokens
+    return out
+
+
+def sampled_server(url: str, prompts: list[str], n: int, **fields: Any) -> dict[tuple[int, int], list[int]]:
+    out = {}
+    for k, prompt in enumerate(prompts):
+        for seed in SEEDS:
+            status, answer = post(url + "/completion", {"prompt": prompt, "n_predict": n, "seed": seed,
+                                                        "return_tokens": True, "cache_prompt": False,
+                                                        **SAMPLED_REQUEST, **fields})
+            assert status == 200, answer
+            out[(k, seed)] = emitted_tokens(answer)
+    return out
+
+
+@pytest.mark.parametrize("mode,server_args,fields", [
+    ("ar", (), {}),
+    ("spec", ("--spec-type", "draft-clover"), {}),
+    ("diffusion", (), {"mode": "diffusion"}),
+], ids=["ar-plain", "spec-draft-clover", "diffusion"])
+def test_a_seed_draws_the_same_tokens_in_the_engine_and_in_llama_server(penalised_demo: Path, mode: str,
+                                                                       server_args: tuple[str, ...],
+                                                                       fields: dict[str, Any]) -> None:
+    """The engine draws from Q with llama.cpp's chain (logit bias, temperature, top-k, top-p, then `dist` seeded with
+    the call's seed: one number per drawn token), the chain llama-server builds for the request. Where both sides run
+    passes of the same shapes (`ar` steps and plain llama-server; `spec` and `--spec-type draft-clover`, whose block
+    pass and verification are spec's; a diffusion block's steps), the logits are the same numbers, so every sampled
+    token agrees, with the GGUF's penalties on (counted over the response on both sides, and over a diffusion
+    window's known targets). A sampled acceptance is llama-server's: a draft is kept when the draw equals it. The
+    engine's earlier sampler (its own RNG) agreed with none of these; sampled `auto` and `spec` against `ar` keep the
+    distribution, not the draws (tests/engine/test_auto.py), since their rows are batched differently."""
+    engine = sampled_engine(penalised_demo, mode, PROMPTS, N_PREDICT)
+    with llama_server(penalised_demo, *SERVER_ARGS, *server_args) as url:
+        server = sampled_server(url, PROMPTS, N_PREDICT, **fields)
+    differ = {key: (server[key], engine[key]) for key in engine if server[key] != engine[key]}
+    assert not differ, differ
+    assert len({tuple(t) for t in engine.values()}) == len(engine), "two seeds gave one text: the seed is not used"
+
+
+def test_clover_cpp_generate_samples_llama_servers_tokens(demo_gguf: Path) -> None:
+    """`clover-cpp generate --mode ar` with a seed prints llama-server's tokens for the same request."""
+    n = 32
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        server = sampled_server(url, PROMPTS[:1], n, repeat_penalty=1.0)
+    for seed in SEEDS:
+        done = subprocess.run([sys.executable, "-m", "clover_cpp.cli", "generate", "-m", str(demo_gguf), "-p",
+                               PROMPTS[0], "--mode", "ar", "-n", str(n), "--temp", str(SAMPLED["temperature"]),
+                               "--top-k", str(SAMPLED["top_k"]), "--top-p", str(SAMPLED["top_p"]), "-s", str(seed),
+                               "--repeat-penalty", "1", "-c", "1024", "--json"],
+                              capture_output=True, text=True, cwd=str(REPO_ROOT), timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["tokens"] == server[(0, seed)], seed

@@ -239,7 +239,7 @@ static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
             }
             counts.advance(j);
             clover_dist_apply(run, logits, false);
-            choices.push_back(clover_choose(slot, run.smp, logits));
+            choices.push_back(clover_choose(run, logits));
             if (run.dist.n_logprobs >= 0) {
                 logprobs.push_back(clover_dist_logprob(run, logits, choices.back().token));
             }

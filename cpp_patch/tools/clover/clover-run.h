@@ -7,9 +7,9 @@
 #include "clover.h"
 #include "llama.h"
 #include "llama-cpp.h"
+#include "sampling.h"  // common/: common_sampler
 
 #include <cstdint>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,22 +19,14 @@ struct clover_slot;
 struct clover_sampler {
     std::vector<uint8_t> excluded;  // mask token and banned ids
     std::vector<uint8_t> stop;      // end-of-generation ids
-    float        temperature = 0.0f;
-    int32_t      top_k       = 0;
-    float        top_p       = 1.0f;
-    std::mt19937 rng;
-
-    std::vector<double>  probs;  // scratch: Q over the vocabulary
-    std::vector<int32_t> order;  // scratch: top-p order
+    float temperature = 0.0f;
+    // The call's llama.cpp sampler chain, as llama-server builds it for the same request (common_sampler, made by
+    // clover_init_chain): its logit bias (the call's, the banned ids, the mask token) and penalties are the
+    // distribution stage (spec 4); temperature, top-k, top-p and dist, seeded with the call's seed, draw from Q.
+    common_sampler_ptr chain;
+    std::vector<llama_token_data> cur;  // scratch: the candidates the chain runs on
 
     bool greedy() const { return !(temperature > 0.0f); }
-
-    double uniform() {
-        // 53-bit uniform in [0, 1) from two 32-bit draws (portable across standard libraries)
-        const uint64_t a = rng() >> 5;
-        const uint64_t b = rng() >> 6;
-        return (double) (a * 67108864ull + b) / 9007199254740992.0;
-    }
 };
 
 // One emitted token's log P and its top alternatives (clover_gen_params.n_logprobs), held until the token is emitted
@@ -56,17 +48,17 @@ struct clover_utf8 {
     bool feed(const std::string & bytes);
 };
 
-// The distribution stage's request state (spec 4): logit_bias, the penalties over the response's tokens so far,
-// and the grammar with its state after them (clover-sampling.cpp)
+// The distribution stage's request state (spec 4): the call's logit_bias and penalties (which the chain applies; the
+// penalties count the response's tokens so far), the grammar with its state after them, and logprobs
+// (clover-sampling.cpp)
 struct clover_dist {
     std::vector<std::pair<llama_token, float>> bias;
     float repeat    = 1.0f;
     float presence  = 0.0f;
     float frequency = 0.0f;
+    bool  staged    = false;  // the stage changes a logit: a bias or a penalty is set (clover_init_chain)
 
-    std::vector<int32_t>     counts;   // n_vocab: each token's count in the response (kept when a penalty is on)
-    std::vector<uint8_t>     listed;   // n_vocab: already in `seen`
-    std::vector<llama_token> seen;     // the ids that were ever counted (the ones a penalty may touch)
+    llama_sampler * window_penalties = nullptr;  // a window's penalties (clover_window_counts), else the chain's
 
     std::vector<uint8_t>     grammar_after;   // n_vocab, or empty: the grammar starts after one of these tokens
     llama_sampler_ptr        grammar_waiting; // the parsed grammar until one of them comes (grammar_after)

@@ -1,7 +1,7 @@
 // Distributions and the sampler of the Clover engine (shared/clover-spec.md section 4, "Distributions and
 // confidence"): the distribution stage (logit_bias, penalties, grammar), P at temperature 1 with the mask token and
-// banned ids excluded, Q after temperature, top-k and top-p, draws from Q, the acceptance of a draft token in a
-// verification (spec 4.2), and logprobs.
+// banned ids excluded, the acceptance of a draft token in a verification (spec 4.2), and logprobs. Q (temperature,
+// top-k, top-p) and its draws are llama.cpp's sampler chain (common_sampler), the one llama-server samples with.
 
 #include "clover-gen-params.h"
 #include "clover-log.h"
@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
-#include <functional>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -45,132 +44,45 @@ float clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vo
     return (float) (std::exp((double) logits[token] - (double) max_v) / sum);
 }
 
-// Q: P after temperature, top-k, top-p; written to smp.probs (n_vocab doubles, zero outside the support)
-static void clover_sampling_dist(clover_sampler & smp, const float * logits, int32_t n_vocab) {
-    std::vector<double> & q = smp.probs;
-    q.assign(n_vocab, 0.0);
-    if (smp.greedy()) {
-        q[clover_argmax(smp, logits, n_vocab)] = 1.0;
-        return;
+// A draw from Q (spec 4.5: P after temperature, top-k, top-p) of logits after the distribution stage: the rest of the
+// call's chain (common_sampler_sample_staged) runs on them, the mask token and the banned ids at -inf, and its dist
+// sampler draws with the call's seed, one number per draw, as llama-server's slot does for each token it samples
+static llama_token clover_draw(clover_run & run, const float * logits) {
+    clover_sampler & smp = run.smp;
+    const int32_t n_vocab = run.slot->n_vocab;
+    std::vector<llama_token_data> & cur = smp.cur;
+    cur.resize(n_vocab);
+    for (llama_token id = 0; id < n_vocab; ++id) {
+        cur[id] = { id, smp.excluded[id] ? -std::numeric_limits<float>::infinity() : logits[id], 0.0f };
     }
-    float max_v = -std::numeric_limits<float>::infinity();
-    for (int32_t i = 0; i < n_vocab; ++i) {
-        if (!smp.excluded[i]) {
-            max_v = std::max(max_v, logits[i]);
-        }
-    }
-    double sum = 0.0;
-    for (int32_t i = 0; i < n_vocab; ++i) {
-        if (!smp.excluded[i]) {
-            q[i] = std::exp(((double) logits[i] - (double) max_v) / (double) smp.temperature);
-            sum += q[i];
-        }
-    }
-    for (auto & v : q) {
-        v /= sum;
-    }
-    if (smp.top_k > 0 && smp.top_k < n_vocab) {
-        std::vector<double> tmp(q);
-        std::nth_element(tmp.begin(), tmp.begin() + (smp.top_k - 1), tmp.end(), std::greater<double>());
-        const double cutoff = tmp[smp.top_k - 1];
-        sum = 0.0;
-        for (auto & v : q) {
-            if (v < cutoff) {
-                v = 0.0;
-            }
-            sum += v;
-        }
-        for (auto & v : q) {
-            v /= sum;
-        }
-    }
-    if (smp.top_p < 1.0f) {
-        auto & order = smp.order;
-        order.clear();
-        for (int32_t i = 0; i < n_vocab; ++i) {
-            if (q[i] > 0.0) {
-                order.push_back(i);
-            }
-        }
-        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return q[a] > q[b]; });
-        double before = 0.0;
-        size_t n_keep = 0;
-        for (; n_keep < order.size(); ++n_keep) {
-            if (!(before < (double) smp.top_p)) {
-                break;
-            }
-            before += q[order[n_keep]];
-        }
-        n_keep = std::max<size_t>(n_keep, 1);
-        sum = 0.0;
-        for (size_t k = 0; k < order.size(); ++k) {
-            if (k < n_keep) {
-                sum += q[order[k]];
-            } else {
-                q[order[k]] = 0.0;
-            }
-        }
-        for (auto & v : q) {
-            v /= sum;
-        }
-    }
-}
-
-static llama_token clover_draw(clover_sampler & smp, const std::vector<double> & q) {
-    double total = 0.0;
-    for (double v : q) {
-        total += v;
-    }
-    const double u = smp.uniform() * total;
-    double acc = 0.0;
-    llama_token last = -1;
-    for (size_t i = 0; i < q.size(); ++i) {
-        if (q[i] <= 0.0) {
-            continue;
-        }
-        acc += q[i];
-        last = (llama_token) i;
-        if (u < acc) {
-            return last;
-        }
-    }
-    return last < 0 ? 0 : last;
+    llama_token_data_array arr = { cur.data(), cur.size(), -1, false };
+    const llama_token id = common_sampler_sample_staged(smp.chain.get(), &arr, run.dist.window_penalties);
+    // no token has mass (every allowed logit at -inf): greedy's choice
+    return id == LLAMA_TOKEN_NULL ? clover_argmax(smp, logits, n_vocab) : id;
 }
 
 // the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
-clover_choice clover_choose(const clover_slot * slot, clover_sampler & smp, const float * logits) {
-    const int32_t n_vocab = slot->n_vocab;
+clover_choice clover_choose(clover_run & run, const float * logits) {
+    const clover_sampler & smp = run.smp;
+    const int32_t n_vocab = run.slot->n_vocab;
     const llama_token best = clover_argmax(smp, logits, n_vocab);
     const float max_v = logits[best];
-    llama_token token = best;
-    if (!smp.greedy()) {
-        clover_sampling_dist(smp, logits, n_vocab);
-        token = clover_draw(smp, smp.probs);
-    }
+    const llama_token token = smp.greedy() ? best : clover_draw(run, logits);
     return { token, clover_prob(smp, logits, n_vocab, token, max_v) };
 }
 
 // The token of one verified target and whether its draft was accepted (draft < 0: none), on logits after the
-// distribution stage. Greedy: argmax P, accepted when it equals the draft; sampling: the draft with probability Q(d),
-// else a draw from Q without d. -1 when nothing is allowed (slot->last_error).
+// distribution stage. Greedy: argmax P, accepted when it equals the draft. Sampling: a draw from Q, accepted when it
+// equals the draft (llama-server's rule, common_sampler_sample_and_accept_n): the draft comes out with probability
+// Q(d), and after a rejection the draw is Q without d, renormalised (spec 4.2). -1 when nothing is allowed
+// (slot->last_error).
 llama_token clover_accept(clover_run & run, float * logits, llama_token draft, bool & accepted) {
-    const int32_t n_vocab = run.slot->n_vocab;
     accepted = false;
     clover_dist_apply(run, logits, clover_dist_needs_mask(run));
     const llama_token best = clover_dist_argmax(run, logits);
-    if (best < 0 || run.smp.greedy()) {
-        accepted = best >= 0 && best == draft;
-        return best;
-    }
-    clover_sampling_dist(run.smp, logits, n_vocab);
-    accepted = draft >= 0 && run.smp.uniform() < run.smp.probs[draft];
-    if (accepted) {
-        return draft;
-    }
-    if (draft >= 0) {
-        run.smp.probs[draft] = 0.0;
-    }
-    return clover_draw(run.smp, run.smp.probs);
+    const llama_token token = best < 0 || run.smp.greedy() ? best : clover_draw(run, logits);
+    accepted = token >= 0 && token == draft;
+    return token;
 }
 
 //
@@ -259,20 +171,18 @@ static void clover_grammar_mask(clover_run & run, llama_sampler * grammar, const
 
 void clover_dist_apply(clover_run & run, float * logits, bool full_grammar) {
     clover_dist & d = run.dist;
-    for (const auto & [id, bias] : d.bias) {
-        logits[id] += bias;
-    }
-    if (d.penalized()) {
-        // llama.cpp's rule (llama_sampler_penalties): the repetition divides a positive logit and multiplies a
-        // negative one; then the frequency and presence terms. Only this response's tokens count (spec 4).
-        for (const llama_token t : d.seen) {
-            const int32_t n = d.counts[t];
-            if (n <= 0) {
-                continue;
-            }
-            float & l = logits[t];
-            l = l > 0.0f ? l / d.repeat : l * d.repeat;
-            l -= (float) n * d.frequency + d.presence;
+    if (d.staged) {
+        // the chain's logit bias and penalties (llama.cpp's rule, the penalties over this response's tokens only)
+        const int32_t n_vocab = run.slot->n_vocab;
+        std::vector<llama_token_data> & cur = run.smp.cur;
+        cur.resize(n_vocab);
+        for (llama_token id = 0; id < n_vocab; ++id) {
+            cur[id] = { id, logits[id], 0.0f };
+        }
+        llama_token_data_array arr = { cur.data(), cur.size(), -1, false };
+        common_sampler_apply_stage(run.smp.chain.get(), &arr, d.window_penalties);
+        for (llama_token id = 0; id < n_vocab; ++id) {
+            logits[id] = cur[id].logit;
         }
     }
     if (full_grammar && d.constrained()) {
@@ -359,26 +269,30 @@ llama_token clover_dist_argmax(clover_run & run, float * logits) {
     return best;
 }
 
-void clover_dist_count(clover_run & run, llama_token token, int32_t delta) {
-    clover_dist & d = run.dist;
-    if (!d.penalized()) {
-        return;
-    }
-    d.counts[token] += delta;
-    if (!d.listed[token]) {
-        d.listed[token] = 1;
-        d.seen.push_back(token);
-    }
-}
-
 void clover_dist_produce(clover_run & run, llama_token token) {
-    clover_dist_count(run, token, 1);
+    common_sampler_accept(run.smp.chain.get(), token, true);  // the penalties count it
     clover_dist & d = run.dist;
     if (d.constrained()) {
         llama_sampler_accept(d.grammar_state.get(), token);
         d.utf8.feed(clover_pieces(run.slot)[token]);
     } else if (d.grammar_waiting && d.grammar_after[token]) {
         d.grammar_state = std::move(d.grammar_waiting);  // parsed at the call's start
+    }
+}
+
+clover_window_counts::clover_window_counts(clover_run & run, const std::vector<llama_token> & canvas)
+    : run(run), canvas(canvas) {
+    if (run.dist.penalized()) {
+        penalties.reset(common_sampler_clone_penalties(run.smp.chain.get()));
+        run.dist.window_penalties = penalties.get();
+    }
+}
+
+void clover_window_counts::advance(int32_t j) {
+    for (; next < j; ++next) {
+        if (penalties && canvas[next] != CLOVER_EMPTY) {
+            llama_sampler_accept(penalties.get(), canvas[next]);
+        }
     }
 }
 
@@ -569,10 +483,6 @@ static bool clover_init_penalties(const clover_slot * slot, const clover_gen_par
         }
         p.out = clover_gen_param_is_unset(p.id, p.given) ? p.gguf : p.given;
     }
-    if (d.penalized()) {
-        d.counts.assign(slot->n_vocab, 0);
-        d.listed.assign(slot->n_vocab, 0);
-    }
     return err.empty();
 }
 
@@ -627,7 +537,7 @@ bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params
     (lazy ? d.grammar_waiting : d.grammar_state) = std::move(smpl);
     return true;
 }
-// banned and stop ids, temperature, top-k/p and the seeded RNG
+// banned and stop ids, temperature
 bool clover_init_sampler(const clover_slot * slot, const clover_gen_params * params, clover_sampler & smp,
                                 std::string & err) {
     smp.excluded.assign(slot->n_vocab, 0);
@@ -648,8 +558,40 @@ bool clover_init_sampler(const clover_slot * slot, const clover_gen_params * par
         return false;
     }
     smp.temperature = params->temperature;
-    smp.top_k       = params->top_k;
-    smp.top_p       = params->top_p;
-    smp.rng.seed(params->seed);
+    return true;
+}
+
+bool clover_init_chain(const clover_slot * slot, const clover_gen_params * params, clover_run & run, std::string & err) {
+    clover_sampler & smp = run.smp;
+    clover_dist    & d   = run.dist;
+    common_params_sampling sp;
+    sp.temp            = params->temperature;
+    sp.top_k           = params->top_k;
+    sp.top_p           = params->top_p;
+    sp.seed            = params->seed;  // LLAMA_DEFAULT_SEED (4294967295) draws a random seed, as in llama.cpp
+    sp.penalty_last_n  = -1;            // the whole response: the chain counts only the tokens the run produces
+    sp.penalty_repeat  = d.repeat;
+    sp.penalty_freq    = d.frequency;
+    sp.penalty_present = d.presence;
+    sp.samplers = { COMMON_SAMPLER_TYPE_TEMPERATURE, COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TOP_P };  // spec 4.5
+    if (d.penalized()) {
+        sp.samplers.insert(sp.samplers.begin(), COMMON_SAMPLER_TYPE_PENALTIES);
+    }
+    sp.no_perf = true;
+    for (const auto & [id, bias] : d.bias) {
+        sp.logit_bias.push_back({ id, bias });
+    }
+    d.staged = !sp.logit_bias.empty() || d.penalized();
+    for (int32_t i = 0; i < slot->n_vocab; ++i) {
+        if (smp.excluded[i]) {  // the chain adds the vocabulary's mask token itself; the banned ids are the call's
+            sp.logit_bias.push_back({ i, -std::numeric_limits<float>::infinity() });
+        }
+    }
+    try {
+        smp.chain.reset(common_sampler_init(llama_get_model(slot->ctx), sp));
+    } catch (const std::exception & e) {
+        err = std::string("sampler: ") + e.what();
+        return false;
+    }
     return true;
 }

@@ -18,7 +18,7 @@ using clover_choice = common_lowconf_choice;
 llama_token   clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab);
 float         clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v);
 // the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
-clover_choice clover_choose(const clover_slot * slot, clover_sampler & smp, const float * logits);
+clover_choice clover_choose(clover_run & run, const float * logits);
 // the token of one verified target and whether its draft was accepted (draft < 0: none), after the distribution
 // stage (which it applies to logits); -1 when nothing is allowed
 llama_token   clover_accept(clover_run & run, float * logits, llama_token draft, bool & accepted);
@@ -26,8 +26,8 @@ llama_token   clover_accept(clover_run & run, float * logits, llama_token draft,
 // 0, or -1 with a message
 int32_t       clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root,
                                    const std::vector<uint8_t> & excluded, std::string & err);
-// The distribution stage (spec 4): adds the bias, applies the penalties and, with full_grammar, sets what the
-// grammar forbids to -inf, in place on one target's logits. Without full_grammar the grammar is left to
+// The distribution stage (spec 4): the chain's logit bias and penalties (common_sampler_apply_stage) and, with
+// full_grammar, -inf for what the grammar forbids, in place on one target's logits. Without full_grammar the grammar is left to
 // clover_dist_argmax, which checks only the winner (llama.cpp's common_sampler does the same).
 void          clover_dist_apply(clover_run & run, float * logits, bool full_grammar);
 // argmax P of adjusted logits under the grammar; -1 when the grammar allows no token (slot->last_error says so)
@@ -36,17 +36,18 @@ llama_token   clover_dist_argmax(clover_run & run, float * logits);
 bool          clover_dist_needs_mask(const clover_run & run);
 // a produced response token, in order: the penalties count it and the grammar advances over it
 void          clover_dist_produce(clover_run & run, llama_token token);
-// count (+1) or uncount (-1) a token for the penalties only (a window's known targets, spec 4)
-void          clover_dist_count(clover_run & run, llama_token token, int32_t delta);
 // log P of token, and the top alternatives, of adjusted logits (the excluded ids and -inf ones have none)
 clover_logprob clover_dist_logprob(const clover_run & run, const float * logits, llama_token token);
 // bias, penalties (the call's, else the GGUF's), grammar and logprobs of a call; false with a message
 bool          clover_init_dist(const clover_slot * slot, const clover_gen_params * params,
                                const std::vector<uint8_t> & excluded, clover_dist & dist, std::string & err);
 
-// banned and stop ids, temperature, top-k/p and the seeded RNG
+// banned and stop ids, temperature
 bool          clover_init_sampler(const clover_slot * slot, const clover_gen_params * params, clover_sampler & smp,
                                   std::string & err);
+// the call's llama.cpp chain (clover_sampler::chain) from its checked sampler and distribution settings
+bool          clover_init_chain(const clover_slot * slot, const clover_gen_params * params, clover_run & run,
+                                std::string & err);
 
 // Drafts under the call's grammar (spec and auto): a copy of its state, advanced over the window's tokens in order,
 // so that each draft is the best token the grammar allows after the drafts before it, and grammatical drafts can be
@@ -68,31 +69,20 @@ class clover_draft_grammar {
 };
 
 // The penalties inside a window (spec 4): for a target, the window's targets known at the start of the step, at
-// earlier positions, count as well. advance(j) counts the known targets before j (call it with rising j); the
-// counts are taken back when this goes out of scope.
+// earlier positions, count as well. A copy of the chain's penalties counts them and stands in for the chain's while
+// this is in scope; advance(j) counts the known targets before j (call it with rising j).
 class clover_window_counts {
   public:
-    clover_window_counts(clover_run & run, const std::vector<llama_token> & canvas) : run(run), canvas(canvas) {}
-    ~clover_window_counts() {
-        for (const llama_token t : added) {
-            clover_dist_count(run, t, -1);
-        }
-    }
+    clover_window_counts(clover_run & run, const std::vector<llama_token> & canvas);
+    ~clover_window_counts() { run.dist.window_penalties = nullptr; }
     clover_window_counts(const clover_window_counts &) = delete;
     clover_window_counts & operator=(const clover_window_counts &) = delete;
 
-    void advance(int32_t j) {
-        for (; next < j; ++next) {
-            if (canvas[next] != CLOVER_EMPTY) {
-                clover_dist_count(run, canvas[next], 1);
-                added.push_back(canvas[next]);
-            }
-        }
-    }
+    void advance(int32_t j);
 
   private:
     clover_run                     & run;
     const std::vector<llama_token> & canvas;
     int32_t                          next = 0;
-    std::vector<llama_token>         added;
+    llama_sampler_ptr                penalties;  // NULL when no penalty is on
 };
