@@ -424,6 +424,30 @@ def test_grammar_errors(tiny: Tiny) -> None:
     assert tiny.text(tiny.run([1, 2, 3], "ar", grammar='root ::= "a" "b"', max_tokens=8).tokens) == "ab"
 
 
+def test_a_constrained_text_is_whole_utf8_characters(tiny: Tiny, tiny_checkpoint: Path) -> None:
+    """Under a grammar the text is well-formed UTF-8, by llama.cpp's grammar alone (the engine's own UTF-8 decoder is
+    gone): it refuses a byte that begins no character and a lead byte's wrong continuation (patch
+    grammar-utf8-well-formed), and it has no ended stack while a character is half written, so an end-of-generation
+    token waits for the character's last byte. The grammar allows any string. Biased stray continuation byte B8 >
+    end, the text is empty; biased lead byte E4 > end > B8, it grows by whole characters E4 B8 B8 and never ends
+    inside one, in every mode."""
+    from tokenizers import Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    letter = bytes_to_unicode()
+    lead, cont, end = vocab.token_to_id(letter[0xE4]), vocab.token_to_id(letter[0xB8]), vocab.token_to_id("<|im_end|>")
+    assert None not in (lead, cont, end)
+    prompt = _prompts(1, seed=44)[0]
+    for mode in MODES:
+        stray = tiny.run(prompt, mode, max_tokens=9, block_size=8, grammar='root ::= [^"]*',
+                         logit_bias={cont: 300.0, end: 200.0})
+        assert stray.tokens == [], (mode, stray.tokens)
+        r = tiny.run(prompt, mode, max_tokens=9, block_size=8, grammar='root ::= [^"]*',
+                     logit_bias={lead: 300.0, end: 200.0, cont: 100.0})
+        assert r.tokens == [lead, cont, cont] * 3, (mode, r.tokens)
+
+
 def test_grammar_after_ids(tiny: Tiny) -> None:
     """grammar_after_ids: the tokens up to the first trigger are unconstrained (ar's own), the text after it matches
     the grammar; a trigger that never comes leaves the whole response unconstrained."""

@@ -37,17 +37,6 @@ struct clover_logprob {
     std::vector<float>       top_logprobs;
 };
 
-// A UTF-8 decoder's state between tokens: continuation bytes still due, and the range the next one must fall in
-// (narrower after E0, ED, F0 and F4, which excludes overlong forms, surrogates and code points above U+10FFFF)
-struct clover_utf8 {
-    int32_t need = 0;
-    uint8_t lo   = 0x80;
-    uint8_t hi   = 0xBF;
-
-    // feed a token's bytes; false when they break well-formed UTF-8 (the state is then unspecified)
-    bool feed(const std::string & bytes);
-};
-
 // The distribution stage's request state (spec 4): the call's logit_bias and penalties (which the chain applies; the
 // penalties count the response's tokens so far), the grammar with its state after them, and logprobs
 // (clover-sampling.cpp)
@@ -63,9 +52,6 @@ struct clover_dist {
     std::vector<uint8_t>     grammar_after;   // n_vocab, or empty: the grammar starts after one of these tokens
     llama_sampler_ptr        grammar_waiting; // the parsed grammar until one of them comes (grammar_after)
     llama_sampler_ptr        grammar_state;   // NULL until the grammar applies
-    clover_utf8              utf8;          // the constrained text so far: a grammar judges code points, and llama.cpp's
-                                            // decoder takes stray or overlong bytes as some, so the mask keeps the
-                                            // text well-formed UTF-8 itself
     std::vector<llama_token_data> cur;      // scratch: the vocabulary for the grammar's mask
 
     int32_t                     n_logprobs = -1;

@@ -89,77 +89,15 @@ llama_token clover_accept(clover_run & run, float * logits, llama_token draft, b
 // the distribution stage (spec 4): logit_bias, penalties, grammar
 //
 
-bool clover_utf8::feed(const std::string & bytes) {
-    for (const unsigned char c : bytes) {
-        if (need > 0) {
-            if (c < lo || c > hi) {
-                return false;
-            }
-            need--;
-            lo = 0x80;
-            hi = 0xBF;
-            continue;
-        }
-        if (c < 0x80) {
-            continue;
-        }
-        if (c >= 0xC2 && c <= 0xDF) {
-            need = 1;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-            need = 2;
-            lo   = c == 0xE0 ? 0xA0 : 0x80;  // no overlong 3-byte form
-            hi   = c == 0xED ? 0x9F : 0xBF;  // no surrogate
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            need = 3;
-            lo   = c == 0xF0 ? 0x90 : 0x80;  // no overlong 4-byte form
-            hi   = c == 0xF4 ? 0x8F : 0xBF;  // nothing above U+10FFFF
-        } else {
-            return false;  // a stray continuation byte, C0, C1 or F5..FF
-        }
-    }
-    return true;
-}
-
-// each token's bytes as llama.cpp's grammar reads them (special tokens rendered), made once per slot
-static const std::vector<std::string> & clover_pieces(clover_slot * slot) {
-    if (slot->pieces.empty()) {
-        const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(slot->ctx));
-        slot->pieces.resize(slot->n_vocab);
-        std::vector<char> buf(256);
-        for (int32_t i = 0; i < slot->n_vocab; ++i) {
-            int32_t n = llama_token_to_piece(vocab, i, buf.data(), (int32_t) buf.size(), 0, true);
-            if (n < 0) {
-                buf.resize((size_t) -n);
-                n = llama_token_to_piece(vocab, i, buf.data(), (int32_t) buf.size(), 0, true);
-            }
-            slot->pieces[i].assign(buf.data(), (size_t) std::max(n, 0));
-        }
-    }
-    return slot->pieces;
-}
-
-// whether the token keeps the constrained text well-formed UTF-8 (an end-of-generation token: when no character
-// is left half-written)
-static bool clover_utf8_allows(clover_run & run, const clover_utf8 & utf8, llama_token token) {
-    if (run.is_stop(token)) {
-        return utf8.need == 0;
-    }
-    clover_utf8 next = utf8;
-    return next.feed(clover_pieces(run.slot)[token]);
-}
-
-// the grammar's full mask: what it forbids after the response so far goes to -inf. Only the candidates that can
-// still win are checked: the excluded ids and -inf logits stay out of the grammar's work.
-static void clover_grammar_mask(clover_run & run, llama_sampler * grammar, const clover_utf8 & utf8, float * logits) {
+// the grammar's full mask: what it forbids after the response so far goes to -inf (llama.cpp's grammar, which also
+// keeps the text well-formed UTF-8 and never ends it inside a character). Only the candidates that can still win are
+// checked: the excluded ids and -inf logits stay out of the grammar's work.
+static void clover_grammar_mask(clover_run & run, llama_sampler * grammar, float * logits) {
     clover_dist & d = run.dist;
     d.cur.clear();
     for (int32_t i = 0; i < run.slot->n_vocab; ++i) {
         if (!run.smp.excluded[i] && logits[i] != -std::numeric_limits<float>::infinity()) {
-            if (clover_utf8_allows(run, utf8, i)) {
-                d.cur.push_back({ i, logits[i], 0.0f });
-            } else {
-                logits[i] = -std::numeric_limits<float>::infinity();
-            }
+            d.cur.push_back({ i, logits[i], 0.0f });
         }
     }
     llama_token_data_array arr = { d.cur.data(), d.cur.size(), -1, false };
@@ -186,7 +124,7 @@ void clover_dist_apply(clover_run & run, float * logits, bool full_grammar) {
         }
     }
     if (full_grammar && d.constrained()) {
-        clover_grammar_mask(run, d.grammar_state.get(), d.utf8, logits);
+        clover_grammar_mask(run, d.grammar_state.get(), logits);
     }
 }
 
@@ -195,11 +133,7 @@ bool clover_dist_needs_mask(const clover_run & run) {
 }
 
 // whether the grammar allows the token next (one candidate: cheap)
-static bool clover_grammar_allows(clover_run & run, llama_sampler * grammar, const clover_utf8 & utf8,
-                                  llama_token token, float logit) {
-    if (!clover_utf8_allows(run, utf8, token)) {
-        return false;
-    }
+static bool clover_grammar_allows(llama_sampler * grammar, llama_token token, float logit) {
     llama_token_data one = { token, logit, 0.0f };
     llama_token_data_array arr = { &one, 1, -1, false };
     llama_sampler_apply(grammar, &arr);
@@ -208,12 +142,11 @@ static bool clover_grammar_allows(clover_run & run, llama_sampler * grammar, con
 
 // The argmax the grammar allows: the plain argmax when allowed (one check), else the best after the full mask.
 // -1 when nothing is left.
-static llama_token clover_grammar_argmax(clover_run & run, llama_sampler * grammar, const clover_utf8 & utf8,
-                                         float * logits) {
+static llama_token clover_grammar_argmax(clover_run & run, llama_sampler * grammar, float * logits) {
     const int32_t n_vocab = run.slot->n_vocab;
     llama_token best = clover_argmax(run.smp, logits, n_vocab);
-    if (!clover_grammar_allows(run, grammar, utf8, best, logits[best])) {
-        clover_grammar_mask(run, grammar, utf8, logits);
+    if (!clover_grammar_allows(grammar, best, logits[best])) {
+        clover_grammar_mask(run, grammar, logits);
         best = clover_argmax(run.smp, logits, n_vocab);
     }
     return logits[best] == -std::numeric_limits<float>::infinity() ? -1 : best;
@@ -222,13 +155,12 @@ static llama_token clover_grammar_argmax(clover_run & run, llama_sampler * gramm
 clover_draft_grammar::clover_draft_grammar(const clover_run & run) {
     if (run.dist.constrained()) {
         state.reset(llama_sampler_clone(run.dist.grammar_state.get()));
-        utf8 = run.dist.utf8;
     }
 }
 
 void clover_draft_grammar::known(clover_run & run, llama_token token) {
     if (state) {
-        advance(run, token, !clover_grammar_allows(run, state.get(), utf8, token, 0.0f));
+        advance(run, token, !clover_grammar_allows(state.get(), token, 0.0f));
     }
 }
 
@@ -236,7 +168,7 @@ llama_token clover_draft_grammar::draft(clover_run & run, float * logits) {
     if (!state) {
         return clover_argmax(run.smp, logits, run.slot->n_vocab);
     }
-    const llama_token best = clover_grammar_argmax(run, state.get(), utf8, logits);
+    const llama_token best = clover_grammar_argmax(run, state.get(), logits);
     if (best < 0) {
         state.reset();
         return clover_argmax(run.smp, logits, run.slot->n_vocab);
@@ -251,13 +183,12 @@ void clover_draft_grammar::advance(clover_run & run, llama_token token, bool for
         return;
     }
     llama_sampler_accept(state.get(), token);
-    utf8.feed(clover_pieces(run.slot)[token]);
 }
 
 llama_token clover_dist_argmax(clover_run & run, float * logits) {
     // under a grammar without its full mask: the winner when allowed, else the next best it allows (-1: none)
     const llama_token best = run.dist.constrained() && !clover_dist_needs_mask(run)
-        ? clover_grammar_argmax(run, run.dist.grammar_state.get(), run.dist.utf8, logits)
+        ? clover_grammar_argmax(run, run.dist.grammar_state.get(), logits)
         : clover_argmax(run.smp, logits, run.slot->n_vocab);
     if (best < 0 || logits[best] == -std::numeric_limits<float>::infinity()) {
         run.slot->last_error = run.dist.constrained()
@@ -274,7 +205,6 @@ void clover_dist_produce(clover_run & run, llama_token token) {
     clover_dist & d = run.dist;
     if (d.constrained()) {
         llama_sampler_accept(d.grammar_state.get(), token);
-        d.utf8.feed(clover_pieces(run.slot)[token]);
     } else if (d.grammar_waiting && d.grammar_after[token]) {
         d.grammar_state = std::move(d.grammar_waiting);  // parsed at the call's start
     }

@@ -65,7 +65,6 @@ class clover_draft_grammar {
     void advance(clover_run & run, llama_token token, bool forbidden);
 
     llama_sampler_ptr state;  // NULL: no grammar, or the window left it
-    clover_utf8       utf8;
 };
 
 // The penalties inside a window (spec 4): for a target, the window's targets known at the start of the step, at

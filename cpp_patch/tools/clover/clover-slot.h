@@ -47,8 +47,6 @@ struct clover_slot {
     std::shared_ptr<clover_shared>  shared;
     std::unique_lock<std::mutex>  * lock = nullptr;  // held while this slot runs engine code
     std::vector<float>              rows;      // logits this slot's last pass got in a round
-    std::vector<std::string>        pieces;    // each token's bytes (special tokens rendered), made by the first
-                                               // constrained call
     std::vector<int32_t>            row_of;    // batch row -> index in rows, or -1
 
     int32_t n_ctx          = 0;  // logical context size (llama.cpp may pad its own)
