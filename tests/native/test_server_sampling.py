@@ -179,7 +179,7 @@ def test_a_seed_draws_the_same_tokens_in_the_engine_and_in_llama_server(penalise
     pass and verification are spec's; a diffusion block's steps), the logits are the same numbers, so every sampled
     token agrees, with the GGUF's penalties on (counted over the response on both sides, and over a diffusion
     window's known targets). A sampled acceptance is llama-server's: a draft is kept when the draw equals it. The
-    engine's earlier sampler (its own RNG) agreed with none of these; sampled `auto` and `spec` against `ar` keep the
+    engine's earlier sampler (its own RNG) failed the `ar` case; sampled `auto` and `spec` against `ar` keep the
     distribution, not the draws (tests/engine/test_auto.py), since their rows are batched differently."""
     engine = sampled_engine(penalised_demo, mode, PROMPTS, N_PREDICT)
     with llama_server(penalised_demo, *SERVER_ARGS, *server_args) as url:

@@ -24,7 +24,7 @@ struct clover_sampler {
     // clover_init_chain): its logit bias (the call's, the banned ids, the mask token) and penalties are the
     // distribution stage (spec 4); temperature, top-k, top-p and dist, seeded with the call's seed, draw from Q.
     common_sampler_ptr chain;
-    std::vector<llama_token_data> cur;  // scratch: the candidates the chain runs on
+    std::vector<llama_token_data> cur;  // scratch: the candidates the chain or the grammar runs on
 
     bool greedy() const { return !(temperature > 0.0f); }
 };
@@ -45,20 +45,20 @@ struct clover_dist {
     float repeat    = 1.0f;
     float presence  = 0.0f;
     float frequency = 0.0f;
-    bool  staged    = false;  // the stage changes a logit: a bias or a penalty is set (clover_init_chain)
 
     llama_sampler * window_penalties = nullptr;  // a window's penalties (clover_window_counts), else the chain's
 
     std::vector<uint8_t>     grammar_after;   // n_vocab, or empty: the grammar starts after one of these tokens
     llama_sampler_ptr        grammar_waiting; // the parsed grammar until one of them comes (grammar_after)
     llama_sampler_ptr        grammar_state;   // NULL until the grammar applies
-    std::vector<llama_token_data> cur;      // scratch: the vocabulary for the grammar's mask
 
     int32_t                     n_logprobs = -1;
     std::vector<clover_logprob> logprobs;         // of the tokens produced and not yet emitted, in order
     std::vector<clover_logprob> window_logprobs;  // diffusion: of each window target, from the step that filled it
 
     bool penalized() const { return repeat != 1.0f || presence != 0.0f || frequency != 0.0f; }
+    // the stage changes a logit: a bias or a penalty is set (the banned ids are the excluded ones, set apart)
+    bool staged() const { return !bias.empty() || penalized(); }
     bool constrained() const { return grammar_state != nullptr; }
 };
 

@@ -44,18 +44,25 @@ float clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vo
     return (float) (std::exp((double) logits[token] - (double) max_v) / sum);
 }
 
+// one target's logits as the chain's candidates, in vocabulary order (what the logit-bias and penalties samplers look
+// tokens up by), the mask token and the banned ids at -inf; in the sampler's scratch array
+static llama_token_data_array clover_candidates(clover_run & run, const float * logits) {
+    clover_sampler & smp = run.smp;
+    const int32_t n_vocab = run.slot->n_vocab;
+    smp.cur.resize(n_vocab);
+    for (llama_token id = 0; id < n_vocab; ++id) {
+        smp.cur[id] = { id, smp.excluded[id] ? -std::numeric_limits<float>::infinity() : logits[id], 0.0f };
+    }
+    return { smp.cur.data(), smp.cur.size(), -1, false };
+}
+
 // A draw from Q (spec 4.5: P after temperature, top-k, top-p) of logits after the distribution stage: the rest of the
-// call's chain (common_sampler_sample_staged) runs on them, the mask token and the banned ids at -inf, and its dist
-// sampler draws with the call's seed, one number per draw, as llama-server's slot does for each token it samples
+// call's chain (common_sampler_sample_staged) runs on them, and its dist sampler draws with the call's seed, one
+// number per draw, as llama-server's slot does for each token it samples
 static llama_token clover_draw(clover_run & run, const float * logits) {
     clover_sampler & smp = run.smp;
     const int32_t n_vocab = run.slot->n_vocab;
-    std::vector<llama_token_data> & cur = smp.cur;
-    cur.resize(n_vocab);
-    for (llama_token id = 0; id < n_vocab; ++id) {
-        cur[id] = { id, smp.excluded[id] ? -std::numeric_limits<float>::infinity() : logits[id], 0.0f };
-    }
-    llama_token_data_array arr = { cur.data(), cur.size(), -1, false };
+    llama_token_data_array arr = clover_candidates(run, logits);
     const llama_token id = common_sampler_sample_staged(smp.chain.get(), &arr, run.dist.window_penalties);
     // no token has mass (every allowed logit at -inf): greedy's choice
     return id == LLAMA_TOKEN_NULL ? clover_argmax(smp, logits, n_vocab) : id;
@@ -93,14 +100,14 @@ llama_token clover_accept(clover_run & run, float * logits, llama_token draft, b
 // keeps the text well-formed UTF-8 and never ends it inside a character). Only the candidates that can still win are
 // checked: the excluded ids and -inf logits stay out of the grammar's work.
 static void clover_grammar_mask(clover_run & run, llama_sampler * grammar, float * logits) {
-    clover_dist & d = run.dist;
-    d.cur.clear();
+    std::vector<llama_token_data> & cur = run.smp.cur;
+    cur.clear();
     for (int32_t i = 0; i < run.slot->n_vocab; ++i) {
         if (!run.smp.excluded[i] && logits[i] != -std::numeric_limits<float>::infinity()) {
-            d.cur.push_back({ i, logits[i], 0.0f });
+            cur.push_back({ i, logits[i], 0.0f });
         }
     }
-    llama_token_data_array arr = { d.cur.data(), d.cur.size(), -1, false };
+    llama_token_data_array arr = { cur.data(), cur.size(), -1, false };
     llama_sampler_apply(grammar, &arr);
     for (size_t k = 0; k < arr.size; ++k) {
         logits[arr.data[k].id] = arr.data[k].logit;
@@ -109,18 +116,12 @@ static void clover_grammar_mask(clover_run & run, llama_sampler * grammar, float
 
 void clover_dist_apply(clover_run & run, float * logits, bool full_grammar) {
     clover_dist & d = run.dist;
-    if (d.staged) {
+    if (d.staged()) {
         // the chain's logit bias and penalties (llama.cpp's rule, the penalties over this response's tokens only)
-        const int32_t n_vocab = run.slot->n_vocab;
-        std::vector<llama_token_data> & cur = run.smp.cur;
-        cur.resize(n_vocab);
-        for (llama_token id = 0; id < n_vocab; ++id) {
-            cur[id] = { id, logits[id], 0.0f };
-        }
-        llama_token_data_array arr = { cur.data(), cur.size(), -1, false };
+        llama_token_data_array arr = clover_candidates(run, logits);
         common_sampler_apply_stage(run.smp.chain.get(), &arr, d.window_penalties);
-        for (llama_token id = 0; id < n_vocab; ++id) {
-            logits[id] = cur[id].logit;
+        for (size_t id = 0; id < arr.size; ++id) {
+            logits[id] = arr.data[id].logit;
         }
     }
     if (full_grammar && d.constrained()) {
@@ -491,7 +492,8 @@ bool clover_init_sampler(const clover_slot * slot, const clover_gen_params * par
     return true;
 }
 
-bool clover_init_chain(const clover_slot * slot, const clover_gen_params * params, clover_run & run, std::string & err) {
+bool clover_init_chain(const clover_slot * slot, const clover_gen_params * params, clover_run & run,
+                       std::string & err) {
     clover_sampler & smp = run.smp;
     clover_dist    & d   = run.dist;
     common_params_sampling sp;
@@ -503,7 +505,8 @@ bool clover_init_chain(const clover_slot * slot, const clover_gen_params * param
     sp.penalty_repeat  = d.repeat;
     sp.penalty_freq    = d.frequency;
     sp.penalty_present = d.presence;
-    sp.samplers = { COMMON_SAMPLER_TYPE_TEMPERATURE, COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TOP_P };  // spec 4.5
+    // spec 4.5's order
+    sp.samplers = { COMMON_SAMPLER_TYPE_TEMPERATURE, COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TOP_P };
     if (d.penalized()) {
         sp.samplers.insert(sp.samplers.begin(), COMMON_SAMPLER_TYPE_PENALTIES);
     }
@@ -511,7 +514,6 @@ bool clover_init_chain(const clover_slot * slot, const clover_gen_params * param
     for (const auto & [id, bias] : d.bias) {
         sp.logit_bias.push_back({ id, bias });
     }
-    d.staged = !sp.logit_bias.empty() || d.penalized();
     for (int32_t i = 0; i < slot->n_vocab; ++i) {
         if (smp.excluded[i]) {  // the chain adds the vocabulary's mask token itself; the banned ids are the call's
             sp.logit_bias.push_back({ i, -std::numeric_limits<float>::infinity() });

@@ -27,8 +27,8 @@ llama_token   clover_accept(clover_run & run, float * logits, llama_token draft,
 int32_t       clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root,
                                    const std::vector<uint8_t> & excluded, std::string & err);
 // The distribution stage (spec 4): the chain's logit bias and penalties (common_sampler_apply_stage) and, with
-// full_grammar, -inf for what the grammar forbids, in place on one target's logits. Without full_grammar the grammar is left to
-// clover_dist_argmax, which checks only the winner (llama.cpp's common_sampler does the same).
+// full_grammar, -inf for what the grammar forbids, in place on one target's logits. Without full_grammar the grammar
+// is left to clover_dist_argmax, which checks only the winner (llama.cpp's common_sampler does the same).
 void          clover_dist_apply(clover_run & run, float * logits, bool full_grammar);
 // argmax P of adjusted logits under the grammar; -1 when the grammar allows no token (slot->last_error says so)
 llama_token   clover_dist_argmax(clover_run & run, float * logits);
