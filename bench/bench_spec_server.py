@@ -12,7 +12,8 @@ held-out 48-token code prompts (greedy), and as many that repeat nothing (bench/
 prompts: prompt and continuation hold no repeated 3-gram, so n-gram drafting has nothing to copy).
 
 Configurations, one llama-server each, all started before the first request and asked in turn on every prompt
-(interleaved), greedy, --tokens new tokens (ignore_eos), without the prompt cache:
+(interleaved; the order rotates by one configuration per prompt), greedy, --tokens new tokens (ignore_eos), without
+the prompt cache:
 - plain (no speculation), ngram-mod, ngram-map-k: llama.cpp's own;
 - draft-clover: the model's block pass as the drafter (docs/decoding.md, "draft-clover in llama.cpp");
 - ngram-mod,draft-clover: `auto` in llama.cpp (the n-gram draft first, the block draft where it pays);
@@ -104,24 +105,30 @@ def complete(url: str, prompt: list[int], tokens: int, **fields: Any) -> dict[st
     return answer
 
 
-def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[int]], tokens: int) -> dict:
-    """Totals per configuration over the prompts, configurations interleaved on each prompt."""
-    names = [label("server", s) for s in SERVER_TYPES] + [label("engine", m) for m in ENGINE_MODES]
-    totals = {n: {"tokens": 0, "decode_ms": 0.0, "wall_ms": 0.0, "drafted": 0, "accepted": 0} for n in names}
-    for prompt in prompts:
-        for spec in SERVER_TYPES:
-            a = complete(urls[spec][0], prompt, tokens)
-            t, tm = totals[label("server", spec)], a["timings"]
-            t["tokens"] += tm["predicted_n"]
-            t["decode_ms"] += tm["predicted_ms"]
-            t["wall_ms"] += a["wall_ms"]
-            t["drafted"] += tm.get("draft_n", 0)
-            t["accepted"] += tm.get("draft_n_accepted", 0)
-        for mode in ENGINE_MODES:
+def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[int]], tokens: int,
+            first: int = 0) -> dict:
+    """Totals per configuration over the prompts, configurations interleaved on each prompt. The order rotates by
+    one configuration per prompt (starting at `first`), so that no configuration always runs right after the same
+    one: a server's threads still busy after its answer, or a slow configuration's heat, then falls on each."""
+    configs = [("server", s) for s in SERVER_TYPES] + [("engine", m) for m in ENGINE_MODES]
+    totals = {label(k, n): {"tokens": 0, "decode_ms": 0.0, "wall_ms": 0.0, "drafted": 0, "accepted": 0}
+              for k, n in configs}
+    for i, prompt in enumerate(prompts):
+        shift = (first + i) % len(configs)
+        for kind, name in configs[shift:] + configs[:shift]:
+            t = totals[label(kind, name)]
+            if kind == "server":
+                a = complete(urls[name][0], prompt, tokens)
+                tm = a["timings"]
+                t["tokens"] += tm["predicted_n"]
+                t["decode_ms"] += tm["predicted_ms"]
+                t["wall_ms"] += a["wall_ms"]
+                t["drafted"] += tm.get("draft_n", 0)
+                t["accepted"] += tm.get("draft_n_accepted", 0)
+                continue
             model.reset()
             start = time.perf_counter()
-            s = model.run(prompt, mode=mode, max_tokens=tokens, stop_ids=[]).stats
-            t = totals[label("engine", mode)]
+            s = model.run(prompt, mode=name, max_tokens=tokens, stop_ids=[]).stats
             t["wall_ms"] += (time.perf_counter() - start) * 1e3
             t["tokens"] += s.generated_tokens
             t["decode_ms"] += s.decode_ms
@@ -182,7 +189,7 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
             # each run its own prompts: an n-gram drafter's table keeps what it saw, and a prompt asked again would be
             # drafted from its own earlier answer
             n = len(plist) // runs
-            per_run = [one_run(model, urls, plist[r * n:(r + 1) * n], tokens) for r in range(runs)]
+            per_run = [one_run(model, urls, plist[r * n:(r + 1) * n], tokens, first=r * n) for r in range(runs)]
             res[set_name] = {n: summarize(per_run, n, label("server", "none")) for n in per_run[0]}
             res.setdefault("pairs", {})[set_name] = pairs(per_run)
     block_ms = costs.block_fixed_ms + block * costs.block_row_ms
@@ -194,10 +201,10 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"llama-server's speculative types and the engine ({res['date']}, {res['cpu']}, {res['threads']} threads, "
              f"-ngl {res['ngl']}). {res['prompts']} prompts per set and run (each run its own), "
-             f"{res['tokens']} new tokens each (ignore_eos), "
-             f"greedy, configurations interleaved on each prompt; ratios are the median over {res['runs']} runs of "
-             "that run's tok/s over server plain's. End to end: wall time per request at the client; decode: the "
-             "server's predicted_per_second (the engine's decode time).", ""]
+             f"{res['tokens']} new tokens each (ignore_eos), greedy, configurations interleaved on each prompt, "
+             f"their order rotating by one per prompt; ratios are the median over {res['runs']} runs of that run's "
+             "tok/s over server plain's. End to end: wall time per request at the client; decode: the server's "
+             "predicted_per_second (the engine's decode time).", ""]
     for model, m in res["models"].items():
         bp = m.get("block_pass")
         lines += [f"### {model}", ""]
