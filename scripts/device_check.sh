@@ -31,11 +31,16 @@ exec > >(tee "$OUT/run.log") 2>&1
 export PATH=$PATH:/usr/local/cuda/bin
 T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { echo $(( ${TOTAL_LIMIT:-290} - ($(date +%s) - T0) )); }
+NOT_DONE=()  # the steps asked for that failed or found no time: the last line names them, and the exit status is 1
+record() { t "$1 rc=$2"; [[ $2 == 0 ]] || NOT_DONE+=("$1"); }
+no_time() { t "skip $1 (time)"; NOT_DONE+=("$1 (no time)"); }
 [[ $CPU_ONLY == 1 ]] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "cpus $(nproc)"
 
 STEPS=" ${DEVICE_CHECK_STEPS:-parity ops tests bench draft-clover} "
 step() { [[ $STEPS == *" $1 "* ]]; }
+# seconds the later steps keep for themselves: draft-clover in llama-server is what step 4 must not eat
+reserve_after_bench() { step draft-clover && echo 90 || echo 0; }
 NATIVE=${DEVICE_CHECK_NATIVE:-}  # a published build (lib/, bin/; build/native): no build, the project's venv
 
 if [[ -n $NATIVE ]]; then
@@ -122,8 +127,12 @@ step parity && t "parity probe done"
 if step ops && (( $(left) > 30 )) && [[ $CPU_ONLY != 1 ]]; then
     for op in GATED_DELTA_NET SSM_CONV RMS_NORM L2_NORM CONCAT GET_ROWS CPY; do
         timeout 30 $B/bin/test-backend-ops -o $op -b CUDA0 > "$OUT/backend-ops-$op.log" 2>&1
-        echo "test-backend-ops $op rc=$? $(grep -E '[0-9]+/[0-9]+ tests passed' "$OUT/backend-ops-$op.log" | tail -1)"
+        rc=$?
+        echo "test-backend-ops $op rc=$rc $(grep -E '[0-9]+/[0-9]+ tests passed' "$OUT/backend-ops-$op.log" | tail -1)"
+        [[ $rc == 0 ]] || NOT_DONE+=("ops $op")
     done
+elif step ops && [[ $CPU_ONLY != 1 ]]; then
+    no_time ops
 fi
 
 # -- 3. native parity tests under strict FP32, then as shipped
@@ -131,20 +140,30 @@ if step tests && (( $(left) > 60 )); then
     env "${STRICT[@]}" CLOVER_N_GPU_LAYERS=$NGL timeout $(( $(left) - 45 )) python3 -m pytest -q -p no:cacheprovider \
         -o addopts="" tests/native/test_native_clover.py tests/engine/test_engine.py -k "not stock_qwen35moe and not mid" -W ignore \
         > "$OUT/tests-strict.log" 2>&1
-    t "tests (strict) rc=$?"; tail -25 "$OUT/tests-strict.log"
+    record "tests (strict)" $?; tail -25 "$OUT/tests-strict.log"
+elif step tests; then
+    no_time tests
 fi
 
 # -- 4. engine benchmark
-if step bench && (( $(left) > 30 )); then
-    timeout $(( $(left) - 5 )) python3 -m bench.bench_engine --n-gpu-layers $NGL --skip-stock --skip-reference \
+if step bench && (( $(left) - $(reserve_after_bench) > 30 )); then
+    timeout $(( $(left) - $(reserve_after_bench) - 5 )) python3 -m bench.bench_engine --n-gpu-layers $NGL --skip-stock --skip-reference \
         --threads "$(nproc)" --name bench_engine_cuda --workdir /tmp/be > "$OUT/bench.log" 2>&1
-    t "bench rc=$?"; tail -30 "$OUT/bench.log"
+    record bench $?; tail -30 "$OUT/bench.log"
     cp bench/results/bench_engine_cuda.* "$OUT/" 2>/dev/null
+elif step bench; then
+    no_time bench
 fi
 # -- 5. draft-clover in llama-server: every --spec-type and the engine, and a block pass in ar steps
 if step draft-clover && (( $(left) > 30 )); then
     timeout $(( $(left) - 5 )) python3 -m bench.bench_spec_server --quick --n-gpu-layers $NGL \
         --stem bench_spec_server_device --workdir "${DEVICE_CHECK_WORK:-/tmp/bs}" --results "$OUT" > "$OUT/spec.log" 2>&1
-    t "draft-clover rc=$?"; tail -30 "$OUT/spec.log"
+    record draft-clover $?; tail -30 "$OUT/spec.log"
+elif step draft-clover; then
+    no_time draft-clover
+fi
+if (( ${#NOT_DONE[@]} )); then
+    t "done; not done: ${NOT_DONE[*]}"
+    exit 1
 fi
 t done

@@ -1,6 +1,7 @@
 """The GPU check's draft-clover step (scripts/device_check.sh, step 5) as its CPU dry run on this machine's build:
 llama-server with each --spec-type and the engine side by side (bench/bench_spec_server.py --quick), reporting a
-block pass in ar steps. The GPU machine runs the same step on its CUDA build."""
+block pass in ar steps. The GPU machine runs the same step on its CUDA build. A step asked for that fails or finds
+no time fails the check."""
 
 from __future__ import annotations
 
@@ -36,3 +37,20 @@ def test_the_draft_clover_step_runs_on_the_cpu_build(tmp_path: Path) -> None:
         rows = model[prompts]
         assert rows["server draft-clover"]["drafted"] > 0, rows
         assert all(r["decode_tok_s"] > 0 for r in rows.values()), rows
+
+
+def test_a_step_that_finds_no_time_fails_the_check(tmp_path: Path) -> None:
+    """A step asked for that did not run is not a pass: the last line names it and the exit status is 1 (the GPU
+    machine's run reports only the status and what came back)."""
+    from clover_native import loader
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, DEVICE_CHECK_CPU="1", DEVICE_CHECK_NATIVE=str(loader.lib_dir().parent),
+               DEVICE_CHECK_STEPS="draft-clover", TOTAL_LIMIT="20", OUT=str(out))
+    done = subprocess.run(["bash", "scripts/device_check.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    log = (out / "run.log").read_text()
+    assert done.returncode == 1, log
+    assert "skip draft-clover (time)" in log and "not done: draft-clover (no time)" in log, log
+    assert not (out / "bench_spec_server_device.json").exists()
