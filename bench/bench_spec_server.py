@@ -157,8 +157,10 @@ def summarize(per_run: list[dict], name: str, ref: str) -> dict[str, Any]:
     return out
 
 
-# the issue's comparisons, run by run: (what, over what); "best n-gram" is the faster of the n-gram types in that run
+# the goals' comparisons, run by run: (what, over what); "best n-gram" is the faster of the n-gram types in that run.
+# auto is the engine's `--mode auto` and llama-server's `--spec-type ngram-mod,draft-clover`.
 PAIRS = [("engine auto", "server ngram-mod"), ("engine auto", "best n-gram"),
+         ("server ngram-mod,draft-clover", "best n-gram"),
          ("engine auto", "server ngram-mod,draft-clover"), ("engine ar", "server plain")]
 
 
