@@ -129,7 +129,9 @@ def test_auto_multi_turn_and_prefix(tiny: Case) -> None:
     out1 = m.run(p1, mode="auto", block_size=8, max_tokens=20, stop_ids=[]).tokens
     out2 = m.run(p2, mode="auto", block_size=8, max_tokens=15, stop_ids=[]).tokens
     fresh = tiny.run(p1 + out1 + p2, "ar", max_tokens=15, stop_ids=[]).tokens
-    Ledger().check("auto/multi-turn", out2, fresh, tiny.ref, p1 + out1 + p2)
+    ledger = Ledger()
+    ledger.check("auto/multi-turn", out2, fresh, tiny.ref, p1 + out1 + p2)
+    ledger.assert_budget()
     short = tiny.run(p1, "auto", block_size=8, max_tokens=7, stop_ids=[]).tokens
     long = tiny.run(p1, "auto", block_size=8, max_tokens=30, stop_ids=[]).tokens
     assert short == long[:7]
@@ -141,7 +143,7 @@ def test_sampled_auto_keeps_ars_distribution(demo: Case) -> None:
     is accepted with probability Q(d), else the target samples Q without it (spec 4.5). A two-sample chi-square test
     of homogeneity at ALPHA whose power against a shift of SHIFT_TV in total variation is at least POWER (both
     asserted; tests/support/homogeneity.py)."""
-    samples, alpha, shift_tv, power = 600, 1e-3, 0.1, 0.9
+    samples, alpha, shift_tv, power = 1200, 1e-3, 0.1, 0.9
     m = demo.model
     snippet = "    def push(self, item):\n        self.items.append(item)\n\n"
     prompt = m.tokenize("class Stack:\n" + snippet * 6)

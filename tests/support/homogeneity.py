@@ -4,8 +4,11 @@ emit the same distribution as plain decoding? (tests/native/test_draft_clover.py
 Pearson's chi-square statistic over the tokens the two samples saw, those seen fewer than ``MIN_COUNT`` times in
 both together merged into one category; its critical value at ``alpha`` by simulation from the pooled counts
 (small expected counts make the chi-square table wrong); and the test's power against a shift of ``shift_tv`` in
-total variation (that much of the pooled mass moved onto its least likely category, e.g. a verification that kept
-one wrong draft in ten), by the same simulation.
+total variation, by the same simulation: the lower of its power against two such shifts,
+- that much of the pooled mass moved onto the least likely category (a verification that lets a wrong token
+  through, e.g. one wrong draft kept in ten),
+- that much moved from the most likely category to the second (a verification that leans towards a runner-up: between
+  two large categories a shift is hardest for the statistic to see).
 
 The merge is what keeps the simulation honest. A model's distribution has a long tail of tokens each drawn once
 or never; a simulation from the pooled counts knows only the tail tokens that were drawn, so it draws fewer
@@ -59,9 +62,24 @@ def homogeneity(x: list[int], y: list[int], alpha: float, shift_tv: float, seed:
     null = np.array([chi2(rng.multinomial(int(a.sum()), pooled).astype(float),
                           rng.multinomial(int(b.sum()), pooled).astype(float)) for _ in range(4000)])
     critical = float(np.quantile(null, 1 - alpha))
-    shifted = (1 - shift_tv) * pooled
-    shifted[int(np.argmin(pooled))] += shift_tv
-    alt = np.array([chi2(rng.multinomial(int(a.sum()), pooled).astype(float),
-                         rng.multinomial(int(b.sum()), shifted).astype(float)) for _ in range(1000)])
-    return Homogeneity(chi2(a, b), critical, float((alt > critical).mean()),
+    power = min(float((np.array([chi2(rng.multinomial(int(a.sum()), pooled).astype(float),
+                                      rng.multinomial(int(b.sum()), shifted).astype(float))
+                                 for _ in range(1000)]) > critical).mean())
+                for shifted in shifts(pooled, shift_tv))
+    return Homogeneity(chi2(a, b), critical, power,
                        {c: (int(p), int(q)) for c, p, q in zip([*cats, -1], a, b)})  # -1: the rare ones
+
+
+def shifts(pooled: np.ndarray, shift_tv: float) -> list[np.ndarray]:
+    """The alternatives the power is taken against (module docstring): shift_tv of the mass onto the least likely
+    category, and from the most likely to the second (as much as the most likely has)."""
+    onto_rarest = (1 - shift_tv) * pooled
+    onto_rarest[int(np.argmin(pooled))] += shift_tv
+    if len(pooled) < 2:
+        return [onto_rarest]
+    order = np.argsort(-pooled, kind="stable")
+    to_runner_up = pooled.copy()
+    moved = min(shift_tv, float(pooled[order[0]]))
+    to_runner_up[order[0]] -= moved
+    to_runner_up[order[1]] += moved
+    return [onto_rarest, to_runner_up]
