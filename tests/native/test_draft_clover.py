@@ -142,19 +142,6 @@ def test_greedy_draft_clover_equals_ar_under_a_grammar(demo_gguf: Path, demo_ref
     assert sum(a["timings"].get("draft_n", 0) for a in answers["draft-clover"]) > 0
 
 
-def test_greedy_draft_clover_equals_ar_on_a_checkpoint_written_by_transformers(
-        handmade: tuple[Path, object], tmp_path: Path) -> None:
-    from clover_ref.checkpoint import load_model
-
-    checkpoint, _ = handmade
-    gguf = clover_convert(checkpoint, tmp_path / "handmade.gguf", "f32")
-    ref = load_model(checkpoint)
-    prompts = [_tokens(seed, n) for seed, n in ((3, 7), (4, 30))]
-    answers = run_configs(gguf, prompts, ignore_eos=True)
-    counts = check_lossless("handmade", answers, ref, REF_TOL, banned=list(ref.config.eos_token_ids))
-    assert counts["draft-clover drafted"] > 0, counts
-
-
 def grammar_forbidden(checkpoint: Path, n_vocab: int) -> list[int]:
     """The token ids GRAMMAR never allows: a text with other characters, or none (special tokens, the vocabulary's
     padding). With them banned, the reference's top-2 gap is the one among the tokens the grammar allows, which is
@@ -167,20 +154,25 @@ def grammar_forbidden(checkpoint: Path, n_vocab: int) -> list[int]:
     return [i for i, text in enumerate(texts) if not text or not set(text) <= chars]
 
 
-def test_greedy_draft_clover_equals_ar_under_a_grammar_on_a_checkpoint_written_by_transformers(
-        handmade: tuple[Path, object], tmp_path: Path) -> None:
+@pytest.mark.parametrize("grammar", [False, True], ids=["plain", "grammar"])
+def test_greedy_draft_clover_equals_ar_on_a_checkpoint_written_by_transformers(
+        handmade: tuple[Path, object], tmp_path: Path, grammar: bool) -> None:
+    """Random weights written by transformers itself; under a grammar the answers keep to it and a near-tie is
+    measured among the tokens it allows."""
     from clover_ref.checkpoint import load_model
 
     checkpoint, _ = handmade
     gguf = clover_convert(checkpoint, tmp_path / "handmade.gguf", "f32")
     ref = load_model(checkpoint)
     prompts = [_tokens(seed, n) for seed, n in ((3, 7), (4, 30))]
-    answers = run_configs(gguf, prompts, ignore_eos=True, grammar=GRAMMAR)
-    for spec in ("none", *SPEC_TYPES):
-        for answer in answers[spec]:
-            assert re.fullmatch(r"[a-z_ ():\n]+", answer["content"]), (spec, answer["content"])
-    banned = sorted(set(grammar_forbidden(checkpoint, ref.config.vocab_size)) | set(ref.config.eos_token_ids))
-    check_lossless("handmade+grammar", answers, ref, REF_TOL, banned=banned)
+    answers = run_configs(gguf, prompts, ignore_eos=True, **({"grammar": GRAMMAR} if grammar else {}))
+    banned = set(ref.config.eos_token_ids)
+    if grammar:
+        for spec in ("none", *SPEC_TYPES):
+            for answer in answers[spec]:
+                assert re.fullmatch(r"[a-z_ ():\n]+", answer["content"]), (spec, answer["content"])
+        banned |= set(grammar_forbidden(checkpoint, ref.config.vocab_size))
+    check_lossless("handmade" + ("+grammar" if grammar else ""), answers, ref, REF_TOL, banned=sorted(banned))
 
 
 def test_a_trunk_only_file_runs_without_the_drafter(tiny_checkpoint: Path, tmp_path: Path) -> None:
