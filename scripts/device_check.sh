@@ -39,8 +39,8 @@ echo "cpus $(nproc)"
 
 STEPS=" ${DEVICE_CHECK_STEPS:-parity ops tests bench draft-clover} "
 step() { [[ $STEPS == *" $1 "* ]]; }
-# seconds the later steps keep for themselves: draft-clover in llama-server is what step 4 must not eat
-reserve_after_bench() { step draft-clover && echo 90 || echo 0; }
+# seconds kept for the last step, draft-clover in llama-server, which steps 3 and 4 must not eat
+reserve() { step draft-clover && echo 90 || echo 0; }
 NATIVE=${DEVICE_CHECK_NATIVE:-}  # a published build (lib/, bin/; build/native): no build, the project's venv
 
 if [[ -n $NATIVE ]]; then
@@ -136,8 +136,8 @@ elif step ops && [[ $CPU_ONLY != 1 ]]; then
 fi
 
 # -- 3. native parity tests under strict FP32, then as shipped
-if step tests && (( $(left) > 60 )); then
-    env "${STRICT[@]}" CLOVER_N_GPU_LAYERS=$NGL timeout $(( $(left) - 45 )) python3 -m pytest -q -p no:cacheprovider \
+if step tests && (( $(left) - $(reserve) > 60 )); then
+    env "${STRICT[@]}" CLOVER_N_GPU_LAYERS=$NGL timeout $(( $(left) - $(reserve) - 45 )) python3 -m pytest -q -p no:cacheprovider \
         -o addopts="" tests/native/test_native_clover.py tests/engine/test_engine.py -k "not stock_qwen35moe and not mid" -W ignore \
         > "$OUT/tests-strict.log" 2>&1
     record "tests (strict)" $?; tail -25 "$OUT/tests-strict.log"
@@ -146,8 +146,8 @@ elif step tests; then
 fi
 
 # -- 4. engine benchmark
-if step bench && (( $(left) - $(reserve_after_bench) > 30 )); then
-    timeout $(( $(left) - $(reserve_after_bench) - 5 )) python3 -m bench.bench_engine --n-gpu-layers $NGL --skip-stock --skip-reference \
+if step bench && (( $(left) - $(reserve) > 30 )); then
+    timeout $(( $(left) - $(reserve) - 5 )) python3 -m bench.bench_engine --n-gpu-layers $NGL --skip-stock --skip-reference \
         --threads "$(nproc)" --name bench_engine_cuda --workdir /tmp/be > "$OUT/bench.log" 2>&1
     record bench $?; tail -30 "$OUT/bench.log"
     cp bench/results/bench_engine_cuda.* "$OUT/" 2>/dev/null
