@@ -182,8 +182,8 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
     with Model(path, n_threads=threads, n_gpu_layers=ngl) as model, servers(path, threads, ngl, work) as urls:
         costs, block = model.measure_pass_costs(), model.info.block_size
         for set_name, plist in prompts.items():
-            if not plist:
-                log(f"{path.name}: {set_name}: no prompt qualified, skipped")
+            if len(plist) < runs:  # each run needs prompts of its own
+                log(f"{path.name}: {set_name}: {len(plist)} prompts qualified, fewer than the {runs} runs; skipped")
                 continue
             log(f"{path.name}: {set_name}")
             for url, _ in urls.values():
