@@ -61,15 +61,21 @@ def has_repeated_3gram(tokens: list[int]) -> bool:
 
 
 def no_history_prompts(path: Path, n: int, tokens: int) -> tuple[list[list[int]], int]:
-    """Prompts whose tokens and sampled ar continuation hold no repeated 3-gram (and how many were tried)."""
+    """Prompts whose tokens and sampled ar continuation hold no repeated 3-gram (and how many were tried).
+
+    The held-out stream is searched at 400 evenly spaced starts; when those give fewer than n, at up to 7 more sets
+    of 400, each shifted by another eighth of the spacing, so that a larger n neither changes the first prompts nor
+    crowds them into one file."""
     from clover_cpp import Model
 
     _, held = corpus_files()
     stream = encode_files(held, max_bytes=1 << 20)
+    step = max(1, (len(stream) - 48) // 400)
+    starts = (start for k in range(8) for start in range(k * step // 8, len(stream) - 48, step))
     out: list[list[int]] = []
     tried = 0
     with Model(path) as model:
-        for start in range(0, len(stream) - 48, max(1, (len(stream) - 48) // 400)):
+        for start in starts:
             prompt = stream[start:start + 48].tolist()
             tried += 1
             if has_repeated_3gram(prompt):

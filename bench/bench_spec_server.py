@@ -12,7 +12,7 @@ held-out 48-token code prompts (greedy), and as many that repeat nothing (bench/
 prompts: prompt and continuation hold no repeated 3-gram, so n-gram drafting has nothing to copy).
 
 Configurations, one llama-server each, all started before the first request and asked in turn on every prompt
-(interleaved; the order rotates by one configuration per prompt), greedy, --tokens new tokens (ignore_eos), without
+(interleaved, in an order shuffled per prompt), greedy, --tokens new tokens (ignore_eos), without
 the prompt cache:
 - plain (no speculation), ngram-mod, ngram-map-k: llama.cpp's own;
 - draft-clover: the model's block pass as the drafter (docs/decoding.md, "draft-clover in llama.cpp");
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -107,15 +108,15 @@ def complete(url: str, prompt: list[int], tokens: int, **fields: Any) -> dict[st
 
 def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[int]], tokens: int,
             first: int = 0) -> dict:
-    """Totals per configuration over the prompts, configurations interleaved on each prompt. The order rotates by
-    one configuration per prompt (starting at `first`), so that no configuration always runs right after the same
-    one: a server's threads still busy after its answer, or a slow configuration's heat, then falls on each."""
+    """Totals per configuration over the prompts, configurations interleaved on each prompt in an order shuffled
+    per prompt (seeded by its index, `first` + i), so that no configuration always runs first or right after the
+    same one: a server's threads still busy after its answer, or a slow configuration's heat, then falls on each. (A
+    rotation keeps each configuration's predecessor; only a shuffle changes it.)"""
     configs = [("server", s) for s in SERVER_TYPES] + [("engine", m) for m in ENGINE_MODES]
     totals = {label(k, n): {"tokens": 0, "decode_ms": 0.0, "wall_ms": 0.0, "drafted": 0, "accepted": 0}
               for k, n in configs}
     for i, prompt in enumerate(prompts):
-        shift = (first + i) % len(configs)
-        for kind, name in configs[shift:] + configs[:shift]:
+        for kind, name in random.Random(first + i).sample(configs, len(configs)):
             t = totals[label(kind, name)]
             if kind == "server":
                 a = complete(urls[name][0], prompt, tokens)
@@ -185,15 +186,21 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
             if len(plist) < runs:  # each run needs prompts of its own
                 log(f"{path.name}: {set_name}: {len(plist)} prompts qualified, fewer than the {runs} runs; skipped")
                 continue
-            log(f"{path.name}: {set_name}")
-            for url, _ in urls.values():
-                complete(url, plist[0], 4)  # each server's first graphs, before anything is timed
             # each run its own prompts: an n-gram drafter's table keeps what it saw, and a prompt asked again would be
             # drafted from its own earlier answer
             n = len(plist) // runs
+            log(f"{path.name}: {set_name}, {n} prompts per run")
+            # before anything is timed, each configuration's first graphs and draft-clover's first block draft (it
+            # drafts once before it has timed both kinds: on the 35b-shape slice that one round costs 0.6 s)
+            for url, _ in urls.values():
+                complete(url, plist[0], 4)
+            for mode in ENGINE_MODES:
+                model.reset()
+                model.run(plist[0], mode=mode, max_tokens=4, stop_ids=[])
             per_run = [one_run(model, urls, plist[r * n:(r + 1) * n], tokens, first=r * n) for r in range(runs)]
             res[set_name] = {n: summarize(per_run, n, label("server", "none")) for n in per_run[0]}
             res.setdefault("pairs", {})[set_name] = pairs(per_run)
+            res.setdefault("prompts_per_run", {})[set_name] = n
     block_ms = costs.block_fixed_ms + block * costs.block_row_ms
     res["block_pass"] = {"block_size": block, "ms": block_ms, "ar_step_ms": costs.ar_ms,
                          "in_ar_steps": block_ms / costs.ar_ms}
@@ -202,9 +209,10 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
 
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"llama-server's speculative types and the engine ({res['date']}, {res['cpu']}, {res['threads']} threads, "
-             f"-ngl {res['ngl']}). {res['prompts']} prompts per set and run (each run its own), "
+             f"-ngl {res['ngl']}). Up to {res['prompts']} prompts per set and run (each run its own; fewer where fewer "
+             "qualified), "
              f"{res['tokens']} new tokens each (ignore_eos), greedy, configurations interleaved on each prompt, "
-             f"their order rotating by one per prompt; ratios are the median over {res['runs']} runs of that run's "
+             f"in an order shuffled per prompt; ratios are the median over {res['runs']} runs of that run's "
              "tok/s over server plain's. End to end: wall time per request at the client; decode: the server's "
              "predicted_per_second (the engine's decode time).", ""]
     for model, m in res["models"].items():
@@ -214,10 +222,12 @@ def markdown(res: dict[str, Any]) -> str:
             lines += [f"A block pass of B = {bp['block_size']} rows (the engine's measured pass costs): "
                       f"{bp['ms']:.2f} ms = {bp['in_ar_steps']:.1f} ar steps of {bp['ar_step_ms']:.3f} ms.", ""]
         for set_name, rows in m.items():
-            if set_name in ("block_pass", "pairs"):
+            if set_name in ("block_pass", "pairs", "prompts_per_run"):
                 continue
-            lines += [f"**{set_name}**", "", "| configuration | e2e tok/s | vs plain | decode tok/s | vs plain | "
-                      "drafted | accepted |", "|---|---:|---:|---:|---:|---:|---:|"]
+            per_run = m.get("prompts_per_run", {}).get(set_name, res["prompts"])
+            lines += [f"**{set_name}** ({per_run} prompts per run)", "",
+                      "| configuration | e2e tok/s | vs plain | decode tok/s | vs plain | drafted | accepted |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
             for name, r in rows.items():
                 lines.append(f"| {name} | {r['e2e_tok_s']:.0f} | {r['e2e_vs_plain']:.2f} | {r['decode_tok_s']:.0f} | "
                              f"{r['decode_vs_plain']:.2f} | {r['drafted']} | {r['accepted']} |")
