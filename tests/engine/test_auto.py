@@ -3,7 +3,7 @@
 Auto drafts with llama.cpp's speculative framework (ngram-mod, then the gated draft-clover) and verifies with
 libclover's distribution stage. It is lossless: every token comes from a causal verification, so greedy auto
 equals greedy ar up to a near-tie of the reference (tests/support/engine.py), whatever was drafted: n-gram drafts
-(a prompt that repeats itself), block drafts (draft-clover drafts once before it has timed both kinds, and probes
+(a prompt that repeats itself), block drafts (draft-clover drafts until it has timed a block round, and probes
 later), or nothing. A trained model checks that drafts are accepted, and that sampled auto keeps ar's
 distribution.
 """
