@@ -236,8 +236,7 @@ def markdown(res: dict[str, Any]) -> str:
         for set_name, rows in m.items():
             if set_name in ("block_pass", "pairs", "prompts_per_run"):
                 continue
-            per_run = m.get("prompts_per_run", {}).get(set_name, res["prompts"])
-            lines += [f"**{set_name}** ({per_run} prompts per run)", "",
+            lines += [f"**{set_name}** ({m['prompts_per_run'][set_name]} prompts per run)", "",
                       "| configuration | e2e tok/s | vs plain | decode tok/s | vs plain | drafted | accepted |",
                       "|---|---:|---:|---:|---:|---:|---:|"]
             for name, r in rows.items():
@@ -245,7 +244,7 @@ def markdown(res: dict[str, Any]) -> str:
                              f"{r['decode_vs_plain']:.2f} | {r['drafted']} | {r['accepted']} |")
             lines += ["", "| run by run | median | range |", "|---|---:|---|"]
             for name, p in m["pairs"][set_name].items():
-                shown = name.replace("best n-gram", f"best n-gram ({p['over']})") if "best n-gram" in name else name
+                shown = name.replace("best n-gram", f"best n-gram ({p['over']})")
                 lines.append(f"| {shown} | {p['median']:.2f} | {p['min']:.2f}-{p['max']:.2f} |")
             lines.append("")
     return "\n".join(lines)
