@@ -6,6 +6,7 @@ HTTP API and against the engine (`clover-cpp generate --mode diffusion` and the 
   thresholds 0.5 and 0.9, with max_tokens cutting inside a block. Both run LowConfidence's one implementation
   (common/block-diffusion.h) on the same arithmetic, so they agree exactly; the engine's diffusion is held to the
   PyTorch reference by tests/engine/test_engine.py;
+- a request's `coreset_top_p` routes its block passes as the engine's does at that top_p;
 - two slots, one in diffusion and one in ar, each give what they give alone;
 - canvas events, asked for, rebuild the streamed text block by block (native and OpenAI streams);
 - a request with a grammar decodes as auto (lossless: ar's tokens, no block pass);
@@ -150,6 +151,31 @@ def test_diffusion_in_llama_server_equals_clover_cpp_generate(demo_gguf: Path) -
     assert status == 200, got
     assert emitted_tokens(got) == want["tokens"]
     assert got["timings"]["block_passes"] == want["stats"]["block_passes"] > 0
+
+
+def test_a_requests_coreset_top_p_reaches_its_block_passes(demo_gguf: Path) -> None:
+    """`coreset_top_p` per request (spec 3.3): a diffusion request routed inside a coreset of top_p 0.5 gives the
+    engine's tokens and passes at that top_p, as one at 1 (no coreset) gives the engine's at 1, on one server; and top_p
+    0.5 changes at least one prompt's tokens, so the test sees a server that ignores the field."""
+    from clover_cpp import Model
+
+    block_size, threshold, n = 8, 0.5, 37
+    want = {}
+    with Model(demo_gguf, n_ctx=1024, max_block_size=32) as m:
+        prompts = [m.tokenize(p) for p in DEMO_PROMPTS]
+        for top_p in (0.5, 1.0):
+            for k, prompt in enumerate(prompts):
+                m.reset()
+                want[(top_p, k)] = m.run(prompt, mode="diffusion", block_size=block_size, threshold=threshold,
+                                         max_tokens=n, coreset_top_p=top_p)
+    assert any(want[(0.5, k)].tokens != want[(1.0, k)].tokens for k in range(len(prompts))), \
+        "coreset_top_p 0.5 changed no prompt's tokens on the demo model: this test cannot tell it is applied"
+    with llama_server(demo_gguf, *SERVER_ARGS, "--max-block-size", "32") as url:
+        for top_p, k in sorted(want, key=lambda case: (case[1], case[0])):  # the values alternate on one slot
+            run = want[(top_p, k)]
+            got = diffuse(url, prompts[k], block_size, threshold, n, coreset_top_p=top_p)
+            assert emitted_tokens(got) == run.tokens, (top_p, k, emitted_tokens(got), run.tokens)
+            assert got["timings"]["block_passes"] == run.stats.block_passes, (top_p, k, got["timings"])
 
 
 def test_a_diffusion_slot_and_an_ar_slot_each_give_what_they_give_alone(demo_gguf: Path) -> None:
