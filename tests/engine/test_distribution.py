@@ -16,6 +16,7 @@ GGUF's default penalties, in every mode of the native engine.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 from pathlib import Path
@@ -422,6 +423,30 @@ def test_grammar_errors(tiny: Tiny) -> None:
             tiny.run([1, 2, 3], mode, grammar='root ::= "a" "b"', logit_bias=no_b, max_tokens=8, block_size=4)
         assert m.n_past == 0  # reset after the failure
     assert tiny.text(tiny.run([1, 2, 3], "ar", grammar='root ::= "a" "b"', max_tokens=8).tokens) == "ab"
+
+
+def test_grammar_root_names_the_start_symbol(tiny: Tiny) -> None:
+    """The C API's grammar_root: llama.cpp's common_sampler, which holds a call's grammar, starts a grammar at its rule
+    "root", so another start symbol becomes "root ::= <symbol>". A grammar with a root rule of its own cannot name
+    another start, and a start that is not a rule name is refused, both naming grammar_root."""
+    from clover_native import libclover
+
+    def check(grammar: str, root: str | None) -> str:
+        err = ctypes.create_string_buffer(1024)
+        rc = libclover.lib().clover_engine_check_grammar(tiny.model._engine(), grammar.encode(),
+                                                         None if root is None else root.encode(), err, len(err))
+        assert (rc == 0) == (err.value == b""), (rc, err.value)
+        return err.value.decode()
+
+    assert check('value ::= "a" | "b"', "value") == ""
+    assert check('value ::= "a" | "b"', "") == check('value ::= "a" | "b"', None)
+    assert "'root'" in check('value ::= "a" | "b"', None)
+    assert check('root ::= value\nvalue ::= "a"', None) == ""
+    assert check('root ::= value\nvalue ::= "a"', "root") == ""
+    assert check('  root::= value\nvalue ::= "a"', "value").startswith("grammar_root: the grammar has a rule named root")
+    assert check('rooted ::= value\nvalue ::= "a"', "value") == ""
+    assert check('value ::= "a"', "val ue").startswith("grammar_root: 'val ue' is not a rule name")
+    assert "Undefined rule identifier 'other'" in check('value ::= "a"', "other")
 
 
 def test_a_constrained_text_is_whole_utf8_characters(tiny: Tiny, tiny_checkpoint: Path) -> None:

@@ -125,7 +125,7 @@ bool clover_run_init(clover_slot * slot, const clover_gen_params * params, clove
     if (!clover_resolve_params(slot, params, run.block_size, run.threshold, err) ||
         !clover_check_params(slot, params, prompt, n_prompt, err) ||
         !clover_check_block_params(slot, params, coreset_top_p, err) || !clover_init_sampler(slot, params, run.smp, err) ||
-        !clover_init_dist(slot, params, run.smp.excluded, run.dist, err) || !clover_init_chain(slot, params, run, err)) {
+        !clover_init_dist(slot, params, run.dist, err) || !clover_init_chain(slot, params, run, err)) {
         return false;
     }
     slot->coreset_top_p = coreset_top_p;

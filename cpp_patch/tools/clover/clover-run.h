@@ -22,7 +22,8 @@ struct clover_sampler {
     float temperature = 0.0f;
     // The call's llama.cpp sampler chain, as llama-server builds it for the same request (common_sampler, made by
     // clover_init_chain): its logit bias (the call's, the banned ids, the mask token) and penalties are the
-    // distribution stage (spec 4); temperature, top-k, top-p and dist, seeded with the call's seed, draw from Q.
+    // distribution stage (spec 4); temperature, top-k, top-p and dist, seeded with the call's seed, draw from Q. Its
+    // grammar sampler is the call's grammar (clover_run::grammar).
     common_sampler_ptr chain;
     std::vector<llama_token_data> cur;  // scratch: the candidates the chain or the grammar runs on
 
@@ -38,8 +39,7 @@ struct clover_logprob {
 };
 
 // The distribution stage's request state (spec 4): the call's logit_bias and penalties (which the chain applies; the
-// penalties count the response's tokens so far), the grammar with its state after them, and logprobs
-// (clover-sampling.cpp)
+// penalties count the response's tokens so far) and logprobs (clover-sampling.cpp). The grammar is the chain's.
 struct clover_dist {
     std::vector<std::pair<llama_token, float>> bias;
     float repeat    = 1.0f;
@@ -48,10 +48,6 @@ struct clover_dist {
 
     llama_sampler * window_penalties = nullptr;  // a window's penalties (clover_window_counts), else the chain's
 
-    std::vector<uint8_t>     grammar_after;   // n_vocab, or empty: the grammar starts after one of these tokens
-    llama_sampler_ptr        grammar_waiting; // the parsed grammar until one of them comes (grammar_after)
-    llama_sampler_ptr        grammar_state;   // NULL until the grammar applies
-
     int32_t                     n_logprobs = -1;
     std::vector<clover_logprob> logprobs;         // of the tokens produced and not yet emitted, in order
     std::vector<clover_logprob> window_logprobs;  // diffusion: of each window target, from the step that filled it
@@ -59,7 +55,6 @@ struct clover_dist {
     bool penalized() const { return repeat != 1.0f || presence != 0.0f || frequency != 0.0f; }
     // the stage changes a logit: a bias or a penalty is set (the banned ids are the excluded ones, set apart)
     bool staged() const { return !bias.empty() || penalized(); }
-    bool constrained() const { return grammar_state != nullptr; }
 };
 
 // one generate call
@@ -79,6 +74,9 @@ struct clover_run {
     bool                    cancelled = false;
 
     int32_t remaining() const { return budget - n_out; }
+    // the call's grammar (the chain's, with its state after the response so far) when it constrains the next token;
+    // NULL without one, or while it waits for one of grammar_after_ids
+    llama_sampler * grammar() const { return common_sampler_get_grammar(smp.chain.get()); }
     bool is_stop(llama_token t) const { return t >= 0 && t < (llama_token) smp.stop.size() && smp.stop[t]; }
 };
 

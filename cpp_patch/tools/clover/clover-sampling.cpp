@@ -124,13 +124,14 @@ void clover_dist_apply(clover_run & run, float * logits, bool full_grammar) {
             logits[id] = arr.data[id].logit;
         }
     }
-    if (full_grammar && d.constrained()) {
-        clover_grammar_mask(run, d.grammar_state.get(), logits);
+    llama_sampler * grammar = full_grammar ? run.grammar() : nullptr;
+    if (grammar) {
+        clover_grammar_mask(run, grammar, logits);
     }
 }
 
 bool clover_dist_needs_mask(const clover_run & run) {
-    return run.dist.constrained() && (!run.smp.greedy() || run.dist.n_logprobs >= 0);
+    return run.grammar() && (!run.smp.greedy() || run.dist.n_logprobs >= 0);
 }
 
 // whether the grammar allows the token next (one candidate: cheap)
@@ -154,8 +155,8 @@ static llama_token clover_grammar_argmax(clover_run & run, llama_sampler * gramm
 }
 
 clover_draft_grammar::clover_draft_grammar(const clover_run & run) {
-    if (run.dist.constrained()) {
-        state.reset(llama_sampler_clone(run.dist.grammar_state.get()));
+    if (llama_sampler * grammar = run.grammar()) {
+        state.reset(llama_sampler_clone(grammar));
     }
 }
 
@@ -188,11 +189,12 @@ void clover_draft_grammar::advance(clover_run & run, llama_token token, bool for
 
 llama_token clover_dist_argmax(clover_run & run, float * logits) {
     // under a grammar without its full mask: the winner when allowed, else the next best it allows (-1: none)
-    const llama_token best = run.dist.constrained() && !clover_dist_needs_mask(run)
-        ? clover_grammar_argmax(run, run.dist.grammar_state.get(), logits)
+    llama_sampler * grammar = run.grammar();
+    const llama_token best = grammar && !clover_dist_needs_mask(run)
+        ? clover_grammar_argmax(run, grammar, logits)
         : clover_argmax(run.smp, logits, run.slot->n_vocab);
     if (best < 0 || logits[best] == -std::numeric_limits<float>::infinity()) {
-        run.slot->last_error = run.dist.constrained()
+        run.slot->last_error = grammar
             ? "the grammar allows no token here (with the banned ids and logit_bias): the response cannot go on "
               "(a dead end of the grammar)"
             : "logit_bias and the banned ids leave no token to generate";
@@ -202,13 +204,7 @@ llama_token clover_dist_argmax(clover_run & run, float * logits) {
 }
 
 void clover_dist_produce(clover_run & run, llama_token token) {
-    common_sampler_accept(run.smp.chain.get(), token, true);  // the penalties count it
-    clover_dist & d = run.dist;
-    if (d.constrained()) {
-        llama_sampler_accept(d.grammar_state.get(), token);
-    } else if (d.grammar_waiting && d.grammar_after[token]) {
-        d.grammar_state = std::move(d.grammar_waiting);  // parsed at the call's start
-    }
+    common_sampler_accept(run.smp.chain.get(), token, true);  // the penalties count it, the grammar advances over it
 }
 
 clover_window_counts::clover_window_counts(clover_run & run, const std::vector<llama_token> & canvas)
@@ -312,31 +308,66 @@ static std::string clover_grammar_reason(const std::string & errors) {
     return why;
 }
 
-// A grammar sampler for the vocabulary, or NULL with a message: the parse errors llama.cpp logged, and a grammar
-// that allows no token at its start. The log callback is swapped for the call, under a lock, so that two checks
-// never restore each other's callback.
-static llama_sampler * clover_grammar_init(const llama_vocab * vocab, const std::string & grammar,
-                                           const std::string & root, std::string & err) {
+// Runs parse (a grammar's parse: a llama_sampler_init_grammar, a common_sampler_init with a grammar) with the errors
+// llama.cpp logs kept for the caller; false with a message when parse returned false or threw. The log callback is
+// swapped for the call, under a lock, so that two parses never restore each other's callback.
+template <typename F>
+static bool clover_grammar_parse(F && parse, std::string & err) {
     static std::mutex mutex;
     clover_log_capture capture;
-    llama_sampler * smpl = nullptr;
+    bool ok = false;
     {
         std::lock_guard<std::mutex> lock(mutex);
         llama_log_get(&capture.prev_cb, &capture.prev_data);
         llama_log_set(clover_log_capture::on_log, &capture);
         try {
-            smpl = llama_sampler_init_grammar(vocab, grammar.c_str(), root.c_str());
+            ok = parse();
         } catch (const std::exception & e) {
             capture.errors += e.what();
         }
         llama_log_set(capture.prev_cb, capture.prev_data);
     }
-    if (!smpl) {
+    if (!ok) {
         const std::string why = clover_grammar_reason(capture.errors);
         err = "grammar: llama.cpp's GBNF parser rejected it" + (why.empty() ? std::string() : ": " + why);
-        return nullptr;
     }
-    return smpl;
+    return ok;
+}
+
+// llama.cpp's rule names: letters, digits and '-'
+static bool clover_is_rule_name(const std::string & name) {
+    return !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-';
+    });
+}
+
+// The grammar's text with its start symbol as the rule "root", where llama.cpp's common_sampler starts a grammar:
+// another start symbol (root NULL or "" = "root") gets a rule "root ::= <symbol>". A grammar with a rule "root" of
+// its own cannot name another start symbol.
+static bool clover_grammar_text(const char * grammar, const char * root, std::string & text, std::string & err) {
+    text = grammar ? grammar : "";
+    const std::string start = root && root[0] ? root : "root";
+    if (start == "root") {
+        return true;
+    }
+    if (!clover_is_rule_name(start)) {
+        err = "grammar_root: '" + start.substr(0, 64) + "' is not a rule name (letters, digits and '-')";
+        return false;
+    }
+    // a rule starts a line (llama.cpp's parser ends a rule at the end of its line, outside parentheses)
+    for (size_t line = 0; line != std::string::npos;) {
+        const size_t name = text.find_first_not_of(" \t", line);
+        const size_t op   = name == std::string::npos ? name : text.find_first_not_of(" \t", name + 4);
+        if (op != std::string::npos && text.compare(name, 4, "root") == 0 && text.compare(op, 3, "::=") == 0) {
+            err = "grammar_root: the grammar has a rule named root of its own; start there (no grammar_root) or "
+                  "rename it";
+            return false;
+        }
+        const size_t end = text.find('\n', line);
+        line = end == std::string::npos ? end : end + 1;
+    }
+    text += "\nroot ::= " + start + "\n";
+    return true;
 }
 
 // the grammar allows at least one token of the vocabulary (the excluded ids aside) at its start
@@ -357,27 +388,31 @@ static bool clover_grammar_opens(llama_sampler * smpl, int32_t n_vocab, const st
     return false;
 }
 
-// A grammar that parses (root NULL or "" = "root") and, unless excluded is NULL, allows some token but the
-// excluded ones at its start; NULL with a message otherwise.
-static llama_sampler * clover_grammar_load(const llama_vocab * vocab, const char * grammar, const char * root,
-                                           const std::vector<uint8_t> * excluded, std::string & err) {
-    llama_sampler_ptr smpl(clover_grammar_init(vocab, grammar ? grammar : "", root && root[0] ? root : "root", err));
+// a parsed grammar allows some token but the excluded ones at its start; false with a message otherwise
+static bool clover_grammar_check_start(llama_sampler * smpl, int32_t n_vocab, const std::vector<uint8_t> & excluded,
+                                       std::string & err) {
     try {
-        if (smpl && excluded && !clover_grammar_opens(smpl.get(), llama_vocab_n_tokens(vocab), *excluded)) {
+        if (!clover_grammar_opens(smpl, n_vocab, excluded)) {
             err = "grammar: it allows no token of the vocabulary at its start (the mask token and banned ids aside), "
                   "so nothing could be generated";
-            return nullptr;
+            return false;
         }
     } catch (const std::exception & e) {  // llama.cpp's grammar throws past its limits (too ambiguous)
         err = std::string("grammar: ") + e.what();
-        return nullptr;
+        return false;
     }
-    return smpl.release();
+    return true;
 }
 
 int32_t clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root,
                              const std::vector<uint8_t> & excluded, std::string & err) {
-    return llama_sampler_ptr(clover_grammar_load(vocab, grammar, root, &excluded, err)) ? 0 : -1;
+    std::string text;
+    llama_sampler_ptr smpl;
+    const bool ok = clover_grammar_text(grammar, root, text, err) && clover_grammar_parse([&] {
+        smpl.reset(llama_sampler_init_grammar(vocab, text.c_str(), "root"));
+        return smpl != nullptr;
+    }, err) && clover_grammar_check_start(smpl.get(), llama_vocab_n_tokens(vocab), excluded, err);
+    return ok ? 0 : -1;
 }
 
 // flags[t] = 1 for each of the n ids; an id outside the vocabulary is an error naming `what`
@@ -439,35 +474,14 @@ static bool clover_init_bias(const clover_slot * slot, const clover_gen_params *
     return true;
 }
 
-bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params, const std::vector<uint8_t> & excluded,
-                      clover_dist & d, std::string & err) {
+bool clover_init_dist(const clover_slot * slot, const clover_gen_params * params, clover_dist & d, std::string & err) {
     if (!clover_init_bias(slot, params, d, err) || !clover_init_penalties(slot, params, d, err)) {
         return false;
     }
-    if (params->n_grammar_after_ids > 0 && !params->grammar_after_ids) {
-        err = "grammar_after_ids is NULL while n_grammar_after_ids > 0";
-        return false;
-    }
     d.n_logprobs = params->n_logprobs;
-    if (!params->grammar || !params->grammar[0]) {
-        return true;
-    }
-    const bool lazy = params->n_grammar_after_ids > 0;  // no start check: the grammar starts after a trigger token
-    if (lazy) {
-        d.grammar_after.assign(slot->n_vocab, 0);
-        if (!clover_mark_ids(slot, params->grammar_after_ids, params->n_grammar_after_ids, "grammar_after",
-                             d.grammar_after, err)) {
-            return false;
-        }
-    }
-    llama_sampler_ptr smpl(clover_grammar_load(llama_model_get_vocab(llama_get_model(slot->ctx)), params->grammar,
-                                               params->grammar_root, lazy ? nullptr : &excluded, err));
-    if (!smpl) {
-        return false;
-    }
-    (lazy ? d.grammar_waiting : d.grammar_state) = std::move(smpl);
     return true;
 }
+
 // banned and stop ids, temperature
 bool clover_init_sampler(const clover_slot * slot, const clover_gen_params * params, clover_sampler & smp,
                                 std::string & err) {
@@ -489,6 +503,30 @@ bool clover_init_sampler(const clover_slot * slot, const clover_gen_params * par
         return false;
     }
     smp.temperature = params->temperature;
+    return true;
+}
+
+// The call's grammar for its chain (common_sampler's grammar: the state common_sampler_accept advances), starting at
+// once or after one of grammar_after_ids
+static bool clover_chain_grammar(const clover_slot * slot, const clover_gen_params * params, common_params_sampling & sp,
+                                 std::string & err) {
+    if (params->n_grammar_after_ids > 0 && !params->grammar_after_ids) {
+        err = "grammar_after_ids is NULL while n_grammar_after_ids > 0";
+        return false;
+    }
+    if (!params->grammar || !params->grammar[0]) {
+        return true;
+    }
+    std::string text;
+    if (!clover_grammar_text(params->grammar, params->grammar_root, text, err)) {
+        return false;
+    }
+    std::vector<uint8_t> after(slot->n_vocab, 0);
+    if (!clover_mark_ids(slot, params->grammar_after_ids, params->n_grammar_after_ids, "grammar_after", after, err)) {
+        return false;
+    }
+    sp.grammar_after_tokens.assign(params->grammar_after_ids, params->grammar_after_ids + params->n_grammar_after_ids);
+    sp.grammar = common_grammar(COMMON_GRAMMAR_TYPE_USER, std::move(text));
     return true;
 }
 
@@ -519,11 +557,23 @@ bool clover_init_chain(const clover_slot * slot, const clover_gen_params * param
             sp.logit_bias.push_back({ i, -std::numeric_limits<float>::infinity() });
         }
     }
-    try {
-        smp.chain.reset(common_sampler_init(llama_get_model(slot->ctx), sp));
-    } catch (const std::exception & e) {
-        err = std::string("sampler: ") + e.what();
+    if (!clover_chain_grammar(slot, params, sp, err)) {
         return false;
     }
-    return true;
+    if (sp.grammar.empty()) {
+        try {
+            smp.chain.reset(common_sampler_init(llama_get_model(slot->ctx), sp));
+        } catch (const std::exception & e) {
+            err = std::string("sampler: ") + e.what();
+            return false;
+        }
+        return true;
+    }
+    // the chain parses the grammar; one that starts at once must allow a token there
+    const bool parsed = clover_grammar_parse([&] {
+        smp.chain.reset(common_sampler_init(llama_get_model(slot->ctx), sp));
+        return true;
+    }, err);
+    return parsed && (!sp.grammar_after_tokens.empty() ||
+                      clover_grammar_check_start(run.grammar(), slot->n_vocab, smp.excluded, err));
 }

@@ -38,14 +38,15 @@ bool          clover_dist_needs_mask(const clover_run & run);
 void          clover_dist_produce(clover_run & run, llama_token token);
 // log P of token, and the top alternatives, of adjusted logits (the excluded ids and -inf ones have none)
 clover_logprob clover_dist_logprob(const clover_run & run, const float * logits, llama_token token);
-// bias, penalties (the call's, else the GGUF's), grammar and logprobs of a call; false with a message
-bool          clover_init_dist(const clover_slot * slot, const clover_gen_params * params,
-                               const std::vector<uint8_t> & excluded, clover_dist & dist, std::string & err);
+// bias, penalties (the call's, else the GGUF's) and logprobs of a call; false with a message
+bool          clover_init_dist(const clover_slot * slot, const clover_gen_params * params, clover_dist & dist,
+                               std::string & err);
 
 // banned and stop ids, temperature
 bool          clover_init_sampler(const clover_slot * slot, const clover_gen_params * params, clover_sampler & smp,
                                   std::string & err);
-// the call's llama.cpp chain (clover_sampler::chain) from its checked sampler and distribution settings
+// the call's llama.cpp chain (clover_sampler::chain) from its checked sampler and distribution settings, with its
+// grammar (clover_run::grammar)
 bool          clover_init_chain(const clover_slot * slot, const clover_gen_params * params, clover_run & run,
                                 std::string & err);
 
