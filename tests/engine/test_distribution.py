@@ -443,7 +443,8 @@ def test_grammar_root_names_the_start_symbol(tiny: Tiny) -> None:
     assert "'root'" in check('value ::= "a" | "b"', None)
     assert check('root ::= value\nvalue ::= "a"', None) == ""
     assert check('root ::= value\nvalue ::= "a"', "root") == ""
-    assert check('  root::= value\nvalue ::= "a"', "value").startswith("grammar_root: the grammar has a rule named root")
+    own_root = check('  root::= value\nvalue ::= "a"', "value")
+    assert own_root.startswith("grammar_root: the grammar has a rule named root"), own_root
     assert check('rooted ::= value\nvalue ::= "a"', "value") == ""
     assert check('value ::= "a"', "val ue").startswith("grammar_root: 'val ue' is not a rule name")
     assert "Undefined rule identifier 'other'" in check('value ::= "a"', "other")

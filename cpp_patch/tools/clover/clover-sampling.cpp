@@ -14,6 +14,7 @@
 #include <exception>
 #include <limits>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -560,20 +561,30 @@ bool clover_init_chain(const clover_slot * slot, const clover_gen_params * param
     if (!clover_chain_grammar(slot, params, sp, err)) {
         return false;
     }
-    if (sp.grammar.empty()) {
+    std::string refused;  // a setting common_sampler refuses (std::invalid_argument), not the grammar
+    auto make = [&] {
         try {
             smp.chain.reset(common_sampler_init(llama_get_model(slot->ctx), sp));
-        } catch (const std::exception & e) {
-            err = std::string("sampler: ") + e.what();
-            return false;
+        } catch (const std::invalid_argument & e) {
+            refused = e.what();
         }
         return true;
+    };
+    bool made = true;
+    if (sp.grammar.empty()) {
+        try {
+            make();
+        } catch (const std::exception & e) {
+            refused = e.what();
+        }
+    } else {
+        made = clover_grammar_parse(make, err);  // the chain parses the grammar: its errors are the grammar's
     }
-    // the chain parses the grammar; one that starts at once must allow a token there
-    const bool parsed = clover_grammar_parse([&] {
-        smp.chain.reset(common_sampler_init(llama_get_model(slot->ctx), sp));
-        return true;
-    }, err);
-    return parsed && (!sp.grammar_after_tokens.empty() ||
-                      clover_grammar_check_start(run.grammar(), slot->n_vocab, smp.excluded, err));
+    if (!refused.empty()) {
+        err = "sampler: " + refused;
+        return false;
+    }
+    // a grammar that starts at once must allow a token there
+    return made && (sp.grammar.empty() || !sp.grammar_after_tokens.empty() ||
+                    clover_grammar_check_start(run.grammar(), slot->n_vocab, smp.excluded, err));
 }
