@@ -335,40 +335,9 @@ static bool clover_grammar_parse(F && parse, std::string & err) {
     return ok;
 }
 
-// llama.cpp's rule names: letters, digits and '-'
-static bool clover_is_rule_name(const std::string & name) {
-    return !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
-        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-';
-    });
-}
-
-// The grammar's text with its start symbol as the rule "root", where llama.cpp's common_sampler starts a grammar:
-// another start symbol (root NULL or "" = "root") gets a rule "root ::= <symbol>". A grammar with a rule "root" of
-// its own cannot name another start symbol.
-static bool clover_grammar_text(const char * grammar, const char * root, std::string & text, std::string & err) {
-    text = grammar ? grammar : "";
-    const std::string start = root && root[0] ? root : "root";
-    if (start == "root") {
-        return true;
-    }
-    if (!clover_is_rule_name(start)) {
-        err = "grammar_root: '" + start.substr(0, 64) + "' is not a rule name (letters, digits and '-')";
-        return false;
-    }
-    // a rule starts a line (llama.cpp's parser ends a rule at the end of its line, outside parentheses)
-    for (size_t line = 0; line != std::string::npos;) {
-        const size_t name = text.find_first_not_of(" \t", line);
-        const size_t op   = name == std::string::npos ? name : text.find_first_not_of(" \t", name + 4);
-        if (op != std::string::npos && text.compare(name, 4, "root") == 0 && text.compare(op, 3, "::=") == 0) {
-            err = "grammar_root: the grammar has a rule named root of its own; start there (no grammar_root) or "
-                  "rename it";
-            return false;
-        }
-        const size_t end = text.find('\n', line);
-        line = end == std::string::npos ? end : end + 1;
-    }
-    text += "\nroot ::= " + start + "\n";
-    return true;
+// a grammar's start symbol: root NULL or "" = "root"
+static const char * clover_grammar_root(const char * root) {
+    return root && root[0] ? root : "root";
 }
 
 // the grammar allows at least one token of the vocabulary (the excluded ids aside) at its start
@@ -407,10 +376,9 @@ static bool clover_grammar_check_start(llama_sampler * smpl, int32_t n_vocab, co
 
 int32_t clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root,
                              const std::vector<uint8_t> & excluded, std::string & err) {
-    std::string text;
     llama_sampler_ptr smpl;
-    const bool ok = clover_grammar_text(grammar, root, text, err) && clover_grammar_parse([&] {
-        smpl.reset(llama_sampler_init_grammar(vocab, text.c_str(), "root"));
+    const bool ok = clover_grammar_parse([&] {
+        smpl.reset(llama_sampler_init_grammar(vocab, grammar ? grammar : "", clover_grammar_root(root)));
         return smpl != nullptr;
     }, err) && clover_grammar_check_start(smpl.get(), llama_vocab_n_tokens(vocab), excluded, err);
     return ok ? 0 : -1;
@@ -518,16 +486,13 @@ static bool clover_chain_grammar(const clover_slot * slot, const clover_gen_para
     if (!params->grammar || !params->grammar[0]) {
         return true;
     }
-    std::string text;
-    if (!clover_grammar_text(params->grammar, params->grammar_root, text, err)) {
-        return false;
-    }
     std::vector<uint8_t> after(slot->n_vocab, 0);
     if (!clover_mark_ids(slot, params->grammar_after_ids, params->n_grammar_after_ids, "grammar_after", after, err)) {
         return false;
     }
     sp.grammar_after_tokens.assign(params->grammar_after_ids, params->grammar_after_ids + params->n_grammar_after_ids);
-    sp.grammar = common_grammar(COMMON_GRAMMAR_TYPE_USER, std::move(text));
+    sp.grammar      = common_grammar(COMMON_GRAMMAR_TYPE_USER, params->grammar);
+    sp.grammar_root = clover_grammar_root(params->grammar_root);
     return true;
 }
 

@@ -187,8 +187,7 @@ struct clover_gen_params {
     const char        * grammar;           // GBNF (llama.cpp's grammars/README.md) the response must match; NULL or
                                            // "" = none. ar, auto and spec verify against it (lossless); diffusion
                                            // with a grammar runs as auto (docs/decoding.md, "Constrained decoding").
-    const char        * grammar_root;      // its start symbol; NULL or "" = "root". Another becomes a rule
-                                           // "root ::= <it>", so the grammar cannot have a rule root of its own
+    const char        * grammar_root;      // its start symbol; NULL or "" = "root"
     const llama_token * grammar_after_ids; // the grammar applies from the token after the first of these the response
                                            // holds (thinking: "</think>"); n = 0: from the first token
     int32_t             n_grammar_after_ids;
