@@ -106,6 +106,33 @@ def test_auto_on_the_trained_model(demo: Case) -> None:
     assert accepted > 0 and tokens / passes > 1.3, (tokens, passes, accepted)
 
 
+def test_a_stop_id_inside_a_draft_ends_the_round_there(demo: Case) -> None:
+    """A stop id the drafts hold: auto and spec stop where ar stops (near-tie rule), without emitting it, whether
+    the stop id lies inside a draft or past the budget. The prompt repeats a line, so that ngram-mod drafts the
+    repeat from the first round."""
+    prompt = demo.model.tokenize("x = compute(a, b)\n" * 6)
+    free = demo.run(prompt, "ar", max_tokens=48, stop_ids=[]).tokens
+    firsts = {t: free.index(t) for t in free}  # each token's first place in the continuation
+    stops = sorted((k, t) for t, k in firsts.items() if k >= 3)[:4]
+    assert stops, free
+    ledger = Ledger()
+    drafted = 0
+    for k, t in stops:
+        for budget in (48, k, k + 1):
+            opts = {"max_tokens": budget, "stop_ids": [t], "block_size": 8}
+            ar = demo.run(prompt, "ar", **opts)
+            assert ar.tokens == free[:min(k, budget)], (k, t, budget)
+            assert ar.stats.stop_reason == ("eos" if budget > k else "length"), (k, budget, ar.stats)
+            for mode in ("auto", "spec"):
+                r = demo.run(prompt, mode, **opts)
+                ledger.check(f"stop/{mode}/{k}/{budget}", r.tokens, ar.tokens, demo.ref, prompt)
+                if r.tokens == ar.tokens:
+                    assert r.stats.stop_reason == ar.stats.stop_reason, (mode, k, budget, r.stats)
+                drafted += r.stats.auto_drafted
+    ledger.assert_budget()
+    assert drafted > 0
+
+
 def test_measuring_pass_costs_leaves_the_history(demo: Case) -> None:
     """Model.measure_pass_costs times passes on the scratch sequence: positive costs, and the next turn continues
     the history as if nothing had run."""

@@ -1,4 +1,5 @@
-// Auto mode (clover-auto.cpp): llama.cpp's speculative framework drafts, libclover verifies. Not part of the C API.
+// Auto mode (clover-auto.cpp): llama.cpp's speculative framework drafts, and common_sampler verifies. Not part of
+// the C API.
 
 #pragma once
 

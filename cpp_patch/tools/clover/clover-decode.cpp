@@ -435,48 +435,52 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
     return clover_accept_rows(run, p, drafts, n_drafts, width, round);
 }
 
+// The drafts a verification's rows are sampled against (clover_sample_rows): those the pass fed (one fewer than its
+// rows), up to the first stop id and within the call's budget. A draft past either would end the round anyway: the
+// draw at its row is the same, accepted or not, and it ends the round.
+static llama_tokens clover_verified_drafts(const clover_run & run, const llama_token * drafts, int32_t n_drafts,
+                                           int32_t width) {
+    const int32_t n_max = std::min({ n_drafts, width - 1, run.remaining() - 1 });
+    llama_tokens out;
+    for (int32_t j = 0; j < n_max && !run.is_stop(drafts[j]); ++j) {
+        out.push_back(drafts[j]);
+    }
+    return out;
+}
+
 // Acceptance (spec 4.2, steps 3-4) over the first width rows of the pass that just ran at position p: output a_j
-// (row j-1) against draft d_j; emits the accepted tokens, keeps history through p+m-1 (rolling back everything the
-// pass wrote after it) and makes a_m the pending token.
+// (row j-1) against draft d_j by llama.cpp's rule (clover_sample_rows); emits the accepted tokens, keeps history
+// through p+m-1 (rolling back everything the pass wrote after it) and makes a_m the pending token. d_j with j = width
+// (a spec round's last draft, fed to no row) is compared with a_width for the statistics only.
 static bool clover_accept_rows(clover_run & run, int32_t p, const llama_token * drafts, int32_t n_drafts,
                                int32_t width, clover_round & round) {
     clover_slot * slot = run.slot;
     round = {};
-    std::vector<llama_token> out;
-    llama_token next_pending = slot->pending;
-    for (int32_t j = 1; j <= width; ++j) {
-        float * logits = clover_get_row(slot, j - 1);
-        if (!logits) {
+    const llama_tokens verified = clover_verified_drafts(run, drafts, n_drafts, width);
+    std::vector<float *> rows(verified.size() + 1);
+    for (size_t j = 0; j < rows.size(); ++j) {
+        rows[j] = clover_get_row(slot, (int32_t) j);
+        if (!rows[j]) {
             return false;
-        }
-        bool accepted = false;
-        const llama_token token = clover_accept(run, logits, j <= n_drafts ? drafts[j - 1] : -1, accepted);
-        if (token < 0) {
-            return false;
-        }
-        if (run.dist.n_logprobs >= 0) {
-            run.dist.logprobs.push_back(clover_dist_logprob(run, logits, token));
-        }
-        round.m           = j;
-        round.n_accepted += accepted ? 1 : 0;
-        next_pending         = token;
-        if (run.is_stop(token)) {
-            round.hit_eog = true;
-            break;
-        }
-        out.push_back(token);
-        clover_dist_produce(run, token);  // the next target's penalties and grammar state count it (spec 4)
-        if (!accepted || j == width || (int32_t) out.size() == run.remaining()) {
-            break;
         }
     }
+    std::vector<llama_token> out;
+    if (!clover_sample_rows(run, rows, verified, out)) {
+        return false;
+    }
+    round.m          = (int32_t) out.size();
+    round.n_accepted = round.m - 1 + (round.m <= n_drafts && drafts[round.m - 1] == out.back() ? 1 : 0);
     round.n_compared = std::min(round.m, n_drafts);
+    round.hit_eog    = run.is_stop(out.back());
 
     // keep history through p+m-1, roll back p+m .. p+width-1; a_{p+m} is the next pending token
     if (!clover_rollback(slot, p + round.m)) {
         return false;
     }
-    slot->pending = next_pending;
+    slot->pending = out.back();
+    if (round.hit_eog) {
+        out.pop_back();  // a stop token is not emitted (nor its logprobs)
+    }
     return clover_emit(run, out.data(), (int32_t) out.size());
 }
 

@@ -79,20 +79,6 @@ clover_choice clover_choose(clover_run & run, const float * logits) {
     return { token, clover_prob(smp, logits, n_vocab, token, max_v) };
 }
 
-// The token of one verified target and whether its draft was accepted (draft < 0: none), on logits after the
-// distribution stage. Greedy: argmax P, accepted when it equals the draft. Sampling: a draw from Q, accepted when it
-// equals the draft (llama-server's rule, common_sampler_sample_and_accept_n): the draft comes out with probability
-// Q(d), and after a rejection the draw is Q without d, renormalised (spec 4.2). -1 when nothing is allowed
-// (slot->last_error).
-llama_token clover_accept(clover_run & run, float * logits, llama_token draft, bool & accepted) {
-    accepted = false;
-    clover_dist_apply(run, logits, clover_dist_needs_mask(run));
-    const llama_token best = clover_dist_argmax(run, logits);
-    const llama_token token = best < 0 || run.smp.greedy() ? best : clover_draw(run, logits);
-    accepted = token >= 0 && token == draft;
-    return token;
-}
-
 //
 // the distribution stage (spec 4): logit_bias, penalties, grammar
 //
@@ -129,10 +115,6 @@ void clover_dist_apply(clover_run & run, float * logits, bool full_grammar) {
     if (grammar) {
         clover_grammar_mask(run, grammar, logits);
     }
-}
-
-bool clover_dist_needs_mask(const clover_run & run) {
-    return run.grammar() && (!run.smp.greedy() || run.dist.n_logprobs >= 0);
 }
 
 // whether the grammar allows the token next (one candidate: cheap)
@@ -188,20 +170,53 @@ void clover_draft_grammar::advance(clover_run & run, llama_token token, bool for
     llama_sampler_accept(state.get(), token);
 }
 
-llama_token clover_dist_argmax(clover_run & run, float * logits) {
-    // under a grammar without its full mask: the winner when allowed, else the next best it allows (-1: none)
-    llama_sampler * grammar = run.grammar();
-    const llama_token best = grammar && !clover_dist_needs_mask(run)
-        ? clover_grammar_argmax(run, grammar, logits)
-        : clover_argmax(run.smp, logits, run.slot->n_vocab);
-    if (best < 0 || logits[best] == -std::numeric_limits<float>::infinity()) {
-        run.slot->last_error = grammar
+// The chain stands in for another (a copy of it as it was) while this is in scope: clover_dist_apply and
+// clover_dist_produce read and advance that one
+class clover_chain_swap {
+  public:
+    clover_chain_swap(clover_run & run, common_sampler_ptr & other) : run(run), other(other) {
+        std::swap(run.smp.chain, other);
+    }
+    ~clover_chain_swap() { std::swap(run.smp.chain, other); }
+    clover_chain_swap(const clover_chain_swap &) = delete;
+    clover_chain_swap & operator=(const clover_chain_swap &) = delete;
+
+  private:
+    clover_run         & run;
+    common_sampler_ptr & other;
+};
+
+// log P of each verified token at its row (spec 4: after the stage and the grammar, at temperature 1), from a copy of
+// the chain as it was before the rows, advanced over the tokens in order as the chain was
+static void clover_rows_logprobs(clover_run & run, common_sampler_ptr & before, const std::vector<float *> & rows,
+                                 const std::vector<llama_token> & tokens) {
+    clover_chain_swap swap(run, before);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        clover_dist_apply(run, rows[i], true);
+        run.dist.logprobs.push_back(clover_dist_logprob(run, rows[i], tokens[i]));
+        clover_dist_produce(run, tokens[i]);
+    }
+}
+
+bool clover_sample_rows(clover_run & run, const std::vector<float *> & rows, const llama_tokens & drafts,
+                        std::vector<llama_token> & tokens) {
+    common_sampler * chain = run.smp.chain.get();
+    common_sampler_ptr before(run.dist.n_logprobs >= 0 ? common_sampler_clone(chain) : nullptr);
+    const std::vector<const float *> in(rows.begin(), rows.end());
+    try {
+        // greedy: the winner is checked against the grammar alone (the same argmax); sampling masks first (spec 4)
+        tokens = common_sampler_sample_and_accept_n(chain, run.slot->vocab, in, drafts, !run.smp.greedy());
+    } catch (const std::invalid_argument &) {  // no candidate is left (common_sampler_sample)
+        run.slot->last_error = run.grammar()
             ? "the grammar allows no token here (with the banned ids and logit_bias): the response cannot go on "
               "(a dead end of the grammar)"
             : "logit_bias and the banned ids leave no token to generate";
-        return -1;
+        return false;
     }
-    return best;
+    if (before) {
+        clover_rows_logprobs(run, before, rows, tokens);
+    }
+    return true;
 }
 
 void clover_dist_produce(clover_run & run, llama_token token) {

@@ -19,21 +19,21 @@ llama_token   clover_argmax(const clover_sampler & smp, const float * logits, in
 float         clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v);
 // the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
 clover_choice clover_choose(clover_run & run, const float * logits);
-// the token of one verified target and whether its draft was accepted (draft < 0: none), after the distribution
-// stage (which it applies to logits); -1 when nothing is allowed
-llama_token   clover_accept(clover_run & run, float * logits, llama_token draft, bool & accepted);
+// The tokens of a verification's rows by llama.cpp's rule (common_sampler_sample_and_accept_n): rows[i] holds the
+// logits after drafts[0 .. i-1] (rows.size() == drafts.size() + 1); its token is the chain's draw after the tokens
+// before it (greedy: argmax P; sampling: a draw from Q, the grammar applied first, spec 4), and the drafts are kept
+// while they equal the draws. The chain accepts each token (penalties, grammar); with logprobs on, each token's log P
+// at its row is recorded (clover_dist::logprobs). false when no token is allowed (slot->last_error).
+bool          clover_sample_rows(clover_run & run, const std::vector<float *> & rows, const llama_tokens & drafts,
+                                 std::vector<llama_token> & tokens);
 // a GBNF grammar parses against the vocabulary and allows some token at its start (NULL or "" root = "root");
 // 0, or -1 with a message
 int32_t       clover_check_grammar(const llama_vocab * vocab, const char * grammar, const char * root,
                                    const std::vector<uint8_t> & excluded, std::string & err);
 // The distribution stage (spec 4): the chain's logit bias and penalties (common_sampler_apply_stage) and, with
 // full_grammar, -inf for what the grammar forbids, in place on one target's logits. Without full_grammar the grammar
-// is left to clover_dist_argmax, which checks only the winner (llama.cpp's common_sampler does the same).
+// is left to the caller: a draft's (clover_draft_grammar) checks only the winner, as llama.cpp's common_sampler does.
 void          clover_dist_apply(clover_run & run, float * logits, bool full_grammar);
-// argmax P of adjusted logits under the grammar; -1 when the grammar allows no token (slot->last_error says so)
-llama_token   clover_dist_argmax(clover_run & run, float * logits);
-// whether logits need the grammar's full mask (sampling or logprobs) rather than clover_dist_argmax's check
-bool          clover_dist_needs_mask(const clover_run & run);
 // a produced response token, in order: the penalties count it and the grammar advances over it
 void          clover_dist_produce(clover_run & run, llama_token token);
 // log P of token, and the top alternatives, of adjusted logits (the excluded ids and -inf ones have none)
