@@ -18,7 +18,8 @@ the prompt cache:
 - draft-clover: the model's block pass as the drafter (docs/decoding.md, "draft-clover in llama.cpp");
 - ngram-mod,draft-clover: `auto` in llama.cpp (the n-gram draft first, the block draft where it pays);
 - engine ar and engine auto: what `clover-cpp generate` runs, in this process, through the Python API (auto drafts
-  with the same common/speculative drafters as `ngram-mod,draft-clover`; libclover verifies).
+  with the same common/speculative drafters as `ngram-mod,draft-clover`, and verifies with the same
+  common_sampler_sample_and_accept_n), with the end-of-generation tokens banned as ignore_eos bans them.
 End to end is the wall time of a request at the client (prefill included); decode is the server's own
 `predicted_per_second` (the engine's decode_ms). A ratio is the median over runs of that run's tok/s over the
 reference's in the same run. The block pass is reported in ar steps, from the engine's measured pass costs
@@ -107,8 +108,18 @@ def complete(url: str, prompt: list[int], tokens: int, **fields: Any) -> dict[st
     return answer
 
 
+def ignore_eos(model: Any) -> dict[str, Any]:
+    """The engine's fields for llama-server's ``ignore_eos``: no stop token, and the end-of-generation tokens banned
+    (llama-server gives them a -inf logit bias), so that both sides generate the same tokens."""
+    from clover_native import loader
+    lib = loader.llama()
+    vocab = lib.llama_model_get_vocab(model.llama_model)
+    eog = [t for t in range(lib.llama_vocab_n_tokens(vocab)) if lib.llama_vocab_is_eog(vocab, t)]
+    return {"stop_ids": [], "banned_ids": eog}
+
+
 def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[int]], tokens: int,
-            first: int = 0) -> dict:
+            engine_fields: dict[str, Any], first: int = 0) -> dict:
     """Totals per configuration over the prompts, configurations interleaved on each prompt in an order shuffled
     per prompt (seeded by its index, `first` + i), so that no configuration always runs first or right after the
     same one: a server's threads still busy after its answer, or a slow configuration's heat, then falls on each. (A
@@ -130,7 +141,7 @@ def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[in
                 continue
             model.reset()
             start = time.perf_counter()
-            s = model.run(prompt, mode=name, max_tokens=tokens, stop_ids=[]).stats
+            s = model.run(prompt, mode=name, max_tokens=tokens, **engine_fields).stats
             t["wall_ms"] += (time.perf_counter() - start) * 1e3
             t["tokens"] += s.generated_tokens
             t["decode_ms"] += s.decode_ms
@@ -191,6 +202,7 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
 
     res: dict[str, Any] = {}
     with Model(path, n_threads=threads, n_gpu_layers=ngl) as model, servers(path, threads, ngl, work) as urls:
+        engine_fields = ignore_eos(model)
         costs, block = model.measure_pass_costs(), model.info.block_size
         for set_name, plist in prompts.items():
             if len(plist) < runs:  # each run needs prompts of its own
@@ -208,8 +220,9 @@ def bench_model(path: Path, prompts: dict[str, list[list[int]]], tokens: int, ru
                 complete(url, plist[0], WARM_UP_TOKENS)
             for mode in ENGINE_MODES:
                 model.reset()
-                model.run(plist[0], mode=mode, max_tokens=WARM_UP_TOKENS, stop_ids=[])
-            per_run = [one_run(model, urls, plist[r * n:(r + 1) * n], tokens, first=r * n) for r in range(runs)]
+                model.run(plist[0], mode=mode, max_tokens=WARM_UP_TOKENS, **engine_fields)
+            per_run = [one_run(model, urls, plist[r * n:(r + 1) * n], tokens, engine_fields, first=r * n)
+                       for r in range(runs)]
             res[set_name] = {n: summarize(per_run, n, label("server", "none")) for n in per_run[0]}
             res.setdefault("pairs", {})[set_name] = pairs(per_run)
             res.setdefault("prompts_per_run", {})[set_name] = n
