@@ -524,8 +524,15 @@ bool clover_init_chain(const clover_slot * slot, const clover_gen_params * param
     sp.penalty_repeat  = d.repeat;
     sp.penalty_freq    = d.frequency;
     sp.penalty_present = d.presence;
-    // spec 4.5's order
-    sp.samplers = { COMMON_SAMPLER_TYPE_TEMPERATURE, COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TOP_P };
+    if (smp.greedy()) {
+        // the draw is argmax P whatever Q's truncations: top-k 1 picks it (the first of equal logits, as temperature 0
+        // does) before the rest of the chain, which then runs over one candidate instead of the whole vocabulary
+        sp.top_k    = 1;
+        sp.samplers = { COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TEMPERATURE };
+    } else {
+        // spec 4.5's order
+        sp.samplers = { COMMON_SAMPLER_TYPE_TEMPERATURE, COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TOP_P };
+    }
     if (d.penalized()) {
         sp.samplers.insert(sp.samplers.begin(), COMMON_SAMPLER_TYPE_PENALTIES);
     }
