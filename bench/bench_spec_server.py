@@ -21,8 +21,9 @@ the prompt cache:
   with the same common/speculative drafters as `ngram-mod,draft-clover`, and verifies with the same
   common_sampler_sample_and_accept_n), with the end-of-generation tokens banned as ignore_eos bans them.
 End to end is the wall time of a request at the client (prefill included); decode is the server's own
-`predicted_per_second` (the engine's decode_ms). A ratio is the median over runs of that run's tok/s over the
-reference's in the same run. The block pass is reported in ar steps, from the engine's measured pass costs
+`predicted_per_second`, and for the engine the call's wall time less its prefill (its decode_ms times the passes
+only, not the sampling that llama-server's figure includes). A ratio is the median over runs of that run's tok/s
+over the reference's in the same run. The block pass is reported in ar steps, from the engine's measured pass costs
 (Model.measure_pass_costs), on the same device.
 
 Results: bench/results/bench_spec_server.{json,md} (--stem names another pair, one per CPU).
@@ -142,9 +143,10 @@ def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[in
             model.reset()
             start = time.perf_counter()
             s = model.run(prompt, mode=name, max_tokens=tokens, **engine_fields).stats
-            t["wall_ms"] += (time.perf_counter() - start) * 1e3
+            wall_ms = (time.perf_counter() - start) * 1e3
+            t["wall_ms"] += wall_ms
             t["tokens"] += s.generated_tokens
-            t["decode_ms"] += s.decode_ms
+            t["decode_ms"] += wall_ms - s.prefill_ms  # the passes and the sampling, as llama-server's timing counts
             t["drafted"] += s.auto_drafted
             t["accepted"] += s.auto_accepted
     return totals
@@ -239,7 +241,7 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['tokens']} new tokens each (ignore_eos), greedy, configurations interleaved on each prompt, "
              f"in an order shuffled per prompt; ratios are the median over {res['runs']} runs of that run's "
              "tok/s over server plain's. End to end: wall time per request at the client; decode: the server's "
-             "predicted_per_second (the engine's decode time).", ""]
+             "predicted_per_second (the engine's call time less its prefill: the passes and the sampling).", ""]
     for model, m in res["models"].items():
         bp = m.get("block_pass")
         lines += [f"### {model}", ""]
