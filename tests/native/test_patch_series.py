@@ -30,7 +30,8 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "server-max-tokens-0-generates-nothing", "server-finished-stream-keeps-connection",
                        "grammar-utf8-well-formed", "server-result-wait-has-a-deadline",
                        "server-anthropic-error-body", "server-anthropic-thinking-switch",
-                       "memory-recurrent-snapshots-follow-moved-state", "server-queue-worker-wakes-for-work"}
+                       "memory-recurrent-snapshots-follow-moved-state", "server-queue-worker-wakes-for-work",
+                       "sampling-dist-skips-masked-candidates"}
 
 
 @pytest.mark.native
