@@ -8,7 +8,8 @@
 // The verification is llama-server's as well (clover_verify: common_sampler_sample_and_accept_n on the call's
 // common_sampler, with its grammar and its penalties over the response). Every emitted token comes out of a causal
 // verification, so greedy auto equals greedy ar and sampled auto keeps ar's distribution (a draft is accepted with
-// probability Q(d)). The policy follows measured times, so a sampled run's text may differ from run to run for one seed.
+// probability Q(d)). The policy follows measured times, so a sampled run's text may differ from run to run for one
+// seed.
 //
 // A draft is at most what one verification may roll back (max_block_size - 1: the context's n_rs_seq) and what the
 // call's block_size, its remaining tokens and the context leave. llama-server also verifies longer n-gram drafts

@@ -22,8 +22,10 @@ struct clover_sampler {
     float temperature = 0.0f;
     // The call's llama.cpp sampler chain, as llama-server builds it for the same request (common_sampler, made by
     // clover_init_chain): its logit bias (the call's, the banned ids, the mask token) and penalties are the
-    // distribution stage (spec 4); temperature, top-k, top-p and dist, seeded with the call's seed, draw from Q. Its
-    // grammar sampler is the call's grammar (clover_run::grammar).
+    // distribution stage (spec 4); temperature, top-k, top-p and dist, seeded with the call's seed, draw from Q (a
+    // greedy call's chain puts top-k 1 first: the same token, without a draw over the vocabulary). Its grammar
+    // sampler is the call's grammar (clover_run::grammar). Verification samples and accepts with it
+    // (clover_sample_rows).
     common_sampler_ptr chain;
     std::vector<llama_token_data> cur;  // scratch: the candidates the chain or the grammar runs on
 
