@@ -20,9 +20,11 @@ the prompt cache:
 - engine ar and engine auto: what `clover-cpp generate` runs, in this process, through the Python API (auto drafts
   with the same common/speculative drafters as `ngram-mod,draft-clover`, and verifies with the same
   common_sampler_sample_and_accept_n), with the end-of-generation tokens banned as ignore_eos bans them.
-End to end is the wall time of a request at the client (prefill included); decode is the server's own
-`predicted_per_second`, and for the engine the call's wall time less its prefill (its decode_ms times the passes
-only, not the sampling that llama-server's figure includes). A ratio is the median over runs of that run's tok/s
+End to end is the wall time of a request at the client (prefill included). Decode counts as llama-server's
+`predicted_per_second` does, on both sides: from the first emitted token to the last, over the tokens emitted after
+the first pass's (llama-server's first token comes with the prompt's pass; the engine's prefill leaves the prompt's
+last token to its first pass, which may also verify a draft), the sampling and the drafting included, the call's
+set-up not (the engine's stamps come from its token callback). A ratio is the median over runs of that run's tok/s
 over the reference's in the same run. The block pass is reported in ar steps, from the engine's measured pass costs
 (Model.measure_pass_costs), on the same device.
 
@@ -126,7 +128,8 @@ def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[in
     same one: a server's threads still busy after its answer, or a slow configuration's heat, then falls on each. (A
     rotation keeps each configuration's predecessor; only a shuffle changes it.)"""
     configs = [("server", s) for s in SERVER_TYPES] + [("engine", m) for m in ENGINE_MODES]
-    totals = {label(k, n): {"tokens": 0, "decode_ms": 0.0, "wall_ms": 0.0, "drafted": 0, "accepted": 0}
+    totals = {label(k, n): {"tokens": 0, "decode_tokens": 0, "decode_ms": 0.0, "wall_ms": 0.0, "drafted": 0,
+                            "accepted": 0}
               for k, n in configs}
     for i, prompt in enumerate(prompts):
         for kind, name in random.Random(first + i).sample(configs, len(configs)):
@@ -135,26 +138,33 @@ def one_run(model: Any, urls: dict[str, tuple[str, Path]], prompts: list[list[in
                 a = complete(urls[name][0], prompt, tokens)
                 tm = a["timings"]
                 t["tokens"] += tm["predicted_n"]
+                t["decode_tokens"] += tm["predicted_n"] - 1  # its first token came with the prompt's pass
                 t["decode_ms"] += tm["predicted_ms"]
                 t["wall_ms"] += a["wall_ms"]
                 t["drafted"] += tm.get("draft_n", 0)
                 t["accepted"] += tm.get("draft_n_accepted", 0)
                 continue
             model.reset()
+            commits: list[tuple[float, int]] = []
             start = time.perf_counter()
-            s = model.run(prompt, mode=name, max_tokens=tokens, **engine_fields).stats
+            s = model.run(prompt, mode=name, max_tokens=tokens,
+                          on_tokens=lambda block: commits.append((time.perf_counter(), len(block))),
+                          **engine_fields).stats
             wall_ms = (time.perf_counter() - start) * 1e3
             t["wall_ms"] += wall_ms
             t["tokens"] += s.generated_tokens
-            t["decode_ms"] += wall_ms - s.prefill_ms  # the passes and the sampling, as llama-server's timing counts
+            # as llama-server's predicted_per_second: from the first emitted token to the last, over the tokens after
+            # the first pass's (the engine's prefill leaves the prompt's last token to that pass)
+            t["decode_tokens"] += s.generated_tokens - commits[0][1]
+            t["decode_ms"] += (commits[-1][0] - commits[0][0]) * 1e3
             t["drafted"] += s.auto_drafted
             t["accepted"] += s.auto_accepted
     return totals
 
 
 def rate(r: dict, n: str, key: str) -> float:
-    """Configuration n's tok/s in run r by key (decode_ms or wall_ms)."""
-    return r[n]["tokens"] / r[n][key] * 1e3
+    """Configuration n's tok/s in run r by key: decode_ms (the tokens after the first pass's) or wall_ms (all)."""
+    return r[n]["decode_tokens" if key == "decode_ms" else "tokens"] / r[n][key] * 1e3
 
 
 def best_ngram(per_run: list[dict], key: str) -> str:
@@ -240,8 +250,9 @@ def markdown(res: dict[str, Any]) -> str:
              "qualified), "
              f"{res['tokens']} new tokens each (ignore_eos), greedy, configurations interleaved on each prompt, "
              f"in an order shuffled per prompt; ratios are the median over {res['runs']} runs of that run's "
-             "tok/s over server plain's. End to end: wall time per request at the client; decode: the server's "
-             "predicted_per_second (the engine's call time less its prefill: the passes and the sampling).", ""]
+             "tok/s over server plain's. End to end: wall time per request at the client; decode: as the server's "
+             "predicted_per_second counts, on both sides: from the first emitted token to the last, over the tokens "
+             "after the first pass's.", ""]
     for model, m in res["models"].items():
         bp = m.get("block_pass")
         lines += [f"### {model}", ""]
