@@ -55,3 +55,14 @@ def test_headers_and_standalone_patches() -> None:
         assert p.name.endswith(f"-{tr['patch-name']}.patch"), p.name
         names[tr["patch-name"]] = tr.get("standalone") == "yes"
     assert {n for n, alone in names.items() if alone} == UPSTREAM_CANDIDATES
+
+
+def test_every_patch_has_its_row_in_the_docs() -> None:
+    """docs/native.md's table lists each patch of the series once, in order, and calls the upstream candidates so."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "native.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `00")]
+    listed = [row.split("`")[1] for row in rows]
+    assert listed == [p.stem for p in patch_series.series()], "docs/native.md's patch table differs from the series"
+    for row in rows:
+        name = row.split("`")[1].split("-", 1)[1]
+        assert ("**upstream candidate**" in row) == (name in UPSTREAM_CANDIDATES), row[:80]
