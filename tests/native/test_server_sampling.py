@@ -140,7 +140,8 @@ SAMPLED_REQUEST = {**SAMPLED, "min_p": 0.0, "samplers": ["penalties", "temperatu
 SEEDS = (1, 2, 3)
 
 
-def sampled_engine(gguf: Path, mode: str, prompts: list[str], n: int) -> dict[tuple[int, int], list[int]]:
+def sampled_engine(gguf: Path, mode: str, prompts: list[str], n: int,
+                   **fields: Any) -> dict[tuple[int, int], list[int]]:
     """The engine's sampled tokens through the Python API, (prompt index, seed) -> tokens."""
     from clover_cpp import Model
 
@@ -149,7 +150,8 @@ def sampled_engine(gguf: Path, mode: str, prompts: list[str], n: int) -> dict[tu
         for k, prompt in enumerate(prompts):
             for seed in SEEDS:
                 m.reset()
-                out[(k, seed)] = m.run(m.tokenize(prompt), mode=mode, max_tokens=n, seed=seed, **SAMPLED).tokens
+                out[(k, seed)] = m.run(m.tokenize(prompt), mode=mode, max_tokens=n, seed=seed, **SAMPLED,
+                                       **fields).tokens
     return out
 
 
@@ -187,6 +189,34 @@ def test_a_seed_draws_the_same_tokens_in_the_engine_and_in_llama_server(penalise
     differ = {key: (server[key], engine[key]) for key in engine if server[key] != engine[key]}
     assert not differ, differ
     assert len({tuple(t) for t in engine.values()}) == len(engine), "two seeds gave one text: the seed is not used"
+
+
+# Python-like lines with lower-case names only: the demo model's likelier tokens after these prompts (capitals,
+# digits, other punctuation) are often outside it, so top-k and top-p see other candidates with the grammar applied
+# first than without
+LINES_GRAMMAR = r'''root ::= line+
+line ::= "    "? [a-z_]+ [a-z_ (),.=:+-]* "\n"'''
+
+
+@pytest.mark.parametrize("mode,server_args", [("ar", ()), ("spec", ("--spec-type", "draft-clover"))],
+                         ids=["ar-plain", "spec-draft-clover"])
+def test_a_seed_draws_the_same_tokens_under_a_grammar_with_grammar_first(penalised_demo: Path, mode: str,
+                                                                         server_args: tuple[str, ...]) -> None:
+    """Spec 4 puts the grammar in P: the engine masks, then draws through temperature, top-k and top-p
+    (common_sampler's grammar_first). llama-server draws first and masks only after a refused draw unless a request
+    sets `grammar_first` (patch sampling-grammar-first-option); with it, a seed gives the engine's tokens under a
+    grammar, and the field shows in the response's settings. Without it, the draws differ for some seed here: the
+    grammar changes which candidates the truncation keeps, so the test's grammar does constrain these draws."""
+    n = 48
+    engine = sampled_engine(penalised_demo, mode, PROMPTS, n, grammar=LINES_GRAMMAR)
+    with llama_server(penalised_demo, *SERVER_ARGS, *server_args) as url:
+        first = sampled_server(url, PROMPTS, n, grammar=LINES_GRAMMAR, grammar_first=True)
+        default = sampled_server(url, PROMPTS, n, grammar=LINES_GRAMMAR)
+        status, answer = post(url + "/completion", {"prompt": PROMPTS[0], "n_predict": 1, "grammar_first": True})
+    assert status == 200 and answer["generation_settings"]["grammar_first"] is True, answer
+    differ = {key: (first[key], engine[key]) for key in engine if first[key] != engine[key]}
+    assert not differ, differ
+    assert any(default[key] != engine[key] for key in engine), "the grammar never changed a draw: the test is void"
 
 
 def test_clover_cpp_generate_samples_llama_servers_tokens(demo_gguf: Path) -> None:

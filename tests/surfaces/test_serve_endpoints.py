@@ -39,11 +39,11 @@ PROPS = {"default_generation_settings", "total_slots", "model_alias", "model_fty
          "media_marker", "endpoint_slots", "endpoint_props", "endpoint_metrics", "ui", "ui_settings", "chat_template",
          "chat_template_caps", "bos_token", "eos_token", "build_info", "is_sleeping", "cors_proxy_enabled"}
 # server-task.cpp's task_params::to_json(true): /props' defaults and /slots' params (without --slots-debug), with
-# Clover's penalty_response_only and decoding settings (mode, block_size, threshold, coreset_top_p)
+# Clover's penalty_response_only, grammar_first and decoding settings (mode, block_size, threshold, coreset_top_p)
 PARAMS = {
     "seed", "temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "top_n_sigma",
     "xtc_probability", "xtc_threshold", "typical_p", "repeat_last_n", "repeat_penalty", "presence_penalty",
-    "frequency_penalty", "penalty_response_only", "mode", "block_size", "threshold", "coreset_top_p",
+    "frequency_penalty", "penalty_response_only", "grammar_first", "mode", "block_size", "threshold", "coreset_top_p",
     "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau",
     "mirostat_eta", "adaptive_target", "adaptive_decay", "max_tokens", "n_predict", "n_keep", "n_discard",
     "ignore_eos", "stream", "n_probs", "min_keep", "chat_format", "reasoning_format", "reasoning_in_content",
