@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 
+from clover_dev import REPO_ROOT
 from scripts import patch_series
 
 from clover_native import cpu, loader
@@ -59,10 +60,9 @@ def test_headers_and_standalone_patches() -> None:
 
 def test_every_patch_has_its_row_in_the_docs() -> None:
     """docs/native.md's table lists each patch of the series once, in order, and calls the upstream candidates so."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "native.md").read_text()
+    doc = (REPO_ROOT / "docs" / "native.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| `00")]
     listed = [row.split("`")[1] for row in rows]
     assert listed == [p.stem for p in patch_series.series()], "docs/native.md's patch table differs from the series"
-    for row in rows:
-        name = row.split("`")[1].split("-", 1)[1]
-        assert ("**upstream candidate**" in row) == (name in UPSTREAM_CANDIDATES), row[:80]
+    for row, stem in zip(rows, listed):
+        assert ("**upstream candidate**" in row) == (stem.split("-", 1)[1] in UPSTREAM_CANDIDATES), row[:80]

@@ -204,8 +204,8 @@ bool clover_sample_rows(clover_run & run, const std::vector<float *> & rows, con
     common_sampler_ptr before(run.dist.n_logprobs >= 0 ? common_sampler_clone(chain) : nullptr);
     const std::vector<const float *> in(rows.begin(), rows.end());
     try {
-        // greedy: the winner is checked against the grammar alone (the same argmax); sampling masks first (spec 4)
-        tokens = common_sampler_sample_and_accept_n(chain, run.slot->vocab, in, drafts, !run.smp.greedy());
+        // the chain's grammar_first says where its grammar goes (clover_init_chain)
+        tokens = common_sampler_sample_and_accept_n(chain, run.slot->vocab, in, drafts);
     } catch (const std::invalid_argument &) {  // no candidate is left (common_sampler_sample)
         run.slot->last_error = run.grammar()
             ? "the grammar allows no token here (with the banned ids and logit_bias): the response cannot go on "
@@ -526,12 +526,14 @@ bool clover_init_chain(const clover_slot * slot, const clover_gen_params * param
     sp.penalty_present = d.presence;
     if (smp.greedy()) {
         // the draw is argmax P whatever Q's truncations: top-k 1 picks it (the first of equal logits, as temperature 0
-        // does) before the rest of the chain, which then runs over one candidate instead of the whole vocabulary
+        // does) before the rest of the chain, which then runs over one candidate instead of the whole vocabulary; the
+        // grammar checks that winner alone (the same argmax as masking first)
         sp.top_k    = 1;
         sp.samplers = { COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TEMPERATURE };
     } else {
-        // spec 4.5's order
-        sp.samplers = { COMMON_SAMPLER_TYPE_TEMPERATURE, COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TOP_P };
+        // spec 4.5's order, the grammar in P before the truncations (llama-server's grammar_first)
+        sp.samplers      = { COMMON_SAMPLER_TYPE_TEMPERATURE, COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TOP_P };
+        sp.grammar_first = true;
     }
     if (d.penalized()) {
         sp.samplers.insert(sp.samplers.begin(), COMMON_SAMPLER_TYPE_PENALTIES);
