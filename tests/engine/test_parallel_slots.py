@@ -92,8 +92,8 @@ def test_slots_equal_their_solo_runs_and_batch_their_passes(tiny_gguf: Path, tin
 
 @pytest.mark.native
 def test_slots_in_auto_share_the_drafters(tiny_gguf: Path, tiny_model: Any) -> None:
-    """Every slot in auto at once: the engine's one common_speculative drafts for each slot's sequence, a block
-    draft running on the decode thread between the rounds. Each slot's tokens equal its prompt's greedy ar (near-tie
+    """Every slot in auto at once: the engine's one common_speculative drafts for each slot's sequence, on the
+    decode thread between the rounds. Each slot's tokens equal its prompt's greedy ar (near-tie
     rule), with n-gram rounds (prompts that repeat a phrase) and block rounds among them."""
     from clover_cpp.model import Model
 
@@ -120,6 +120,40 @@ def test_slots_in_auto_share_the_drafters(tiny_gguf: Path, tiny_model: Any) -> N
             rounds[k] += got[i].stats.auto_rounds[k]
     assert len(ledger.near_ties) <= 1, ledger.near_ties
     assert rounds["ngram"] > 0 and rounds["block"] > 0, rounds
+
+
+@pytest.mark.native
+def test_slots_in_auto_batch_their_block_drafts(tiny_gguf: Path, tiny_model: Any) -> None:
+    """Slots in auto waiting on a draft at once get theirs from one call of the framework, which runs the block
+    windows of all of them as one pass, as llama-server's slots do. Prompts that repeat nothing leave ngram-mod
+    without a draft, so each slot's first rounds are block drafts (draft-clover drafts until it has timed a block
+    round); three slots that start together meet in those rounds. Each slot's tokens equal its prompt's greedy ar
+    (near-tie rule)."""
+    from clover_cpp.model import Model
+
+    n = 3
+    prompts = [[100 + 37 * i + 3 * k for k in range(40)] for i in range(n)]
+    with Model(tiny_gguf, n_ctx=1024) as solo:
+        want = []
+        for p in prompts:
+            solo.reset()
+            want.append(list(solo.run(p, mode="ar", max_tokens=24, stop_ids=[]).tokens))
+
+    def generate(model: Any, i: int) -> Any:
+        model.reset()
+        return model.run(prompts[i], mode="auto", max_tokens=24, stop_ids=[])
+
+    with Model(tiny_gguf, n_ctx=1024 * n, n_parallel=n) as model:
+        got = run_concurrently(lambda i: generate(model.slot(i), i), n)
+        windows, rounds = model.block_pass_stats()
+    ledger = Ledger()
+    for i in range(n):
+        assert not isinstance(got[i], BaseException), f"slot {i}: {got[i]!r}"
+        ledger.check(f"auto slot{i}", list(got[i].tokens), want[i], tiny_model, prompts[i])
+        assert got[i].stats.auto_rounds["block"] > 0, (i, got[i].stats.auto_rounds)
+    ledger.assert_budget()
+    assert windows == sum(r.stats.block_passes for r in got), windows
+    assert windows > rounds > 0, f"no block draft was batched ({windows} windows in {rounds} passes)"
 
 
 @pytest.mark.native

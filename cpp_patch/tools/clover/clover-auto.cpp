@@ -36,8 +36,8 @@ common_speculative * clover_auto_drafter(clover_slot * slot) {
     return d.spec.get();
 }
 
-// The framework's draft for the slot's sequence, at most n_max tokens, and its kind. A block pass runs on the
-// decode thread when slots share the context (each slot's own: the windows of several slots are not batched).
+// The framework's draft for the slot's sequence, at most n_max tokens, and its kind. With slots sharing the context,
+// the decode thread drafts for every slot waiting on a draft in one framework call (clover_parallel_draft).
 clover_draft_kind clover_auto_draft(clover_run & run, common_speculative * spec, int32_t n_max, llama_tokens & draft) {
     clover_slot * slot = run.slot;
     draft.clear();
@@ -46,22 +46,18 @@ clover_draft_kind clover_auto_draft(clover_run & run, common_speculative * spec,
     }
     const int32_t reused = llama_perf_context(slot->ctx).n_reused;
     const double  t0     = clover_now_ms();
-    clover_shared_call(slot, [&] {
-        common_speculative_draft_params & dp = common_speculative_get_draft_params(spec, slot->seq_history);
-        dp.drafting = true;
-        dp.n_max    = n_max;
-        dp.pos0     = slot->n_past;
-        dp.id_last  = slot->pending;
-        dp.prompt   = &slot->history;
-        dp.result   = &draft;
+    bool block = false;
+    if (slot->shared && slot->lock) {
+        block = clover_parallel_draft(slot, spec, n_max, draft);
+    } else {
+        clover_draft_ask(spec, slot, n_max, draft);
         common_speculative_draft(spec);
-        dp.result   = nullptr;
-        return 0;
-    });
+        block = clover_draft_settle(spec, slot, draft);
+    }
     if (draft.empty()) {
         return CLOVER_DRAFT_NONE;
     }
-    if (common_speculative_last_type(spec, slot->seq_history) != COMMON_SPECULATIVE_TYPE_DRAFT_CLOVER) {
+    if (!block) {
         return CLOVER_DRAFT_NGRAM;
     }
     run.stats->t_block_ms += clover_now_ms() - t0;
@@ -71,6 +67,22 @@ clover_draft_kind clover_auto_draft(clover_run & run, common_speculative * spec,
 }
 
 } // namespace
+
+void clover_draft_ask(common_speculative * spec, const clover_slot * slot, int32_t n_max, llama_tokens & draft) {
+    common_speculative_draft_params & dp = common_speculative_get_draft_params(spec, slot->seq_history);
+    dp.drafting = true;
+    dp.n_max    = n_max;
+    dp.pos0     = slot->n_past;
+    dp.id_last  = slot->pending;
+    dp.prompt   = &slot->history;
+    dp.result   = &draft;
+}
+
+bool clover_draft_settle(common_speculative * spec, const clover_slot * slot, const llama_tokens & draft) {
+    common_speculative_get_draft_params(spec, slot->seq_history).result = nullptr;
+    return !draft.empty() &&
+           common_speculative_last_type(spec, slot->seq_history) == COMMON_SPECULATIVE_TYPE_DRAFT_CLOVER;
+}
 
 void clover_drafter_init(clover_drafter & d, llama_context * ctx, int32_t n_seq, bool can_block) {
     common_params_speculative params;

@@ -8,8 +8,11 @@
 // gets at most 40% of the time while others wait, clover_chunks_wait). The unified KV cache keeps the sequences
 // apart (a block window sees its own history and window only), and llama.cpp's equal split puts same-size
 // sequences in one ubatch and splits unequal ones. So a slot's logits are those of its own pass run alone, up to
-// the floating-point order of a larger batch.
+// the floating-point order of a larger batch. Auto mode's drafts meet the same way: the slots waiting on a draft get
+// theirs from one call of llama.cpp's speculative framework, which runs draft-clover's windows as one block pass, as
+// llama-server's slots do.
 
+#include "clover-auto.h"
 #include "clover-decode.h"
 #include "clover-llama.h"
 #include "clover-parallel.h"
@@ -219,8 +222,39 @@ void clover_run_round(clover_shared & sh, const std::vector<clover_pass_req *> &
     }
 }
 
+// The drafts of every waiting slot (auto mode): each slot's parameters, then one framework call per drafter (the
+// engine has one), which drafts every sequence asked for and batches draft-clover's windows into one block pass.
+void clover_run_drafts(clover_shared & sh) {
+    const std::vector<clover_draft_req *> reqs(sh.drafts.begin(), sh.drafts.end());
+    sh.drafts.clear();
+    std::vector<common_speculative *> specs;
+    for (clover_draft_req * r : reqs) {
+        clover_draft_ask(r->spec, r->slot, r->n_max, *r->result);
+        if (std::find(specs.begin(), specs.end(), r->spec) == specs.end()) {
+            specs.push_back(r->spec);
+        }
+    }
+    const double t0 = clover_now_ms();
+    for (common_speculative * spec : specs) {
+        common_speculative_draft(spec);
+    }
+    clover_share_time(sh, {}, clover_now_ms() - t0);
+    int64_t n_windows = 0;
+    for (clover_draft_req * r : reqs) {
+        r->block = clover_draft_settle(r->spec, r->slot, *r->result);
+        r->done  = true;
+        n_windows += r->block ? 1 : 0;
+    }
+    if (n_windows > 0) {
+        sh.n_passes       += n_windows;
+        sh.n_rounds       += 1;
+        sh.n_block_passes += n_windows;
+        sh.n_block_rounds += 1;
+    }
+}
+
 // The decode thread: a slot's call outside the rounds, else a round once every slot inside clover_slot_generate
-// has queued a pass. A round also lets a slot blocked on the lock take it first: a generation that starts then
+// has queued a pass or a draft (the drafts first). A round also lets a slot blocked on the lock take it first: a generation that starts then
 // joins the rounds, and a short call (reuse_prefix, reset) runs between two rounds. A slot that is not generating
 // is not waited for once it holds the lock: its pass runs in the next round.
 void clover_decode_loop(clover_shared & sh) {
@@ -235,8 +269,13 @@ void clover_decode_loop(clover_shared & sh) {
             continue;
         }
         const int32_t n_waited = sh.n_generating + sh.n_entering.load();
-        if (!sh.pending.empty() && (int32_t) sh.pending.size() >= std::max<int32_t>(n_waited, 1)) {
-            clover_run_round(sh, clover_pick_group(sh));
+        const int32_t n_queued = (int32_t) (sh.pending.size() + sh.drafts.size());
+        if (n_queued > 0 && n_queued >= std::max<int32_t>(n_waited, 1)) {
+            if (!sh.drafts.empty()) {
+                clover_run_drafts(sh);
+            } else {
+                clover_run_round(sh, clover_pick_group(sh));
+            }
             sh.cv.notify_all();
             continue;
         }
@@ -261,6 +300,21 @@ int32_t clover_parallel_pass(clover_slot * slot, bool block) {
         sh.cv.wait(*slot->lock);
     }
     return req.rc;
+}
+
+bool clover_parallel_draft(clover_slot * slot, common_speculative * spec, int32_t n_max, llama_tokens & draft) {
+    clover_shared & sh = *slot->shared;
+    clover_draft_req req;
+    req.slot   = slot;
+    req.spec   = spec;
+    req.n_max  = n_max;
+    req.result = &draft;
+    sh.drafts.push_back(&req);
+    sh.cv.notify_all();
+    while (!req.done) {
+        sh.cv.wait(*slot->lock);
+    }
+    return req.block;
 }
 
 int32_t clover_shared_call(clover_slot * slot, const std::function<int32_t()> & fn) {

@@ -6,6 +6,7 @@
 #include "clover.h"
 #include "clover-slot.h"
 #include "llama.h"
+#include "speculative.h"  // common/
 
 #include <atomic>
 #include <condition_variable>
@@ -31,11 +32,22 @@ struct clover_call_req {
     int32_t                          rc   = 0;
 };
 
+// A draft one slot waits for (clover_parallel_draft): the decode thread asks llama.cpp's speculative framework for the
+// drafts of every waiting slot in one call, so that draft-clover's windows share a block pass
+struct clover_draft_req {
+    clover_slot        * slot   = nullptr;
+    common_speculative * spec   = nullptr;
+    int32_t              n_max  = 0;
+    llama_tokens       * result = nullptr;
+    bool                 block  = false;  // the draft came from a block pass
+    bool                 done   = false;
+};
+
 // What the slots of one context share when n_parallel > 1: the lock that serializes their use of the context,
 // the queue where their passes meet, and the thread that runs every pass on the context. A slot holds `mu` while
 // it runs engine code; it waits on `cv` (and so releases `mu`) only for its pass. A round starts when every slot
-// inside clover_slot_generate has queued a pass and no slot is waiting to take the lock (a generation never yields
-// it otherwise).
+// inside clover_slot_generate has queued a pass or a draft and no slot is waiting to take the lock (a generation
+// never yields it otherwise).
 //
 // One thread decodes for all slots, as llama-server's one loop does. ggml's CPU backend (OpenMP) keeps a pool
 // of workers per calling thread, and libgomp counts the workers of every pool: with a pool per slot thread they
@@ -47,6 +59,7 @@ struct clover_shared {
     std::atomic<int32_t>          n_entering{0};  // slots blocked on `mu` at the start of a C API call
     int32_t                       n_generating = 0;
     std::deque<clover_pass_req *> pending;
+    std::deque<clover_draft_req *> drafts;
     llama_batch                   batch    = {};  // the combined batch of a round
     llama_context               * ctx      = nullptr;
     int32_t                       n_ubatch = 0;
@@ -56,7 +69,8 @@ struct clover_shared {
     double                        t_others_ms  = 0.0;
     std::atomic<int64_t>          n_passes{0};  // read without the lock (/health must not wait for a prefill)
     std::atomic<int64_t>          n_rounds{0};
-    std::atomic<int64_t>          n_block_passes{0};  // the block passes among them, and the rounds that ran them
+    std::atomic<int64_t>          n_block_passes{0};  // the block passes among them (draft-clover's windows too),
+                                                      // and the rounds that ran them (a framework call for drafts)
     std::atomic<int64_t>          n_block_rounds{0};
     // the decode thread (clover_decode_loop), and the calls slots hand it outside the rounds (clover_shared_call)
     std::thread                       decoder;
@@ -72,6 +86,9 @@ void clover_share_context(clover_engine & engine, int32_t n_ubatch);
 // with a shared context: queue the slot's batch (slot->batch; a block window when `block`) and return after a round
 // ran it; its logits are then read with clover_get_row. The caller holds the slot's lock (clover_slot_guard).
 int32_t clover_parallel_pass(clover_slot * slot, bool block);
+// with a shared context: queue a draft of the slot's sequence (auto mode), at most n_max tokens into `draft`, and return
+// after a round of drafts ran it; whether it came from a block pass. The caller holds the slot's lock.
+bool clover_parallel_draft(clover_slot * slot, common_speculative * spec, int32_t n_max, llama_tokens & draft);
 // run `fn` (a llama_decode outside the rounds) on the decode thread when the slot's context is shared, else here
 int32_t clover_shared_call(clover_slot * slot, const std::function<int32_t()> & fn);
 // run the block windows of n_slots slots (the batch on their scratch sequences) between llama_clover_block_begin and
