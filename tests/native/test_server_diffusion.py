@@ -16,6 +16,7 @@ HTTP API and against the engine (`clover-cpp generate --mode diffusion` and the 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ import pytest
 
 from clover_dev import REPO_ROOT
 from clover_dev.convert import clover_convert
-from tests.support.native import llama_server
+from tests.support.native import llama_server, native_tool
 from tests.support.serve import emitted_tokens, http, post, post_raw, sse_chunks
 
 pytestmark = pytest.mark.native
@@ -209,6 +210,38 @@ def test_a_diffusion_slot_and_an_ar_slot_each_give_what_they_give_alone(demo_ggu
         assert answer["tokens"] == alone[i]["tokens"], requests[i]["mode"]
     assert alone[0]["timings"]["block_passes"] > 0 and alone[1]["timings"]["block_passes"] == 0
     assert {together[0][1]["id_slot"], together[1][1]["id_slot"]} == {0, 1}, "the requests did not share the server"
+
+
+def _graphs_reused(log: Path) -> int:
+    """The graphs the server's context has reused so far: the last request's timings in llama-server's log."""
+    counts = re.findall(r"graphs reused =\s+(\d+)", log.read_text(errors="replace"))
+    assert counts, f"{log} has no request timings"
+    return int(counts[-1])
+
+
+def test_graph_cache_gives_the_same_tokens_and_reuses_more_graphs(demo_gguf: Path, tmp_path: Path) -> None:
+    """`--graph-cache N` (common's option over llama_set_graph_cache_size, docs/native.md): a server that keeps 6
+    graphs answers block diffusion (block passes alternate with a commit) and draft-clover's speculative decoding
+    (block drafts alternate with verifications) with the tokens of one that keeps none, and reuses more graphs. A
+    value outside [0, 64] is refused at start, naming the option."""
+    prompt = DEMO_PROMPTS[0]
+    spec = {"prompt": prompt, "n_predict": 48, "temperature": 0.0, "return_tokens": True, "cache_prompt": False}
+    runs = {}
+    for extra in ((), ("--graph-cache", "6")):
+        log = tmp_path / f"server{len(extra)}.log"
+        with llama_server(demo_gguf, *SERVER_ARGS, "--spec-type", "draft-clover", *extra, log_path=log) as url:
+            status, answer = post(url + "/completion", spec)
+            assert status == 200, answer
+            assert answer["timings"]["draft_n"] > 0, answer["timings"]
+            tokens = (diffuse(url, prompt, 8, 0.9, 48)["tokens"], answer["tokens"])
+        runs[extra] = (tokens, _graphs_reused(log))
+    (plain, plain_reused), (kept, kept_reused) = runs.values()
+    assert kept == plain
+    assert kept_reused > plain_reused, (kept_reused, plain_reused)
+
+    bad = subprocess.run([str(native_tool("llama-server")), "-m", str(demo_gguf), "--graph-cache", "65"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--graph-cache must be in [0, 64], got 65" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_sampled_diffusion_follows_the_seed(demo_gguf: Path) -> None:
