@@ -254,9 +254,9 @@ void clover_run_drafts(clover_shared & sh) {
 }
 
 // The decode thread: a slot's call outside the rounds, else a round once every slot inside clover_slot_generate
-// has queued a pass or a draft (the drafts first). A round also lets a slot blocked on the lock take it first: a generation that starts then
-// joins the rounds, and a short call (reuse_prefix, reset) runs between two rounds. A slot that is not generating
-// is not waited for once it holds the lock: its pass runs in the next round.
+// has queued a pass or a draft (the drafts first). A round also lets a slot blocked on the lock take it first: a
+// generation that starts then joins the rounds, and a short call (reuse_prefix, reset) runs between two rounds. A
+// slot that is not generating is not waited for once it holds the lock: its pass runs in the next round.
 void clover_decode_loop(clover_shared & sh) {
     std::unique_lock<std::mutex> lock(sh.mu);
     while (true) {
