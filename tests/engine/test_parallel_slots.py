@@ -93,33 +93,40 @@ def test_slots_equal_their_solo_runs_and_batch_their_passes(tiny_gguf: Path, tin
 @pytest.mark.native
 def test_slots_in_auto_share_the_drafters(tiny_gguf: Path, tiny_model: Any) -> None:
     """Every slot in auto at once: the engine's one common_speculative drafts for each slot's sequence, on the
-    decode thread between the rounds. Each slot's tokens equal its prompt's greedy ar (near-tie
-    rule), with n-gram rounds (prompts that repeat a phrase) and block rounds among them."""
+    decode thread between the rounds. Each slot's tokens equal its prompt's greedy ar (near-tie rule), with n-gram
+    rounds (prompts that repeat a phrase) and block rounds among them."""
+    prompts = [([40 + 7 * i + k for k in range(5 + i)] * 30)[:100] for i in range(4)]
+    got, _ = _auto_slots_against_ar(tiny_gguf, tiny_model, prompts, 40)
+    rounds = {k: sum(r.stats.auto_rounds[k] for r in got) for k in ("none", "ngram", "block")}
+    assert rounds["ngram"] > 0 and rounds["block"] > 0, rounds
+
+
+def _auto_slots_against_ar(gguf: Path, tiny_model: Any, prompts: list[list[int]],
+                           max_tokens: int) -> tuple[list[Any], tuple[int, int]]:
+    """One slot per prompt, all in auto at once, each slot's tokens checked against its prompt's greedy ar on a
+    single-slot engine (near-tie rule); the slots' results and the engine's block_pass_stats."""
     from clover_cpp.model import Model
 
-    n = 4
-    prompts = [([40 + 7 * i + k for k in range(5 + i)] * 30)[:100] for i in range(n)]
-    with Model(tiny_gguf, n_ctx=1024) as solo:
+    with Model(gguf, n_ctx=1024) as solo:
         want = []
         for p in prompts:
             solo.reset()
-            want.append(list(solo.run(p, mode="ar", max_tokens=40, stop_ids=[]).tokens))
+            want.append(list(solo.run(p, mode="ar", max_tokens=max_tokens, stop_ids=[]).tokens))
 
     def generate(model: Any, i: int) -> Any:
         model.reset()
-        return model.run(prompts[i], mode="auto", max_tokens=40, stop_ids=[])
+        return model.run(prompts[i], mode="auto", max_tokens=max_tokens, stop_ids=[])
 
-    with Model(tiny_gguf, n_ctx=1024 * n, n_parallel=n) as model:
+    n = len(prompts)
+    with Model(gguf, n_ctx=1024 * n, n_parallel=n) as model:
         got = run_concurrently(lambda i: generate(model.slot(i), i), n)
+        block_stats = model.block_pass_stats()
     ledger = Ledger()
-    rounds = {"none": 0, "ngram": 0, "block": 0}
     for i in range(n):
         assert not isinstance(got[i], BaseException), f"slot {i}: {got[i]!r}"
         ledger.check(f"auto slot{i}", list(got[i].tokens), want[i], tiny_model, prompts[i])
-        for k in rounds:
-            rounds[k] += got[i].stats.auto_rounds[k]
     assert len(ledger.near_ties) <= 1, ledger.near_ties
-    assert rounds["ngram"] > 0 and rounds["block"] > 0, rounds
+    return got, block_stats
 
 
 @pytest.mark.native
@@ -129,29 +136,10 @@ def test_slots_in_auto_batch_their_block_drafts(tiny_gguf: Path, tiny_model: Any
     without a draft, so each slot's first rounds are block drafts (draft-clover drafts until it has timed a block
     round); three slots that start together meet in those rounds. Each slot's tokens equal its prompt's greedy ar
     (near-tie rule)."""
-    from clover_cpp.model import Model
-
-    n = 3
-    prompts = [[100 + 37 * i + 3 * k for k in range(40)] for i in range(n)]
-    with Model(tiny_gguf, n_ctx=1024) as solo:
-        want = []
-        for p in prompts:
-            solo.reset()
-            want.append(list(solo.run(p, mode="ar", max_tokens=24, stop_ids=[]).tokens))
-
-    def generate(model: Any, i: int) -> Any:
-        model.reset()
-        return model.run(prompts[i], mode="auto", max_tokens=24, stop_ids=[])
-
-    with Model(tiny_gguf, n_ctx=1024 * n, n_parallel=n) as model:
-        got = run_concurrently(lambda i: generate(model.slot(i), i), n)
-        windows, rounds = model.block_pass_stats()
-    ledger = Ledger()
-    for i in range(n):
-        assert not isinstance(got[i], BaseException), f"slot {i}: {got[i]!r}"
-        ledger.check(f"auto slot{i}", list(got[i].tokens), want[i], tiny_model, prompts[i])
-        assert got[i].stats.auto_rounds["block"] > 0, (i, got[i].stats.auto_rounds)
-    ledger.assert_budget()
+    prompts = [[100 + 37 * i + 3 * k for k in range(40)] for i in range(3)]
+    got, (windows, rounds) = _auto_slots_against_ar(tiny_gguf, tiny_model, prompts, 24)
+    for i, r in enumerate(got):
+        assert r.stats.auto_rounds["block"] > 0, (i, r.stats.auto_rounds)
     assert windows == sum(r.stats.block_passes for r in got), windows
     assert windows > rounds > 0, f"no block draft was batched ({windows} windows in {rounds} passes)"
 
