@@ -91,7 +91,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--prefill-chunk",), True, _renamed("--batch-size", drop="0")),
     Flag(("--bd",), True, _refused("--bd", "llama-server reads one GGUF; convert without --bd-sidecar "
                                    "(clover-convert MODEL OUT.gguf), or serve the trunk alone for ar")),
-    Flag(("--graph-cache",), True, _refused("--graph-cache", "llama-server keeps llama.cpp's graph reuse")),
     Flag(("--checkpoint-every",), True, _refused("--checkpoint-every", "llama-server checkpoints at user messages "
                                                  "and where the generation prompt starts; --ctx-checkpoints N caps "
                                                  "how many a slot keeps")),

@@ -41,11 +41,13 @@ def test_the_earlier_flags_become_llama_servers(tmp_path: Path) -> None:
     args, model, has_spec = translate(["-m", "x.gguf", "--think", "off", "--chat-template", str(template),
                                        "--chat-template=chatml", "--max-tokens", "9", "--max-block-size", "0",
                                        "--max-block-size=16", "--cache-ram", "12.5", "--log-level", "warning",
-                                       "--prefill-chunk", "64", "--prefill-chunk", "0", "-ngl", "auto", "-n", "-1"])
+                                       "--prefill-chunk", "64", "--prefill-chunk", "0", "-ngl", "auto", "-n", "-1",
+                                       "--graph-cache", "6"])
     assert (model, has_spec) == ("x.gguf", set())
     assert args == ["-m", "x.gguf", "--reasoning", "off", "--chat-template-file", str(template),
                     "--chat-template", "chatml", "--n-predict", "9", "--max-block-size", "16", "--cache-ram", "13",
-                    "--log-verbosity", LOG_LEVELS["warning"], "--batch-size", "64", "-ngl", "auto", "-n", "-1"]
+                    "--log-verbosity", LOG_LEVELS["warning"], "--batch-size", "64", "-ngl", "auto", "-n", "-1",
+                    "--graph-cache", "6"]
     assert translate(["--model=y.gguf", "--spec-type=ngram-mod", "--path", "p", "--no-webui"])[1:] == \
         ("y.gguf", {"spec-type", "path", "webui"})
 
@@ -72,8 +74,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cli_command("serve", *args), capture_output=True, text=True, env=child_env(), timeout=60)
 
 
-@pytest.mark.parametrize("flag", ["--bd", "--graph-cache", "--checkpoint-every", "--max-body-bytes",
-                                  "--max-prompt-chars"])
+@pytest.mark.parametrize("flag", ["--bd", "--checkpoint-every", "--max-body-bytes", "--max-prompt-chars"])
 def test_refused_flags_exit_2_naming_the_replacement(demo_gguf: Path, flag: str) -> None:
     done = _run("-m", str(demo_gguf), flag, "4")
     lines = done.stderr.strip().splitlines()
