@@ -9,7 +9,7 @@ Models: the trained demo model at f16 and Q4_K_M, and the random `35b-shape` 4-l
 on every prompt in turn: one request to each of two llama-servers (`mode: diffusion`, greedy, at most --tokens new
 tokens, no prompt cache), as llama.cpp starts it and with `--graph-cache 6` (the engine's default: block passes and
 commits alternate shapes), and the engine's run of the same request (the Python API, what `clover-cpp generate
---mode diffusion` runs), interleaved.
+--mode diffusion` runs), interleaved in an order shuffled per prompt.
 End to end is the wall time of a request at the client (prefill included). Decode counts as llama-server's own
 `predicted_per_second` does, on both sides: the tokens after the first over the time from the prompt's end (the
 first block's start) to the last token; the engine's window runs from its call's start plus its prefill time to its
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import sys
 import time
@@ -68,16 +69,20 @@ def engine_request(model: Any, prompt: list[int], tokens: int, block_size: int, 
 
 
 def one_run(model: Any, urls: dict[str, str], prompts: list[list[int]], tokens: int, block_size: int,
-            threshold: float) -> dict:
-    """Totals of each server and the engine over the prompts, interleaved on each prompt."""
+            threshold: float, first: int) -> dict:
+    """Totals of each server and the engine over the prompts, interleaved on each prompt in an order shuffled per
+    prompt (seeded by its index, first + i): a process that runs right after another finds the caches holding the
+    other's weights, so a fixed order would favour one side."""
     totals = {k: {"tokens": 0, "decode_tokens": 0, "decode_ms": 0.0, "wall_ms": 0.0, "passes": 0} for k in WHO}
     # both stop at an end of generation: a server's ignore_eos bans it from the blocks, the engine's empty stop list
     # would not, and they would decode different blocks
     fields = {"mode": "diffusion", "block_size": block_size, "threshold": threshold, "ignore_eos": False}
-    for prompt in prompts:
-        for name, url in urls.items():
-            server_request(url, prompt, tokens, fields, totals[name])
-        engine_request(model, prompt, tokens, block_size, threshold, totals["engine"])
+    for i, prompt in enumerate(prompts):
+        for name in random.Random(first + i).sample(WHO, len(WHO)):
+            if name == "engine":
+                engine_request(model, prompt, tokens, block_size, threshold, totals["engine"])
+            else:
+                server_request(urls[name], prompt, tokens, fields, totals[name])
     return totals
 
 
@@ -120,7 +125,7 @@ def bench_model(path: Path, prompts: list[list[int]], settings: list[tuple[int, 
             model.reset()
             model.run(prompts[0], mode="diffusion", block_size=block_size, threshold=threshold, max_tokens=4)
             n = len(prompts) // runs
-            per_run = [one_run(model, urls, prompts[r * n:(r + 1) * n], tokens, block_size, threshold)
+            per_run = [one_run(model, urls, prompts[r * n:(r + 1) * n], tokens, block_size, threshold, r * n)
                        for r in range(runs)]
             res[name] = summarize(per_run)
     return res
