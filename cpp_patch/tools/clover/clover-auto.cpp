@@ -48,7 +48,7 @@ clover_draft_kind clover_auto_draft(clover_run & run, common_speculative * spec,
     const double  t0     = clover_now_ms();
     bool block = false;
     if (slot->shared && slot->lock) {
-        block = clover_parallel_draft(slot, spec, n_max, draft);
+        block = clover_parallel_draft(slot, n_max, draft);
     } else {
         clover_draft_ask(spec, slot, n_max, draft);
         common_speculative_draft(spec);

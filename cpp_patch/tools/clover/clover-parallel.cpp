@@ -222,26 +222,21 @@ void clover_run_round(clover_shared & sh, const std::vector<clover_pass_req *> &
     }
 }
 
-// The drafts of every waiting slot (auto mode): each slot's parameters, then one framework call per drafter (the
-// engine has one), which drafts every sequence asked for and batches draft-clover's windows into one block pass.
+// The drafts of every waiting slot (auto mode): each slot's parameters, then one call of the engine's drafter (its
+// slots share it), which drafts every sequence asked for and batches draft-clover's windows into one block pass.
 void clover_run_drafts(clover_shared & sh) {
     const std::vector<clover_draft_req *> reqs(sh.drafts.begin(), sh.drafts.end());
     sh.drafts.clear();
-    std::vector<common_speculative *> specs;
+    common_speculative * spec = reqs.front()->slot->drafter->spec.get();
     for (clover_draft_req * r : reqs) {
-        clover_draft_ask(r->spec, r->slot, r->n_max, *r->result);
-        if (std::find(specs.begin(), specs.end(), r->spec) == specs.end()) {
-            specs.push_back(r->spec);
-        }
+        clover_draft_ask(spec, r->slot, r->n_max, *r->result);
     }
     const double t0 = clover_now_ms();
-    for (common_speculative * spec : specs) {
-        common_speculative_draft(spec);
-    }
+    common_speculative_draft(spec);
     clover_share_time(sh, {}, clover_now_ms() - t0);
     int64_t n_windows = 0;
     for (clover_draft_req * r : reqs) {
-        r->block = clover_draft_settle(r->spec, r->slot, *r->result);
+        r->block = clover_draft_settle(spec, r->slot, *r->result);
         r->done  = true;
         n_windows += r->block ? 1 : 0;
     }
@@ -288,32 +283,35 @@ void clover_decode_loop(clover_shared & sh) {
 
 }  // namespace
 
+namespace {
+
+// hand req to the decode thread through queue and wait, the slot's lock released, until the thread has run it
+template <typename Req>
+void clover_queue_and_wait(clover_slot * slot, std::deque<Req *> & queue, Req & req) {
+    queue.push_back(&req);
+    slot->shared->cv.notify_all();
+    while (!req.done) {
+        slot->shared->cv.wait(*slot->lock);
+    }
+}
+
+}  // namespace
+
 int32_t clover_parallel_pass(clover_slot * slot, bool block) {
-    clover_shared & sh = *slot->shared;
     clover_pass_req req;
     req.slot    = slot;
     req.block   = block;
     req.prefill = slot->prefilling;
-    sh.pending.push_back(&req);
-    sh.cv.notify_all();
-    while (!req.done) {
-        sh.cv.wait(*slot->lock);
-    }
+    clover_queue_and_wait(slot, slot->shared->pending, req);
     return req.rc;
 }
 
-bool clover_parallel_draft(clover_slot * slot, common_speculative * spec, int32_t n_max, llama_tokens & draft) {
-    clover_shared & sh = *slot->shared;
+bool clover_parallel_draft(clover_slot * slot, int32_t n_max, llama_tokens & draft) {
     clover_draft_req req;
     req.slot   = slot;
-    req.spec   = spec;
     req.n_max  = n_max;
     req.result = &draft;
-    sh.drafts.push_back(&req);
-    sh.cv.notify_all();
-    while (!req.done) {
-        sh.cv.wait(*slot->lock);
-    }
+    clover_queue_and_wait(slot, slot->shared->drafts, req);
     return req.block;
 }
 
@@ -321,13 +319,8 @@ int32_t clover_shared_call(clover_slot * slot, const std::function<int32_t()> & 
     if (!slot->shared || !slot->lock) {
         return fn();
     }
-    clover_shared & sh = *slot->shared;
     clover_call_req req;
     req.fn = &fn;
-    sh.calls.push_back(&req);
-    sh.cv.notify_all();
-    while (!req.done) {
-        sh.cv.wait(*slot->lock);
-    }
+    clover_queue_and_wait(slot, slot->shared->calls, req);
     return req.rc;
 }

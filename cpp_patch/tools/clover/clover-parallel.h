@@ -6,7 +6,6 @@
 #include "clover.h"
 #include "clover-slot.h"
 #include "llama.h"
-#include "speculative.h"  // common/
 
 #include <atomic>
 #include <condition_variable>
@@ -35,12 +34,11 @@ struct clover_call_req {
 // A draft one slot waits for (clover_parallel_draft): the decode thread asks llama.cpp's speculative framework for the
 // drafts of every waiting slot in one call, so that draft-clover's windows share a block pass
 struct clover_draft_req {
-    clover_slot        * slot   = nullptr;
-    common_speculative * spec   = nullptr;
-    int32_t              n_max  = 0;
-    llama_tokens       * result = nullptr;
-    bool                 block  = false;  // the draft came from a block pass
-    bool                 done   = false;
+    clover_slot  * slot   = nullptr;  // its drafter is the engine's (slot->drafter)
+    int32_t        n_max  = 0;
+    llama_tokens * result = nullptr;
+    bool           block  = false;  // the draft came from a block pass
+    bool           done   = false;
 };
 
 // What the slots of one context share when n_parallel > 1: the lock that serializes their use of the context,
@@ -86,9 +84,10 @@ void clover_share_context(clover_engine & engine, int32_t n_ubatch);
 // with a shared context: queue the slot's batch (slot->batch; a block window when `block`) and return after a round
 // ran it; its logits are then read with clover_get_row. The caller holds the slot's lock (clover_slot_guard).
 int32_t clover_parallel_pass(clover_slot * slot, bool block);
-// with a shared context: queue a draft of the slot's sequence (auto mode), at most n_max tokens into `draft`, and return
-// after a round of drafts ran it; whether it came from a block pass. The caller holds the slot's lock.
-bool clover_parallel_draft(clover_slot * slot, common_speculative * spec, int32_t n_max, llama_tokens & draft);
+// with a shared context: queue a draft of the slot's sequence by the engine's drafter (auto mode), at most n_max
+// tokens into `draft`, and return after a round of drafts ran it; whether it came from a block pass. The caller holds
+// the slot's lock.
+bool clover_parallel_draft(clover_slot * slot, int32_t n_max, llama_tokens & draft);
 // run `fn` (a llama_decode outside the rounds) on the decode thread when the slot's context is shared, else here
 int32_t clover_shared_call(clover_slot * slot, const std::function<int32_t()> & fn);
 // run the block windows of n_slots slots (the batch on their scratch sequences) between llama_clover_block_begin and
