@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 import subprocess
@@ -19,9 +20,28 @@ def cli_command(*args: str) -> list[str]:
     return ([str(exe)] if exe.exists() else [sys.executable, "-m", "clover_cpp.cli"]) + list(args)
 
 
+def _ephemeral_low(default: int = 32768) -> int:
+    """The lowest port the kernel gives an outgoing connection (Linux's ip_local_port_range), else ``default``."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on now, below the ephemeral range: a port the kernel hands out
+    (bind to port 0) can be taken as the source port of any client connection before the server binds it, which
+    failed a test run with "couldn't bind HTTP server socket"."""
+    high = min(_ephemeral_low(), 65536)
+    low = max(1024, min(10000, high - 2048))
+    for port in random.Random().sample(range(low, high), k=min(64, high - low)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
