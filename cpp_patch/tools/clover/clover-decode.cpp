@@ -17,7 +17,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 double clover_now_ms() {
@@ -212,63 +214,84 @@ void clover_window(const clover_run & run, const std::vector<llama_token> & canv
     window = common_block_window(run.slot->pending, canvas, run.slot->info.mask_token_id);
 }
 
-// one LowConfidence step: a block pass; fill the masked targets common_lowconf_select picks (every one above the
-// threshold, or the single most confident one). Returns false on error or cancellation.
-static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
-    clover_slot * slot = run.slot;
-    std::vector<int32_t> masked;
-    for (int32_t j = 0; j < (int32_t) canvas.size(); ++j) {
-        if (canvas[j] == CLOVER_EMPTY) {
-            masked.push_back(j);
+// A block step's logprobs (clover_gen_params.n_logprobs): each masked target's, read from the distribution stage it was
+// chosen from, kept for the targets the step fills
+struct clover_step_logprobs {
+    std::vector<std::pair<int32_t, clover_logprob>> targets;
+
+    void keep(clover_run & run, const std::vector<llama_token> & canvas) {
+        auto & wl = run.dist.window_logprobs;
+        for (auto & [j, lp] : targets) {
+            if (canvas[j] != CLOVER_EMPTY) {
+                wl.resize(std::max(wl.size(), canvas.size()));
+                wl[j] = std::move(lp);
+            }
         }
+        targets.clear();
     }
-    std::vector<llama_token> window;
-    clover_window(run, canvas, window);
-    if (!clover_timed_block(run, window, masked)) {
+};
+
+// the engine's block passes for common's LowConfidence step: through the slot (a shared context's round), timed
+static common_block_runner clover_block_runner(clover_run & run, clover_step_logprobs & logprobs) {
+    clover_slot * slot = run.slot;
+    common_block_runner runner;
+    runner.mask_id = slot->info.mask_token_id;
+    runner.n_vocab = slot->n_vocab;
+    runner.pass    = [&run](const std::vector<llama_token> & window, const std::vector<int32_t> & rows) {
+        return clover_timed_block(run, window, rows);
+    };
+    runner.row = [slot](int32_t j) -> const float * { return clover_get_row(slot, j); };
+    if (run.dist.n_logprobs >= 0) {
+        runner.on_target = [&run, &logprobs](int32_t j, llama_token token, const float * stage) {
+            logprobs.targets.emplace_back(j, clover_dist_logprob(run, stage, token));
+        };
+    }
+    return runner;
+}
+
+// the canvas after a step, masked targets as the mask token, to on_step; false when the caller cancels
+static bool clover_report_step(clover_run & run, const std::vector<llama_token> & canvas) {
+    if (!run.on_step) {
+        return true;
+    }
+    std::vector<llama_token> view(canvas.size());
+    for (size_t j = 0; j < canvas.size(); ++j) {
+        view[j] = canvas[j] == CLOVER_EMPTY ? run.slot->info.mask_token_id : canvas[j];
+    }
+    bool go_on = true;
+    {
+        clover_callback_scope unlocked(run.slot);
+        go_on = run.on_step(view.data(), (int32_t) view.size(), run.user_data);
+    }
+    run.cancelled = !go_on;
+    return go_on;
+}
+
+// common's block steps (spec 4.1; common/block-diffusion.h), a chain that has no token to give reported as the call's
+// error
+template <typename F>
+static bool clover_block_steps(clover_run & run, F && steps) {
+    try {
+        return steps();
+    } catch (const std::invalid_argument &) {  // no candidate is left (common_sampler_sample_target)
+        run.slot->last_error = "logit_bias and the banned ids leave no token to generate";
         return false;
     }
-    std::vector<clover_choice>  choices;
-    std::vector<clover_logprob> logprobs;
-    choices.reserve(masked.size());
-    {
-        clover_window_counts counts(run, canvas);
-        for (int32_t j : masked) {
-            float * logits = clover_get_row(slot, j);
-            if (!logits) {
-                return false;
-            }
-            counts.advance(j);
-            clover_dist_apply(run, logits, false);
-            choices.push_back(clover_choose(run, logits));
-            if (run.dist.n_logprobs >= 0) {
-                logprobs.push_back(clover_dist_logprob(run, logits, choices.back().token));
-            }
-        }
+}
+
+// one LowConfidence step (common_block_diffusion_step), its logprobs and the canvas callback. Returns false on error
+// or cancellation.
+static bool clover_step(clover_run & run, std::vector<llama_token> & canvas) {
+    clover_step_logprobs logprobs;
+    const common_block_runner runner = clover_block_runner(run, logprobs);
+    const bool ok = clover_block_steps(run, [&] {
+        return common_block_diffusion_step(run.smp.chain.get(), runner, run.slot->pending, run.threshold, canvas);
+    });
+    if (!ok) {
+        return false;
     }
-    for (const size_t i : common_lowconf_select(choices, run.threshold)) {
-        canvas[masked[i]] = choices[i].token;
-        if (!logprobs.empty()) {
-            auto & wl = run.dist.window_logprobs;
-            wl.resize(std::max(wl.size(), canvas.size()));
-            wl[masked[i]] = std::move(logprobs[i]);
-        }
-    }
-    if (run.on_step) {
-        std::vector<llama_token> view(canvas.size());
-        for (size_t j = 0; j < canvas.size(); ++j) {
-            view[j] = canvas[j] == CLOVER_EMPTY ? slot->info.mask_token_id : canvas[j];
-        }
-        bool go_on = true;
-        {
-            clover_callback_scope unlocked(slot);
-            go_on = run.on_step(view.data(), (int32_t) view.size(), run.user_data);
-        }
-        if (!go_on) {
-            run.cancelled = true;
-            return false;
-        }
-    }
-    return true;
+    logprobs.keep(run, canvas);
+    return clover_report_step(run, canvas);
 }
 
 bool clover_run_ar(clover_run & run) {
@@ -297,22 +320,24 @@ bool clover_run_diffusion(clover_run & run) {
         if (width == 0) {
             return true;
         }
-        std::vector<llama_token> canvas(width, CLOVER_EMPTY);
-        int32_t steps  = 0;
-        int32_t limit  = 0;
-        int32_t eog_at = 0;
+        clover_step_logprobs logprobs;
+        const common_block_runner runner = clover_block_runner(run, logprobs);
         const auto is_stop = [&run](llama_token t) { return run.is_stop(t); };
-        while (true) {
-            limit = common_lowconf_n_produced(canvas, run.remaining(), is_stop, eog_at);
-            if (common_lowconf_done(canvas, limit)) {
-                break;
-            }
-            if (!clover_step(run, canvas)) {
-                return false;
-            }
-            steps++;
+        const auto on_step = [&](const common_block_diffusion_block & b) {
+            logprobs.keep(run, b.canvas);
+            return clover_report_step(run, b.canvas);
+        };
+        common_block_diffusion_block block;
+        const bool ok = clover_block_steps(run, [&] {
+            return common_block_diffusion_steps(run.smp.chain.get(), runner, slot->pending, width, run.threshold,
+                                                run.remaining(), is_stop, on_step, block);
+        });
+        if (!ok) {
+            return false;
         }
-        clover_histogram_add(run.stats->steps_per_block, steps);
+        clover_histogram_add(run.stats->steps_per_block, block.n_steps);
+        const std::vector<llama_token> & canvas = block.canvas;
+        const int32_t limit = block.n_produced;
 
         // commit: causal pass over [pending, produced[:-1]]; the last produced token becomes the pending token
         std::vector<llama_token> commit(limit);
@@ -324,7 +349,7 @@ bool clover_run_diffusion(clover_run & run) {
             return false;
         }
         slot->pending = canvas[limit - 1];
-        const int32_t n_emit = eog_at == limit ? limit - 1 : limit;
+        const int32_t n_emit = block.eog ? limit - 1 : limit;
         for (int32_t j = 0; j < n_emit; ++j) {
             clover_dist_produce(run, canvas[j]);
             if (j < (int32_t) run.dist.window_logprobs.size()) {
@@ -335,7 +360,7 @@ bool clover_run_diffusion(clover_run & run) {
         if (!clover_emit(run, canvas.data(), n_emit)) {
             return false;
         }
-        if (eog_at == limit) {
+        if (block.eog) {
             run.stats->stop_reason = CLOVER_STOP_EOG;
             return true;
         }

@@ -1,7 +1,8 @@
 // Distributions and the sampler of the Clover engine (shared/clover-spec.md section 4, "Distributions and
-// confidence"): the distribution stage (logit_bias, penalties, grammar), P at temperature 1 with the mask token and
-// banned ids excluded, the acceptance of a draft token in a verification (spec 4.2), and logprobs. Q (temperature,
-// top-k, top-p) and its draws are llama.cpp's sampler chain (common_sampler), the one llama-server samples with.
+// confidence"): the distribution stage (logit_bias, penalties, grammar), the acceptance of a draft token in a
+// verification (spec 4.2), and logprobs. Q (temperature, top-k, top-p) and its draws are llama.cpp's sampler chain
+// (common_sampler), the one llama-server samples with; a block target's token and confidence are common's
+// (common_sampler_sample_target, through common_block_diffusion_step).
 
 #include "clover-gen-params.h"
 #include "clover-log.h"
@@ -34,17 +35,6 @@ llama_token clover_argmax(const clover_sampler & smp, const float * logits, int3
     return best < 0 ? 0 : best;
 }
 
-// P(token) with excluded ids at -inf, softmax at temperature 1 (float32 result)
-float clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v) {
-    double sum = 0.0;
-    for (int32_t i = 0; i < n_vocab; ++i) {
-        if (!smp.excluded[i]) {
-            sum += std::exp((double) logits[i] - (double) max_v);
-        }
-    }
-    return (float) (std::exp((double) logits[token] - (double) max_v) / sum);
-}
-
 // one target's logits as the chain's candidates, in vocabulary order (what the logit-bias and penalties samplers look
 // tokens up by), the mask token and the banned ids at -inf; in the sampler's scratch array
 static llama_token_data_array clover_candidates(clover_run & run, const float * logits) {
@@ -55,28 +45,6 @@ static llama_token_data_array clover_candidates(clover_run & run, const float * 
         smp.cur[id] = { id, smp.excluded[id] ? -std::numeric_limits<float>::infinity() : logits[id], 0.0f };
     }
     return { smp.cur.data(), smp.cur.size(), -1, false };
-}
-
-// A draw from Q (spec 4.5: P after temperature, top-k, top-p) of logits after the distribution stage: the rest of the
-// call's chain (common_sampler_sample_staged) runs on them, and its dist sampler draws with the call's seed, one
-// number per draw, as llama-server's slot does for each token it samples
-static llama_token clover_draw(clover_run & run, const float * logits) {
-    clover_sampler & smp = run.smp;
-    const int32_t n_vocab = run.slot->n_vocab;
-    llama_token_data_array arr = clover_candidates(run, logits);
-    const llama_token id = common_sampler_sample_staged(smp.chain.get(), &arr, run.dist.window_penalties);
-    // no token has mass (every allowed logit at -inf): greedy's choice
-    return id == LLAMA_TOKEN_NULL ? clover_argmax(smp, logits, n_vocab) : id;
-}
-
-// the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
-clover_choice clover_choose(clover_run & run, const float * logits) {
-    const clover_sampler & smp = run.smp;
-    const int32_t n_vocab = run.slot->n_vocab;
-    const llama_token best = clover_argmax(smp, logits, n_vocab);
-    const float max_v = logits[best];
-    const llama_token token = smp.greedy() ? best : clover_draw(run, logits);
-    return { token, clover_prob(smp, logits, n_vocab, token, max_v) };
 }
 
 //
@@ -224,19 +192,8 @@ void clover_dist_produce(clover_run & run, llama_token token) {
 }
 
 clover_window_counts::clover_window_counts(clover_run & run, const std::vector<llama_token> & canvas)
-    : run(run), canvas(canvas) {
-    if (run.dist.penalized()) {
-        penalties.reset(common_sampler_clone_penalties(run.smp.chain.get()));
-        run.dist.window_penalties = penalties.get();
-    }
-}
-
-void clover_window_counts::advance(int32_t j) {
-    for (; next < j; ++next) {
-        if (penalties && canvas[next] != CLOVER_EMPTY) {
-            llama_sampler_accept(penalties.get(), canvas[next]);
-        }
-    }
+    : run(run), counts(run.smp.chain.get(), canvas) {
+    run.dist.window_penalties = counts.smpl;
 }
 
 clover_logprob clover_dist_logprob(const clover_run & run, const float * logits, llama_token token) {

@@ -3,7 +3,7 @@
 
 #pragma once
 
-#include "block-diffusion.h"  // common/: common_lowconf_choice
+#include "block-diffusion.h"  // common/: common_block_penalties
 #include "clover-run.h"
 #include "llama.h"
 
@@ -11,14 +11,8 @@
 #include <string>
 #include <vector>
 
-// a target's token and its confidence P(token) at temperature 1 (what LowConfidence's rule picks from)
-using clover_choice = common_lowconf_choice;
-
 // distributions and the sampler (spec 4; clover-sampling.cpp)
 llama_token   clover_argmax(const clover_sampler & smp, const float * logits, int32_t n_vocab);
-float         clover_prob(const clover_sampler & smp, const float * logits, int32_t n_vocab, llama_token token, float max_v);
-// the token for one target (greedy: argmax P; else a draw from Q) and its confidence P(token)
-clover_choice clover_choose(clover_run & run, const float * logits);
 // The tokens of a verification's rows by llama.cpp's rule (common_sampler_sample_and_accept_n): rows[i] holds the
 // logits after drafts[0 .. i-1] (rows.size() == drafts.size() + 1); its token is the chain's draw after the tokens
 // before it (greedy: argmax P; sampling: a draw from Q, the grammar applied first, spec 4), and the drafts are kept
@@ -69,7 +63,7 @@ class clover_draft_grammar {
 };
 
 // The penalties inside a window (spec 4): for a target, the window's targets known at the start of the step, at
-// earlier positions, count as well. A copy of the chain's penalties counts them and stands in for the chain's while
+// earlier positions, count as well. common's counter (common_block_penalties) stands in for the chain's penalties while
 // this is in scope; advance(j) counts the known targets before j (call it with rising j).
 class clover_window_counts {
   public:
@@ -78,11 +72,9 @@ class clover_window_counts {
     clover_window_counts(const clover_window_counts &) = delete;
     clover_window_counts & operator=(const clover_window_counts &) = delete;
 
-    void advance(int32_t j);
+    void advance(int32_t j) { counts.advance(j); }
 
   private:
-    clover_run                     & run;
-    const std::vector<llama_token> & canvas;
-    int32_t                          next = 0;
-    llama_sampler_ptr                penalties;  // NULL when no penalty is on
+    clover_run             & run;
+    common_block_penalties   counts;  // its sampler is NULL when no penalty is on
 };
