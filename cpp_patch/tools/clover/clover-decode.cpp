@@ -263,7 +263,9 @@ static bool clover_report_step(clover_run & run, const std::vector<llama_token> 
         clover_callback_scope unlocked(run.slot);
         go_on = run.on_step(view.data(), (int32_t) view.size(), run.user_data);
     }
-    run.cancelled = !go_on;
+    if (!go_on) {
+        run.cancelled = true;
+    }
     return go_on;
 }
 
