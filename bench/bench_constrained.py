@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from clover_native import cpu, libclover
+    from clover_native import libclover, loader
     from clover_cpp.model import Model
     from clover_dev.convert import clover_convert
 
@@ -96,7 +96,7 @@ def main() -> int:
         agg = {k: sum(r[key][k] for r in per_run) for k in ("tokens", "passes")}
         results[key] = {"tok_s": statistics.median(rates), "ratio": statistics.median(ratios), "ratios": ratios,
                         "tpf": agg["tokens"] / agg["passes"]}
-    res = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(),
+    res = {"date": time.strftime("%Y-%m-%d"), "cpu": loader.machine_summary(),
            "threads": engines["ar/plain"].n_threads, "prompts": args.prompts, "tokens": args.tokens,
            "runs": args.runs, "results": results}
     out = REPO / "bench" / "results"

@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K_M")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    from clover_native import cpu, bindings
+    from clover_native import bindings, loader
     from clover_dev.convert import quantize
     from clover_dev.native import buffer_types
 
@@ -88,7 +88,7 @@ def main() -> int:
                     row[f"{tag}_{key}"] = statistics.median(float(r[key]) for r in runs[extra])
             rows.append(row)
             log(f"{name} {qtype}: {row}")
-    cpu_line = cpu.read_cpuinfo().summary()
+    cpu_line = loader.machine_summary()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "bench_cpu_bufts.json").write_text(json.dumps({"cpu": cpu_line, "rows": rows}, indent=1))
     lines = [f"CPU: {cpu_line}; engine default threads; median of {args.reps} alternating repetitions.", "",

@@ -234,7 +234,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.files, args.runs, args.prompts = "f16", 1, 3
-    from clover_native import cpu
+    from clover_native import loader
     from clover_cpp import Model
     from clover_dev.convert import clover_convert, quantize
 
@@ -242,7 +242,7 @@ def main() -> int:
     f16 = args.workdir / "demo-f16.gguf"
     if not f16.exists():
         clover_convert(REPO / "models" / "clover-demo", f16, "f16")
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(), "runs": args.runs,
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": loader.machine_summary(), "runs": args.runs,
                            "prompts": args.prompts, "tokens": args.tokens, "files": {}}
     held = held_out_prompts(args.prompts)
     for file in args.files.split(","):

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--stem", default="bench_fused_pass", help="results file name, without .json/.md")
     args = ap.parse_args()
 
-    from clover_native import cpu
+    from clover_native import loader
     from clover_native.bindings import default_threads
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +117,7 @@ def main() -> None:
 
             args.workdir.mkdir(parents=True, exist_ok=True)
             files["35b-shape 4-layer slice Q4_K_M"] = slice_gguf(args.workdir, 4)
-        result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(), "threads": default_threads(),
+        result = {"date": time.strftime("%Y-%m-%d"), "cpu": loader.machine_summary(), "threads": default_threads(),
                   "reps": args.reps, "files": {name: pass_times(path, args.reps) for name, path in files.items()}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.stem}.json").write_text(json.dumps(result, indent=1) + "\n")

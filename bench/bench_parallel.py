@@ -282,9 +282,9 @@ def main() -> int:
     if args.rss_requests:
         log("memory run")
         res["memory"] = memory(model_path("demo", args.workdir), args.rss_requests, args.workdir)
-    from clover_native import cpu
+    from clover_native import loader
 
-    res["machine"] = cpu.read_cpuinfo().summary()
+    res["machine"] = loader.machine_summary()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(res, indent=1, default=str))
     (RESULTS / f"{args.name}.md").write_text(render(json.loads(json.dumps(res, default=str))))

@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--chunks", default="0,128,32")
     ap.add_argument("--tokens", type=int, default=160)
     args = ap.parse_args()
-    from clover_native import cpu
+    from clover_native import loader
 
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
@@ -117,7 +117,7 @@ def main() -> int:
     base = statistics.median(r["ttft_idle_ms"] for r in rows)  # the idle prefill is unchunked in every row
     for r in rows:
         r["ttft_cost"] = r["ttft_busy_ms"] / base
-    res = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(), "prompt_tokens": args.prompt_tokens,
+    res = {"date": time.strftime("%Y-%m-%d"), "cpu": loader.machine_summary(), "prompt_tokens": args.prompt_tokens,
            "tokens": args.tokens, "rows": rows}
     md = [f"A {args.prompt_tokens}-token prompt on slot 2 while slot 1 decodes (mid Q8_0, -np 2, ar; {res['date']}, "
           f"{res['cpu']}). Slowdown: slot 1's median and mean ms per token during the prefill over its idle median. "

@@ -200,9 +200,9 @@ def main() -> int:
 
 
 def save(res: dict[str, Any], name: str) -> None:
-    from clover_native import cpu
+    from clover_native import loader
 
-    res["machine"] = cpu.read_cpuinfo().summary()
+    res["machine"] = loader.machine_summary()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1))
     (RESULTS / f"{name}.md").write_text(render(res))

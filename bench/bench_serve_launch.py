@@ -120,12 +120,12 @@ def main() -> int:
     parser.set_defaults(files="f16,Q4_K_M")
     args = parser.parse_args()
     from bench.bench_speed import held_out_prompts
-    from clover_native import cpu
+    from clover_native import loader
 
     threads = args.threads or os.cpu_count() or 1
     files = model_files(args.workdir, args.files.split(","))
     prompts = held_out_prompts(args.prompts * args.runs)
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(), "threads": threads,
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": loader.machine_summary(), "threads": threads,
                            "prompts": args.prompts, "tokens": args.tokens, "runs": args.runs, "rounds": args.rounds,
                            "models": {}}
     for name, path in files.items():

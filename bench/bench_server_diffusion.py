@@ -167,7 +167,7 @@ def main() -> int:
     import os
 
     from bench.bench_speed import held_out_prompts
-    from clover_native import cpu
+    from clover_native import loader
 
     if args.quick:
         args.files, args.prompts, args.runs, args.tokens = "f16", 2, 1, 32
@@ -175,7 +175,7 @@ def main() -> int:
     threads = args.threads or os.cpu_count() or 1
     files = model_files(args.workdir, args.files.split(","))
     prompts = held_out_prompts(args.prompts * args.runs)
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(), "threads": threads,
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": loader.machine_summary(), "threads": threads,
                            "prompts": args.prompts, "tokens": args.tokens, "runs": args.runs, "models": {}}
     for name, path in files.items():
         res["models"][name] = bench_model(path, prompts, settings, args.tokens, args.runs, threads, args.workdir)

@@ -305,7 +305,7 @@ def main() -> int:
 
     from bench.bench_drafts import no_history_prompts
     from bench.bench_speed import held_out_prompts
-    from clover_native import cpu
+    from clover_native import loader
 
     if args.quick:
         args.files, args.prompts, args.runs, args.tokens = "f16", 2, 1, 32
@@ -314,7 +314,7 @@ def main() -> int:
     first = next(iter(files.values()))
     fresh, _ = no_history_prompts(first, args.prompts * args.runs, args.tokens)
     prompts = {"held-out": held_out_prompts(args.prompts * args.runs), "no-history": fresh}
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu.read_cpuinfo().summary(), "threads": threads,
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpu": loader.machine_summary(), "threads": threads,
                            "ngl": args.n_gpu_layers, "prompts": args.prompts, "tokens": args.tokens,
                            "runs": args.runs, "models": {}}
     for name, path in files.items():

@@ -158,12 +158,12 @@ def main() -> int:
     import os
 
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
-    from clover_native import cpu
+    from clover_native import loader
 
     runs = 1 if args.quick else args.runs
     prompts = held_out_prompts(args.prompts)
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "cpu": cpu.read_cpuinfo().summary(),
+                           "cpu": loader.machine_summary(),
                            "runs": runs, "prompts": len(prompts), "models": {}}
     for name, (path, configs, tokens) in models(args.workdir, args.quick).items():
         log(f"{name}: {len(configs)} configurations x {len(prompts)} prompts x {runs} runs")

@@ -61,7 +61,7 @@ def main() -> int:
     if not all(1 <= w <= N_RS_SEQ + 1 for w in widths):
         ap.error(f"--widths: each width must be 1 to {N_RS_SEQ + 1} (the rollback reaches {N_RS_SEQ} tokens back)")
 
-    from clover_native import cpu
+    from clover_native import loader
     from clover_native.bindings import default_threads
     from clover_dev.convert import clover_convert, quantize
 
@@ -71,7 +71,7 @@ def main() -> int:
             path = quantize(path, Path(tmp) / f"demo-{args.file}.gguf", args.file)
         times = row_times(path, args.reps, widths)
     one = times[min(widths)]["median"]
-    lines = [f"Verification pass by rows ({time.strftime('%Y-%m-%d')}, {cpu.read_cpuinfo().summary()}, "
+    lines = [f"Verification pass by rows ({time.strftime('%Y-%m-%d')}, {loader.machine_summary()}, "
              f"{default_threads()} threads; demo {args.file}, {HISTORY}-token history, median of {args.reps} "
              "interleaved passes with their rollback, minimum in brackets).", "",
              f"| rows | ms | over {min(widths)} row(s) |", "|---:|---:|---:|"]

@@ -187,7 +187,7 @@ def main() -> int:
     import os
 
     os.environ.setdefault("CLOVER_NATIVE_QUIET", "1")
-    from clover_native import cpu, libclover
+    from clover_native import libclover, loader
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     l4 = slice_gguf(args.workdir, 4)
@@ -229,7 +229,7 @@ def main() -> int:
         r["cpu_tok_s"] = r["tokens_per_pass"] / r["cpu_ms"] * 1e3
         for gpu in GPUS:
             r[f"{gpu} tok/s"] = r["tokens_per_pass"] / r[gpu] * 1e3
-    res = {"cpu": cpu.read_cpuinfo().summary(), "threads": int(libclover.lib().clover_default_n_threads()),
+    res = {"cpu": loader.machine_summary(), "threads": int(libclover.lib().clover_default_n_threads()),
            "measured_4_layers": c4, "head_ms": head, "causal40_ms": causal40,
            "block40_ms": block40, "bytes": bytes_, "rows": rows,
            "assumptions": {"gpu_efficiency": GPU_EFFICIENCY, "gpu_pass_fixed_ms": GPU_PASS_FIXED_MS,

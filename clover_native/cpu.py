@@ -15,6 +15,10 @@ from pathlib import Path
 GGML_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
                  "avx512dq", "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
+# ggml's CMake options for the ISA of a build without -march=native (ggml/CMakeLists.txt, "instruction set specific").
+GGML_ISA_OPTIONS = ("SSE42", "AVX", "AVX_VNNI", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
+                    "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16")
+
 _CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -77,6 +81,33 @@ def build_features(info: dict[str, str]) -> list[str]:
     if value.startswith("("):  # "(set by the CMake flags)": a portable build
         return []
     return value.split()
+
+
+def build_isa(info: dict[str, str]) -> list[str] | None:
+    """The ggml ISA options a build without -march=native turned on (``-DGGML_NATIVE=OFF -DGGML_AVX2=ON ...`` in its
+    CMake flags: ["AVX2", ...]; [] when it turned none on, so ggml's defaults apply); None for a native build, whose
+    ISA is the machine's, a portable one (GGML_CPU_ALL_VARIANTS: ggml loads the machine's best variant), or an
+    unknown one."""
+    flags = info.get("flags", "").split()
+    native = [f.partition("=")[2].upper() for f in flags if f.startswith("-DGGML_NATIVE=")]
+    if not native or native[-1] not in ("OFF", "0", "FALSE", "NO") or "-DGGML_CPU_ALL_VARIANTS=ON" in flags:
+        return None
+    isa = []
+    for f in flags:
+        name, _, value = f.removeprefix("-DGGML_").partition("=")
+        if f.startswith("-DGGML_") and name in GGML_ISA_OPTIONS and value.upper() in ("ON", "1", "TRUE", "YES"):
+            isa.append(name)
+    return isa
+
+
+def machine_summary(native_dir: Path) -> str:
+    """The CPU's one-line summary, and the ISA the build in native_dir was limited to when it was not compiled for
+    this machine: a benchmark's figures belong to both."""
+    line = read_cpuinfo().summary()
+    isa = build_isa(read_build_info(native_dir))
+    if isa is None:
+        return line
+    return f"{line}; build limited to {' '.join(isa) or 'ggml defaults'} (GGML_NATIVE=OFF)"
 
 
 def missing_features(info: dict[str, str], cpu: CpuInfo | None = None) -> list[str]:

@@ -82,6 +82,11 @@ def tool_path(name: str) -> Path:
     return next((p for p in (d / name, d.parent / "bin" / name) if p.is_file()), d.parent / "bin" / name)
 
 
+def machine_summary() -> str:
+    """This CPU and, when the build lib_dir() belongs to was limited to an ISA of its own, that ISA (benchmarks)."""
+    return cpu.machine_summary(lib_dir().parent)
+
+
 def _load_backend_modules(llama_cpp: ModuleType, d: Path) -> None:
     """A portable build (GGML_BACKEND_DL, what wheels carry) has ggml's CPU backend as run-time modules
     (libggml-cpu-<level>.so) in ``d``; ggml looks for them only beside the executable (python) and in the working

@@ -145,6 +145,24 @@ def test_build_info_records_the_cpu() -> None:
         assert set(cpu.build_features(info)) == set(here.ggml_features()), (info["cpu_features"], here.summary())
 
 
+
+def test_a_limited_build_says_so_beside_the_cpu(tmp_path: Path) -> None:
+    """Benchmarks name the ISA a GGML_NATIVE=OFF build was limited to: its figures are not the CPU's own."""
+    base = "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_RPC=ON"
+    limited = f"{base} -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_AVX512=OFF"
+    assert cpu.build_isa({"flags": base}) is None
+    assert cpu.build_isa({}) is None
+    assert cpu.build_isa({"flags": "-DGGML_NATIVE=OFF"}) == []
+    assert cpu.build_isa({"flags": "-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON"}) is None
+    assert cpu.build_isa({"flags": limited}) == ["AVX", "AVX2", "FMA"]
+    assert cpu.build_isa({"flags": f"{limited} -DGGML_NATIVE=ON"}) is None, "the last GGML_NATIVE wins, as in CMake"
+    (tmp_path / "BUILD_INFO").write_text(f"key=x\nflags={limited}\n")
+    line = cpu.machine_summary(tmp_path)
+    assert line.startswith(cpu.read_cpuinfo().summary())
+    assert line.endswith("; build limited to AVX AVX2 FMA (GGML_NATIVE=OFF)"), line
+    (tmp_path / "BUILD_INFO").write_text(f"key=x\nflags={base}\n")
+    assert cpu.machine_summary(tmp_path) == cpu.read_cpuinfo().summary()
+
 def _fake_cc(tmp_path: Path, march: str) -> Path:
     """A `cc` that answers the two questions build_native.sh asks about -march=native."""
     cc = tmp_path / f"cc-{march}"
