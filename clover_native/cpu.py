@@ -83,21 +83,26 @@ def build_features(info: dict[str, str]) -> list[str]:
     return value.split()
 
 
+def _cmake_options(flags: list[str]) -> dict[str, bool]:
+    """The -DGGML_<NAME>=<value> options among CMake flags, by NAME, each True when CMake reads its value as true
+    (the last setting wins, as in CMake)."""
+    out = {}
+    for f in flags:
+        if f.startswith("-DGGML_") and "=" in f:
+            name, _, value = f.removeprefix("-DGGML_").partition("=")
+            out[name.partition(":")[0]] = value.upper() in ("ON", "1", "TRUE", "YES", "Y")
+    return out
+
+
 def build_isa(info: dict[str, str]) -> list[str] | None:
     """The ggml ISA options a build without -march=native turned on (``-DGGML_NATIVE=OFF -DGGML_AVX2=ON ...`` in its
     CMake flags: ["AVX2", ...]; [] when it turned none on, so ggml's defaults apply); None for a native build, whose
     ISA is the machine's, a portable one (GGML_CPU_ALL_VARIANTS: ggml loads the machine's best variant), or an
     unknown one."""
-    flags = info.get("flags", "").split()
-    native = [f.partition("=")[2].upper() for f in flags if f.startswith("-DGGML_NATIVE=")]
-    if not native or native[-1] not in ("OFF", "0", "FALSE", "NO") or "-DGGML_CPU_ALL_VARIANTS=ON" in flags:
+    options = _cmake_options(info.get("flags", "").split())
+    if options.get("NATIVE", True) or options.get("CPU_ALL_VARIANTS", False):
         return None
-    isa = []
-    for f in flags:
-        name, _, value = f.removeprefix("-DGGML_").partition("=")
-        if f.startswith("-DGGML_") and name in GGML_ISA_OPTIONS and value.upper() in ("ON", "1", "TRUE", "YES"):
-            isa.append(name)
-    return isa
+    return [name for name, on in options.items() if on and name in GGML_ISA_OPTIONS]
 
 
 def machine_summary(native_dir: Path) -> str:
