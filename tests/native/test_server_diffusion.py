@@ -254,6 +254,18 @@ def test_sampled_diffusion_follows_the_seed(demo_gguf: Path) -> None:
     assert answers[0] != answers[2]
 
 
+
+def test_a_chain_without_temperature_draws_at_temperature_one(demo_gguf: Path) -> None:
+    """`temperature: 0` sets the temperature sampler; a request whose `samplers` leave it out draws from the
+    truncated distribution at 1, in `ar`, and so in diffusion: its targets follow the seed instead of being the
+    argmax (the greedy shortcut of common_sampler_sample_target needs the temperature sampler in the chain)."""
+    prompt, fields = DEMO_PROMPTS[0], {"samplers": ["top_k"], "top_k": 40}
+    with llama_server(demo_gguf, *SERVER_ARGS) as url:
+        greedy = diffuse(url, prompt, 8, 0.5, 48)["tokens"]
+        drawn = [diffuse(url, prompt, 8, 0.5, 48, seed=seed, **fields)["tokens"] for seed in (7, 7, 8, 9)]
+    assert drawn[0] == drawn[1], "one seed, one draw"
+    assert any(d != greedy for d in drawn), "every draw was the argmax: the temperature was applied"
+
 def test_diffusion_runs_to_the_context_end_as_ar_does(demo_gguf: Path) -> None:
     """The last block is as wide as the context leaves (spec 4.1), and llama-server's own rule ends the answer where it
     ends an ar one: the same number of tokens, the same stop."""
