@@ -8,7 +8,9 @@
   measured among the tokens the grammar allows).
 - The drafts are real: the server reports drafted tokens, and on the trained demo model accepted ones.
 - A GGUF without the block-diffusion tensors runs without the drafter, and the log says why.
-- llama-speculative-simple (the framework's reference loop) with draft-clover gives llama-server's greedy text.
+- llama-speculative-simple (the framework's reference loop) with draft-clover gives llama-server's greedy text, and
+  with ngram-mod,draft-clover on code that repeats, where ngram-mod's drafts (48-64 tokens) outrun the recurrent
+  rollback that draft-clover sizes (B - 1) and a rejection needs a checkpoint.
 - `clover-cpp generate --mode auto`, which drafts with the same drafters from libclover's loop, gives llama-server's
   greedy tokens on the demo model and on the transformers-written checkpoint, with a grammar on and off.
 - Sampled: the emitted tokens' distribution is the one without speculation (a chi-square test whose power it
@@ -201,6 +203,75 @@ def test_speculative_simple_with_draft_clover_gives_the_servers_text(demo_gguf: 
     assert want.strip(), want  # the server generated text, so that the comparison below says something
     assert want in done.stdout, f"server: {want!r}\nspeculative-simple: {done.stdout!r}"
 
+
+
+# code the demo model never saw, written once and then begun again, so that ngram-mod drafts its continuation whole
+# (48 to 64 tokens) and the model leaves the copy somewhere inside a draft
+REPEATED_CODE = [
+    """class LineBuffer:
+    \"\"\"Collect bytes and hand out complete lines.\"\"\"
+
+    def __init__(self, limit=65536):
+        self.limit = limit
+        self.parts = []
+        self.size = 0
+
+    def feed(self, data):
+        if self.size + len(data) > self.limit:
+            raise ValueError("line too long")
+        self.parts.append(data)
+        self.size += len(data)
+
+    def lines(self):
+        text = b"".join(self.parts)
+        *done, rest = text.split(b"\\n")
+        self.parts = [rest] if rest else []
+        self.size = len(rest)
+        return [line.decode("utf-8", "replace") for line in done]
+""",
+    """import json
+import os
+
+
+def load_settings(path, defaults=None):
+    \"\"\"Read a JSON settings file, falling back to defaults for missing keys.\"\"\"
+    settings = dict(defaults or {})
+    if not os.path.exists(path):
+        return settings
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise TypeError(f"{path}: expected an object, got {type(data).__name__}")
+    for key, value in data.items():
+        if key in settings and type(settings[key]) is not type(value):
+            raise TypeError(f"{path}: {key} should be {type(settings[key]).__name__}")
+        settings[key] = value
+    return settings
+""",
+]
+
+
+def test_speculative_simple_with_ngram_mod_and_draft_clover_gives_the_servers_text(demo_gguf: Path) -> None:
+    """ngram-mod drafts longer than the n_rs_seq that draft-clover sizes; a round that rejects more than that restores
+    a checkpoint (as llama-server does). Without it the recurrent state kept rejected tokens and the text changed
+    (both prompts, before patch speculative-simple-rs-rollback-checkpoint). On both, ngram-mod alone and draft-clover
+    alone give the server's text: no near-tie of the model decides them."""
+    n = 128
+    prompts = [code + "\n" + code[: len(code) // cut] for code, cut in zip(REPEATED_CODE, (3, 2))]
+    with llama_server(demo_gguf, "-c", "2048", "-np", "1", "-t", "2", "--no-warmup") as url:
+        wants = [complete(url, prompt, n_predict=n)["content"] for prompt in prompts]
+    drafted = 0
+    for prompt, want in zip(prompts, wants):
+        done = subprocess.run([str(native_tool("llama-speculative-simple")), "-m", str(demo_gguf), "-p", prompt,
+                               "-n", str(n), "--temp", "0", "-c", "2048", "-t", "2", "--spec-type",
+                               "ngram-mod,draft-clover"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert want.strip(), want
+        assert want in done.stdout, f"prompt {prompt[-60:]!r}\nserver: {want!r}\nspeculative-simple: {done.stdout!r}"
+        found = re.search(r"n_drafted\s*=\s*(\d+)", done.stderr)
+        assert found, done.stderr[-3000:]
+        drafted += int(found.group(1))
+    assert drafted >= 64, f"{drafted} drafted tokens: the prompts no longer make ngram-mod draft"
 
 def generate_auto(gguf: Path, prompt: str, *args: str) -> dict[str, Any]:
     """`clover-cpp generate --mode auto`, greedy, as a user runs it: the --json object."""
