@@ -89,8 +89,9 @@ class ModelInfo:
                    float(info.frequency_penalty))
 
     def threshold_for(self, block_size: int) -> float:
-        """The threshold a call without one uses (spec 4.3), as the engine resolves it (clover_model_info_threshold):
-        the calibrated threshold for B, else the default."""
+        """The threshold a call without one uses (spec 4.3): the calibrated threshold for B, else the default. Read
+        from the file's keys (clover_model_info_threshold), by the rule the engine and llama-server apply to a loaded
+        model (llama_clover_threshold)."""
         c = libclover.clover_model_info()
         c.block_size, c.threshold, c.n_calibrated = self.block_size, self.threshold, len(self.calibrated_block_sizes)
         for i, (b, t) in enumerate(zip(self.calibrated_block_sizes, self.calibrated_thresholds)):

@@ -33,6 +33,10 @@ LLAMA_API bool  llama_clover_has_block_diffusion(const struct llama_model * mode
 // the block size B of the model's block passes (ARCH.block_size, spec 2.2); 0 for a model without block passes (not
 // clover_moe, or a trunk-only file)
 LLAMA_API int32_t llama_clover_block_size(const struct llama_model * model);
+// the fill threshold of block diffusion at block size B (spec 4.1, 4.3): the GGUF's calibrated threshold for B when
+// ARCH.diffusion.calibrated_block_sizes lists B (this toolkit's extension, docs/gguf-format.md), else
+// ARCH.diffusion.threshold (default 0.95), as stored (float32); -1 for a model that is not clover_moe
+LLAMA_API float llama_clover_threshold(const struct llama_model * model, int32_t block_size);
 // A block pass (spec section 3) over windows of n sequences, each on scratch[i], a copy of history[i] that the pass
 // reads and never writes back. begin removes each scratch sequence, copies its history there (seq_cp: copy-on-write
 // for the recurrent state, shared KV cells in a unified cache) with the history's coreset top_p, and turns causal

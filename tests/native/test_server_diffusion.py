@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -153,6 +154,35 @@ def test_diffusion_in_llama_server_equals_clover_cpp_generate(demo_gguf: Path) -
     assert emitted_tokens(got) == want["tokens"]
     assert got["timings"]["block_passes"] == want["stats"]["block_passes"] > 0
 
+
+
+def test_a_request_without_a_threshold_takes_the_calibrated_one_for_its_block_size(tmp_path: Path) -> None:
+    """The default threshold is the GGUF's calibrated one for the block size when the file lists it
+    (docs/gguf-format.md), in llama-server as in the engine: on a demo file whose threshold for B = 8 is 0.5 (0.9 for
+    every other size), a request at B = 8 without one gives the engine's tokens and passes at its default, and the
+    file's 0.9 gives other passes, so the comparison sees a server that ignores the calibrated value."""
+    from clover_cpp import Model
+
+    model = Path(shutil.copytree(REPO_ROOT / "models" / "clover-demo", tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    assert config["calibrated_block_sizes"] == [8, 16, 32] and config["confidence_threshold"] == 0.9, config
+    config["calibrated_thresholds"] = [0.5, 0.9, 0.9]
+    (model / "config.json").write_text(json.dumps(config))
+    gguf = clover_convert(model, tmp_path / "demo-calibrated.gguf", "f32")
+    prompt, n = DEMO_PROMPTS[1], 40
+    with Model(gguf, n_ctx=1024) as m:
+        want = m.run(prompt, mode="diffusion", block_size=8, max_tokens=n)
+        m.reset()
+        at_file_default = m.run(prompt, mode="diffusion", block_size=8, threshold=0.9, max_tokens=n)
+    assert want.stats.threshold == pytest.approx(0.5)
+    assert want.stats.block_passes != at_file_default.stats.block_passes
+    with llama_server(gguf, *SERVER_ARGS) as url:
+        status, got = post(url + "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0.0,
+                                                 "mode": "diffusion", "block_size": 8, "return_tokens": True,
+                                                 "cache_prompt": False})
+    assert status == 200, got
+    assert emitted_tokens(got) == want.tokens
+    assert got["timings"]["block_passes"] == want.stats.block_passes
 
 def test_a_requests_coreset_top_p_reaches_its_block_passes(demo_gguf: Path) -> None:
     """`coreset_top_p` per request (spec 3.3): a diffusion request routed inside a coreset of top_p 0.5 gives the

@@ -945,6 +945,19 @@ int32_t llama_clover_block_size(const struct llama_model * model) {
     return m != nullptr && m->hparams.clover_has_block_diffusion ? (int32_t) m->hparams.clover_block_size : 0;
 }
 
+float llama_clover_threshold(const struct llama_model * model, int32_t block_size) {
+    const llama_model_clover * m = clover_model_of(model);
+    if (m == nullptr) {
+        return -1.0f;
+    }
+    for (size_t i = 0; i < m->clover_calibrated_block_sizes.size(); ++i) {
+        if ((int64_t) m->clover_calibrated_block_sizes[i] == block_size) {
+            return m->clover_calibrated_thresholds[i];
+        }
+    }
+    return m->hparams.clover_threshold;
+}
+
 bool llama_clover_block_begin(struct llama_context * ctx, const llama_seq_id * history, const llama_seq_id * scratch,
                               int32_t n) {
     llama_memory_t mem = llama_get_memory(ctx);

@@ -53,7 +53,7 @@ static bool clover_resolve_params(const clover_slot * slot, const clover_gen_par
         return false;
     }
     if (threshold < 0.0f) {
-        threshold = clover_model_info_threshold(&slot->info, block_size);
+        threshold = llama_clover_threshold(slot->model, block_size);  // llama-server's default as well
         const int32_t * sizes = slot->info.calibrated_block_sizes;
         const bool calibrated = std::find(sizes, sizes + slot->info.n_calibrated, block_size) != sizes + slot->info.n_calibrated;
         if (!calibrated && params->mode != CLOVER_MODE_AR && params->mode != CLOVER_MODE_AUTO) {
