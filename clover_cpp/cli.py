@@ -124,7 +124,7 @@ def json_output(text: str, prompt_ids: list[int], tokens: list[int], stats, seco
              "coreset_top_p": stats.coreset_top_p}
     if stats.mode == "auto":
         extra |= {"auto_rounds": dict(stats.auto_rounds), "auto_drafted": stats.auto_drafted,
-                  "auto_accepted": stats.auto_accepted}
+                  "auto_accepted": stats.auto_accepted, "replays": stats.replays}
     return generate_output(text=text, prompt_ids=prompt_ids, tokens=tokens, mode=stats.mode,
                            block_size=stats.block_size, threshold=stats.threshold,
                            prompt_tokens=stats.prompt_tokens, block_passes=stats.block_passes,

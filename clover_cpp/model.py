@@ -146,6 +146,8 @@ class Stats(RunStats):
     graph_reuses: int = 0  # decode-time passes that reused a built graph; the others built theirs
     coreset_top_p: float = 1.0  # the block passes' coreset top_p the call used (resolved by libclover)
     fused_passes: int = 0  # spec: of the causal passes, the fused verify + draft ones (docs/native.md)
+    replays: int = 0  # auto: of the causal passes, those that decoded a long draft's kept tokens again after its
+                      # verification rejected more than the recurrent state rolls back (docs/decoding.md, "Bounds")
 
     @classmethod
     def from_c(cls, s: libclover.clover_stats, wall_s: float, threads: int) -> "Stats":
@@ -158,7 +160,7 @@ class Stats(RunStats):
                    libclover.STOP_REASONS.get(int(s.stop_reason), f"unknown({int(s.stop_reason)})"), wall_s,
                    threads, dict(zip(libclover.DRAFT_KINDS, (int(n) for n in s.auto_rounds))) if auto else {},
                    int(s.auto_drafted), int(s.auto_accepted), int(s.auto_accepted_block), int(s.n_graph_reuses),
-                   float(s.coreset_top_p), int(s.n_fused_passes))
+                   float(s.coreset_top_p), int(s.n_fused_passes), int(s.n_replays))
 
     @property
     def decode_ms(self) -> float:
@@ -199,7 +201,8 @@ class Stats(RunStats):
             "stop_reason": self.stop_reason, "wall_s": self.wall_s, "threads": self.threads,
             "graph_builds": self.passes - self.graph_reuses,
         } | ({"auto_rounds": dict(self.auto_rounds), "auto_drafted": self.auto_drafted,
-              "auto_accepted": self.auto_accepted, "auto_accepted_block": self.auto_accepted_block}
+              "auto_accepted": self.auto_accepted, "auto_accepted_block": self.auto_accepted_block,
+              "replays": self.replays}
              if self.mode == "auto" else {})
 
 

@@ -172,6 +172,7 @@ class clover_stats(ctypes.Structure):
         ("threshold", ctypes.c_float),
         ("coreset_top_p", ctypes.c_float),
         ("n_fused_passes", ctypes.c_int32),
+        ("n_replays", ctypes.c_int32),
     ]
 
 

@@ -69,7 +69,8 @@ def test_auto_equals_ar(tiny: Case) -> None:
         auto = tiny.run(prompt, "auto", **opts)
         ledger.check(f"auto==ar/{case}", auto.tokens, ar.tokens, tiny.ref, prompt, opts["banned_ids"])
         st = auto.stats
-        assert sum(st.auto_rounds.values()) == st.causal_passes == sum(st.accepted_lengths)
+        # a replay decodes again what a long rejected draft's verification kept (docs/decoding.md, "Bounds")
+        assert sum(st.auto_rounds.values()) == st.causal_passes - st.replays == sum(st.accepted_lengths)
         assert st.block_passes == st.auto_rounds["block"]
         assert st.auto_accepted <= st.auto_drafted
         for k in rounds:
@@ -104,6 +105,30 @@ def test_auto_on_the_trained_model(demo: Case) -> None:
     dump_results()
     ledger.assert_budget()
     assert accepted > 0 and tokens / passes > 1.3, (tokens, passes, accepted)
+
+
+def test_a_long_ngram_draft_is_verified_whole_and_replayed_when_rejected_early(demo: Case) -> None:
+    """ngram-mod drafts 48 to 64 tokens; auto verifies them whole, as llama-server does, though the recurrent state
+    rolls back only max_block_size - 1 positions: a verification that rejects more restores the state from before
+    it and replays the kept tokens (docs/decoding.md, "Bounds"). Repeated code, with and without a banned token
+    that the drafts hold (so that the model leaves the repeat there): greedy auto equals ar (near-tie rule), some
+    rounds keep more than max_block_size tokens, and some replay."""
+    ledger = Ledger()
+    texts = ["x = compute(a, b)\n" * 6, "import os\nimport sys\nimport json\nimport time\n" * 3]
+    long_rounds = replays = 0
+    for i, text in enumerate(texts):
+        prompt = demo.model.tokenize(text)
+        for ban in (None, sorted(set(prompt))[1]):
+            opts = {"max_tokens": 160, "stop_ids": demo.eos, "banned_ids": None if ban is None else [ban]}
+            ar = demo.run(prompt, "ar", **opts)
+            auto = demo.run(prompt, "auto", **opts)
+            ledger.check(f"long/{i}/{ban}", auto.tokens, ar.tokens, demo.ref, prompt, opts["banned_ids"])
+            st = auto.stats
+            assert sum(st.auto_rounds.values()) == st.causal_passes - st.replays == sum(st.accepted_lengths)
+            long_rounds += sum(st.accepted_lengths[demo.model.max_block_size + 1:])
+            replays += st.replays
+    ledger.assert_budget()
+    assert long_rounds > 0 and replays > 0, (long_rounds, replays)
 
 
 def test_a_stop_id_inside_a_draft_ends_the_round_there(demo: Case) -> None:

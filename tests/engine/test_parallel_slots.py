@@ -99,6 +99,8 @@ def test_slots_in_auto_share_the_drafters(tiny_gguf: Path, tiny_model: Any) -> N
     got, _ = _auto_slots_against_ar(tiny_gguf, tiny_model, prompts, 40)
     rounds = {k: sum(r.stats.auto_rounds[k] for r in got) for k in ("none", "ngram", "block")}
     assert rounds["ngram"] > 0 and rounds["block"] > 0, rounds
+    # a draft longer than the recurrent rollback, rejected early: the slot restores its own state and replays
+    assert sum(r.stats.replays for r in got) > 0
 
 
 def _auto_slots_against_ar(gguf: Path, tiny_model: Any, prompts: list[list[int]],

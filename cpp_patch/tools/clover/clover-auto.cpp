@@ -11,9 +11,11 @@
 // probability Q(d)). The policy follows measured times, so a sampled run's text may differ from run to run for one
 // seed.
 //
-// A draft is at most what one verification may roll back (max_block_size - 1: the context's n_rs_seq) and what the
-// call's block_size, its remaining tokens and the context leave. llama-server also verifies longer n-gram drafts
-// and restores a checkpoint when many of them are rejected; libclover has no such replay.
+// A draft is at most what the call's remaining tokens and the context leave; an n-gram draft is as long as its drafter
+// makes it (ngram-mod: 48 to 64 tokens), a block draft B - 1 at most (the call's block_size, the engine's
+// max_block_size). A verification that rejects more positions than the recurrent state rolls back (n_rs_seq =
+// max_block_size - 1) restores the state from before it and replays the kept tokens (clover_verify), as llama-server
+// restores its speculative checkpoint.
 
 #include "clover-auto.h"
 #include "clover-decode.h"
@@ -36,9 +38,11 @@ common_speculative * clover_auto_drafter(clover_slot * slot) {
     return d.spec.get();
 }
 
-// The framework's draft for the slot's sequence, at most n_max tokens, and its kind. With slots sharing the context,
-// the decode thread drafts for every slot waiting on a draft in one framework call (clover_parallel_draft).
-clover_draft_kind clover_auto_draft(clover_run & run, common_speculative * spec, int32_t n_max, llama_tokens & draft) {
+// The framework's draft for the slot's sequence, at most n_max tokens (n_max_block from a block pass), and its kind.
+// With slots sharing the context, the decode thread drafts for every slot waiting on a draft in one framework call
+// (clover_parallel_draft).
+clover_draft_kind clover_auto_draft(clover_run & run, common_speculative * spec, int32_t n_max, int32_t n_max_block,
+                                    llama_tokens & draft) {
     clover_slot * slot = run.slot;
     draft.clear();
     if (n_max < 1) {
@@ -54,16 +58,14 @@ clover_draft_kind clover_auto_draft(clover_run & run, common_speculative * spec,
         common_speculative_draft(spec);
         block = clover_draft_settle(spec, slot, draft);
     }
-    if (draft.empty()) {
-        return CLOVER_DRAFT_NONE;
-    }
     if (!block) {
-        return CLOVER_DRAFT_NGRAM;
+        return draft.empty() ? CLOVER_DRAFT_NONE : CLOVER_DRAFT_NGRAM;
     }
     run.stats->t_block_ms += clover_now_ms() - t0;
     run.stats->n_block_passes++;
     run.stats->n_graph_reuses += llama_perf_context(slot->ctx).n_reused - reused;
-    return CLOVER_DRAFT_BLOCK;
+    draft.resize(std::min<size_t>(draft.size(), (size_t) std::max(0, n_max_block)));
+    return draft.empty() ? CLOVER_DRAFT_NONE : CLOVER_DRAFT_BLOCK;
 }
 
 } // namespace
@@ -113,12 +115,13 @@ bool clover_run_auto(clover_run & run) {
 
     llama_tokens draft;
     while (run.remaining() > 0) {
-        const int32_t w_max = std::min({ run.block_size, slot->max_block_size, slot->n_ctx - slot->n_past });
-        if (w_max < 1) {
+        if (slot->n_ctx - slot->n_past < 1) {
             run.stats->stop_reason = CLOVER_STOP_CONTEXT;
             break;
         }
-        const clover_draft_kind kind = clover_auto_draft(run, spec, std::min(w_max, run.remaining()) - 1, draft);
+        const int32_t rows = std::min({ slot->n_ctx - slot->n_past, run.remaining(), slot->batch_cap });
+        const int32_t rows_block = std::min({ rows, run.block_size, slot->max_block_size });
+        const clover_draft_kind kind = clover_auto_draft(run, spec, rows - 1, rows_block - 1, draft);
         const int32_t n = (int32_t) draft.size();
         clover_round round;
         if (!clover_verify(run, draft.data(), n, n + 1, round)) {

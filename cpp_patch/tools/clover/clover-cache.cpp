@@ -13,6 +13,20 @@
 
 #include <algorithm>
 
+bool clover_state_save(clover_slot * slot, std::vector<uint8_t> & state) {
+    const size_t size = llama_state_seq_get_size_ext(slot->ctx, slot->seq_history, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+    state.resize(size);
+    return size > 0 && llama_state_seq_get_data_ext(slot->ctx, state.data(), size, slot->seq_history,
+                                                    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == size;
+}
+
+bool clover_state_load(clover_slot * slot, const std::vector<uint8_t> & state, int32_t n_past) {
+    const size_t read = llama_state_seq_set_data_ext(slot->ctx, state.data(), state.size(), slot->seq_history,
+                                                     LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+    // the recurrent part now ends at n_past - 1, so only attention entries are removed here
+    return read == state.size() && llama_memory_seq_rm(slot->mem, slot->seq_history, n_past, -1);
+}
+
 static int64_t clover_cache_bytes(const clover_slot * slot) {
     int64_t total = 0;
     for (const auto & c : slot->checkpoints) {
@@ -52,9 +66,7 @@ bool clover_cache_save(clover_slot * slot) {
     clover_checkpoint cp;
     cp.n_past   = slot->n_past;
     cp.last_use = ++slot->cache_clock;
-    cp.state.resize(size);
-    if (llama_state_seq_get_data_ext(slot->ctx, cp.state.data(), size, slot->seq_history,
-                                     LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) != size) {
+    if (!clover_state_save(slot, cp.state)) {
         return false;
     }
     auto at = std::upper_bound(slot->checkpoints.begin(), slot->checkpoints.end(), cp.n_past,
@@ -98,13 +110,7 @@ void clover_cache_forget_all(clover_slot * slot) {
 
 // restore the checkpoint and cut the KV entries past it; false leaves a history to be reset
 static bool clover_cache_restore(clover_slot * slot, clover_checkpoint & cp) {
-    const size_t read = llama_state_seq_set_data_ext(slot->ctx, cp.state.data(), cp.state.size(), slot->seq_history,
-                                                     LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
-    if (read != cp.state.size()) {
-        return false;
-    }
-    // the recurrent part now ends at cp.n_past - 1, so only attention entries are removed here
-    if (!llama_memory_seq_rm(slot->mem, slot->seq_history, cp.n_past, -1)) {
+    if (!clover_state_load(slot, cp.state, cp.n_past)) {
         return false;
     }
     cp.last_use   = ++slot->cache_clock;

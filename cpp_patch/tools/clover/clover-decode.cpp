@@ -444,6 +444,41 @@ static bool clover_draft(clover_run & run, int32_t width, std::vector<llama_toke
 static bool clover_accept_rows(clover_run & run, int32_t p, const llama_token * drafts, int32_t n_drafts,
                                int32_t width, clover_round & round);
 
+// Whether a verification pass of `width` rows may reject more positions than the recurrent state rolls back: then
+// it keeps the state from before it (clover_verify), as llama-server does for such drafts
+static bool clover_verify_needs_checkpoint(const clover_slot * slot, int32_t width) {
+    return width - 1 > (int32_t) llama_n_rs_seq(slot->ctx);
+}
+
+// Keep history positions [0, keep) of the verification pass that began at p. Within n_rs_seq a rollback; beyond it,
+// the state from before the pass comes back and a replay pass decodes the kept positions [p, keep) again (llama-server
+// restores its speculative checkpoint and verifies the accepted tokens again: the same passes, one row fewer here,
+// since the tokens are known).
+static bool clover_keep_verified(clover_run & run, int32_t p, int32_t keep) {
+    clover_slot * slot = run.slot;
+    clover_checkpoint & cp = slot->verify_checkpoint;
+    if (slot->n_past - keep <= (int32_t) llama_n_rs_seq(slot->ctx)) {
+        cp.n_past = -1;
+        return clover_rollback(slot, keep);
+    }
+    if (cp.n_past != p) {
+        slot->last_error = clover_format("internal error: a rollback of %d positions past n_rs_seq = %u without a "
+                "checkpoint", slot->n_past - keep, llama_n_rs_seq(slot->ctx));
+        return false;
+    }
+    cp.n_past = -1;
+    const std::vector<llama_token> kept(slot->history.begin() + p, slot->history.begin() + keep);
+    if (!clover_state_load(slot, cp.state, p)) {
+        slot->last_error = clover_format("restoring the state before a verification at position %d failed", p);
+        return false;
+    }
+    slot->n_past = p;
+    slot->history.resize(p);
+    clover_cache_forget_after(slot, p);
+    run.stats->n_replays++;
+    return clover_timed_causal(run, kept.data(), (int32_t) kept.size(), {}, "replay pass");
+}
+
 bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_drafts, int32_t width, clover_round & round) {
     clover_slot * slot = run.slot;
     const int32_t p = slot->n_past;
@@ -455,6 +490,13 @@ bool clover_verify(clover_run & run, const llama_token * drafts, int32_t n_draft
         if (j + 1 < width) {
             inputs[j + 1] = drafts[j];
         }
+    }
+    if (clover_verify_needs_checkpoint(slot, width)) {
+        if (!clover_state_save(slot, slot->verify_checkpoint.state)) {
+            slot->last_error = clover_format("saving the state before a verification of %d drafts failed", width - 1);
+            return false;
+        }
+        slot->verify_checkpoint.n_past = p;
     }
     if (!clover_timed_causal(run, inputs.data(), width, rows, width == 1 ? "ar step" : "verification pass")) {
         return false;
@@ -501,7 +543,7 @@ static bool clover_accept_rows(clover_run & run, int32_t p, const llama_token * 
     round.hit_eog    = run.is_stop(out.back());
 
     // keep history through p+m-1, roll back p+m .. p+width-1; a_{p+m} is the next pending token
-    if (!clover_rollback(slot, p + round.m)) {
+    if (!clover_keep_verified(run, p, p + round.m)) {
         return false;
     }
     slot->pending = out.back();

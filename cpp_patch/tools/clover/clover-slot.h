@@ -79,6 +79,10 @@ struct clover_slot {
     uint64_t                       cache_clock      = 0;
     clover_cache_info              cache_stats      = {};
 
+    // the recurrent state before the verification running now, when it may reject more positions than the state
+    // rolls back (n_rs_seq; clover_verify); n_past = -1: none
+    clover_checkpoint verify_checkpoint = { -1, 0, {} };
+
     clover_drafter * drafter = nullptr;  // auto mode's drafters, the engine's (shared by its slots)
 
     std::string last_error;

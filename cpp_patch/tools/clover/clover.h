@@ -164,7 +164,7 @@ struct clover_gen_params {
     int32_t             block_size;    // 0 = ARCH.block_size
     float               threshold;     // < 0 = the calibrated threshold for block_size (spec 4.3)
     int32_t             draft_steps;   // spec mode: LowConfidence steps before the argmax draft (greedy only)
-                                       // (auto mode: block_size bounds the draft length)
+                                       // (auto mode: block_size bounds a block draft's length)
     float               temperature;   // 0 = greedy
     int32_t             top_k;         // 0 = off
     float               top_p;         // 1 = off
@@ -228,6 +228,9 @@ struct clover_stats {
     float   coreset_top_p;            // the block passes' coreset top_p (given, else the GGUF's, spec 3.3)
     int32_t n_fused_passes;           // spec: of the causal passes, the fused ones (a verification with the next
                                       // round's block window in the same pass)
+    int32_t n_replays;                // auto: of the causal passes, the replays: a verification that rejected more
+                                      // positions than the recurrent state rolls back restored the state from
+                                      // before it and decoded the kept tokens again (docs/decoding.md, "Bounds")
 };
 
 // Committed tokens, once per commit (a diffusion block, an accepted draft; ar: per token). Return false to cancel.
