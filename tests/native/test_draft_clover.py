@@ -8,6 +8,7 @@
   measured among the tokens the grammar allows).
 - The drafts are real: the server reports drafted tokens, and on the trained demo model accepted ones.
 - A GGUF without the block-diffusion tensors runs without the drafter, and the log says why.
+- At a slot's context end, its block window stays inside its share of the unified cache (two slots).
 - llama-speculative-simple (the framework's reference loop) with draft-clover gives llama-server's greedy text, and
   with ngram-mod,draft-clover on code that repeats, where ngram-mod's drafts (48-64 tokens) outrun the recurrent
   rollback that draft-clover sizes (B - 1) and a rejection needs a checkpoint.
@@ -189,6 +190,35 @@ def test_a_trunk_only_file_runs_without_the_drafter(tiny_checkpoint: Path, tmp_p
     assert got["timings"].get("draft_n", 0) == 0
     with llama_server(gguf, *SERVER_ARGS) as url:
         assert complete(url, prompt, ignore_eos=True)["tokens"] == got["tokens"]
+
+
+def test_a_slot_at_the_end_of_its_share_drafts_inside_it(demo_gguf: Path, tmp_path: Path) -> None:
+    """Two slots on a cache that draft-clover made unified: each keeps n_ctx / n_parallel of it (256 of 512 cells
+    here). A block window stays inside its slot's share, narrower at the share's end, so it finds cells while the
+    other slot holds its whole share: the second slot drafts up to its context's end, the log names no failed block
+    pass, and the answer is the one without speculation."""
+    log = tmp_path / "server.log"
+    # -cram 0: slot 0 keeps its cells while idle (with a RAM cache llama-server moves an idle slot there and clears it)
+    args = ("-c", "512", "-np", "2", "-t", "2", "--no-warmup", "-cram", "0")
+    held, asked = _tokens(11, 150), _tokens(12, 150)
+
+    def fill_both(url: str) -> dict[str, Any]:
+        fields = {"n_predict": 200, "temperature": 0.0, "return_tokens": True, "cache_prompt": True,
+                  "ignore_eos": True}
+        status, first = post(url + "/completion", {"prompt": held, "id_slot": 0, **fields})
+        assert status == 200, first
+        status, answer = post(url + "/completion", {"prompt": asked, "id_slot": 1, **fields})
+        assert status == 200, answer
+        assert 80 < len(answer["tokens"]) < 200, answer  # up to its share's end (256 positions), not n_predict
+        return answer
+
+    with llama_server(demo_gguf, *args, "--spec-type", "draft-clover", log_path=log) as url:
+        got = fill_both(url)
+    text = log.read_text()
+    assert "the block pass failed" not in text, [ln for ln in text.splitlines() if "block pass failed" in ln][:3]
+    assert got["timings"]["draft_n"] > 0
+    with llama_server(demo_gguf, *args) as url:
+        assert fill_both(url)["tokens"] == got["tokens"]
 
 
 def test_speculative_simple_with_draft_clover_gives_the_servers_text(demo_gguf: Path) -> None:

@@ -78,6 +78,7 @@ void clover_draft_ask(common_speculative * spec, const clover_slot * slot, int32
     dp.id_last  = slot->pending;
     dp.prompt   = &slot->history;
     dp.result   = &draft;
+    dp.pos_end  = slot->n_ctx;  // the slot's share of the engine's unified cache: a block window stays inside it
 }
 
 bool clover_draft_settle(common_speculative * spec, const clover_slot * slot, const llama_tokens & draft) {
