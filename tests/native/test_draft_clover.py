@@ -8,7 +8,8 @@
   measured among the tokens the grammar allows).
 - The drafts are real: the server reports drafted tokens, and on the trained demo model accepted ones.
 - A GGUF without the block-diffusion tensors runs without the drafter, and the log says why.
-- At a slot's context end, its block window stays inside its share of the unified cache (two slots).
+- At a context's end: a slot's block window stays inside its share of the unified cache (two slots), and the round
+  that reaches the end emits every token it accepted (draft-clover and ngram-mod).
 - llama-speculative-simple (the framework's reference loop) with draft-clover gives llama-server's greedy text, and
   with ngram-mod,draft-clover on code that repeats, where ngram-mod's drafts (48-64 tokens) outrun the recurrent
   rollback that draft-clover sizes (B - 1) and a rejection needs a checkpoint.
@@ -219,6 +220,29 @@ def test_a_slot_at_the_end_of_its_share_drafts_inside_it(demo_gguf: Path, tmp_pa
     assert got["timings"]["draft_n"] > 0
     with llama_server(demo_gguf, *args) as url:
         assert fill_both(url)["tokens"] == got["tokens"]
+
+
+@pytest.mark.parametrize("spec", ["draft-clover", "ngram-mod"])
+def test_a_round_at_the_context_end_emits_what_it_accepted(spec: str, demo_gguf: Path) -> None:
+    """A request that runs into its context's end (-c 256, no context shift) answers with speculation what it
+    answers without: the round that reaches the end emits every token it accepted (patch
+    server-spec-round-at-context-end), where before, its first token stopped the slot. ngram-mod drafts on code
+    that repeats, draft-clover on any prompt."""
+    if spec == "ngram-mod":
+        prompt: Any = "def area(w, h):\n    return w * h\n\n\n" * 9
+    else:
+        prompt = _tokens(13, 150)
+    fields = {"n_predict": 400, "temperature": 0.0, "return_tokens": True, "ignore_eos": True}
+    args = ("-c", "256", "-np", "1", "-t", "2", "--no-warmup")
+    answers = {}
+    for name in ("none", spec):
+        with llama_server(demo_gguf, *args, "--spec-type", name) as url:
+            status, answers[name] = post(url + "/completion", {"prompt": prompt, **fields})
+            assert status == 200, answers[name]
+    plain, got = answers["none"], answers[spec]
+    assert plain["truncated"] and 60 < len(plain["tokens"]) < 400, plain  # it ran into the context's end
+    assert got["timings"]["draft_n_accepted"] > 0, got["timings"]
+    assert got["tokens"] == plain["tokens"]
 
 
 def test_speculative_simple_with_draft_clover_gives_the_servers_text(demo_gguf: Path) -> None:

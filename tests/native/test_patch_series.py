@@ -18,6 +18,7 @@ UPSTREAM_CANDIDATES = {"ggml-cpu-amx-tile-config", "memory-recurrent-seq-cp-roll
                        "graph-cache", "grammar-parse-error-to-log", "delta-net-conv-snapshots-of-the-ubatch",
                        "grammar-nesting-limit", "json-schema-depth-limit", "vocab-duplicate-text-error",
                        "speculative-simple-flush-log", "speculative-simple-rs-rollback-checkpoint",
+                       "server-spec-round-at-context-end",
                        "sampling-penalties-response-only",
                        "common-sampler-mask-token", "ggml-host-buffers-huge-pages", "server-json-errors-are-400",
                        "server-loopback-host-check", "arg-input-files-regular-and-capped",
