@@ -204,12 +204,9 @@ def test_a_slot_at_the_end_of_its_share_drafts_inside_it(demo_gguf: Path, tmp_pa
     held, asked = _tokens(11, 150), _tokens(12, 150)
 
     def fill_both(url: str) -> dict[str, Any]:
-        fields = {"n_predict": 200, "temperature": 0.0, "return_tokens": True, "cache_prompt": True,
-                  "ignore_eos": True}
-        status, first = post(url + "/completion", {"prompt": held, "id_slot": 0, **fields})
-        assert status == 200, first
-        status, answer = post(url + "/completion", {"prompt": asked, "id_slot": 1, **fields})
-        assert status == 200, answer
+        fields = {"n_predict": 200, "cache_prompt": True, "ignore_eos": True}
+        complete(url, held, id_slot=0, **fields)
+        answer = complete(url, asked, id_slot=1, **fields)
         assert 80 < len(answer["tokens"]) < 200, answer  # up to its share's end (256 positions), not n_predict
         return answer
 
@@ -232,13 +229,11 @@ def test_a_round_at_the_context_end_emits_what_it_accepted(spec: str, demo_gguf:
         prompt: Any = "def area(w, h):\n    return w * h\n\n\n" * 9
     else:
         prompt = _tokens(13, 150)
-    fields = {"n_predict": 400, "temperature": 0.0, "return_tokens": True, "ignore_eos": True}
     args = ("-c", "256", "-np", "1", "-t", "2", "--no-warmup")
     answers = {}
     for name in ("none", spec):
         with llama_server(demo_gguf, *args, "--spec-type", name) as url:
-            status, answers[name] = post(url + "/completion", {"prompt": prompt, **fields})
-            assert status == 200, answers[name]
+            answers[name] = complete(url, prompt, n_predict=400, ignore_eos=True)
     plain, got = answers["none"], answers[spec]
     assert plain["truncated"] and 60 < len(plain["tokens"]) < 400, plain  # it ran into the context's end
     assert got["timings"]["draft_n_accepted"] > 0, got["timings"]

@@ -85,6 +85,13 @@ bool clover_causal(clover_slot * slot, const llama_token * tokens, int32_t n,
     return true;
 }
 
+// the slot's bookkeeping once its memory holds history positions [0, keep) only
+static void clover_history_keep(clover_slot * slot, int32_t keep) {
+    slot->n_past = std::min(slot->n_past, keep);
+    slot->history.resize(slot->n_past);
+    clover_cache_forget_after(slot, slot->n_past);
+}
+
 // forget history positions [keep, n_past): the recurrent state rolls back within n_rs_seq positions
 static bool clover_rollback(clover_slot * slot, int32_t keep) {
     if (keep < slot->n_past && !llama_memory_seq_rm(slot->mem, slot->seq_history, keep, -1)) {
@@ -92,9 +99,7 @@ static bool clover_rollback(clover_slot * slot, int32_t keep) {
                 keep, slot->n_past - 1, llama_n_rs_seq(slot->ctx));
         return false;
     }
-    slot->n_past = std::min(slot->n_past, keep);
-    slot->history.resize(slot->n_past);
-    clover_cache_forget_after(slot, slot->n_past);
+    clover_history_keep(slot, keep);
     return true;
 }
 
@@ -472,9 +477,7 @@ static bool clover_keep_verified(clover_run & run, int32_t p, int32_t keep) {
         slot->last_error = clover_format("restoring the state before a verification at position %d failed", p);
         return false;
     }
-    slot->n_past = p;
-    slot->history.resize(p);
-    clover_cache_forget_after(slot, p);
+    clover_history_keep(slot, p);
     run.stats->n_replays++;
     return clover_timed_causal(run, kept.data(), (int32_t) kept.size(), {}, "replay pass");
 }
